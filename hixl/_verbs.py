@@ -1,0 +1,603 @@
+"""The one adapter over pyverbs.
+
+This is the only module in hixl that imports pyverbs.  It exposes a small,
+typed surface (device, memory region, completion queue, RC queue pair) and
+translates every pyverbs exception into :class:`hixl.VerbsError` or
+:class:`hixl.DeviceError` at this boundary, so no caller ever sees a
+``PyverbsError``.
+
+Lifetimes: a :class:`Device` owns the protection domain and everything made
+from it.  ``Device.close()`` closes queue pairs, memory regions and completion
+queues (in that order) before the PD and the context.  Every object's
+``close()`` may be called twice.
+
+Theory of operation for work requests: pyverbs' ``SendWR(next_wr=...)`` and
+``SGE`` objects keep no reference to each other, and ``MR(address=...)`` keeps
+none to the buffer it registers.  :meth:`QueuePair.post_send` therefore keeps
+the whole chain alive in a local list until ``ibv_post_send`` has returned,
+and :class:`MemoryRegion` holds a reference to the object that owns the
+memory.  Only the legacy ``post_send`` path is used: rdma-core < 64 has an
+rxe bug in ``ibv_wr_set_sge_list`` with SGEs of unequal lengths.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from hixl._errors import DeviceError, HixlError, StateError, VerbsError
+
+try:
+    import pyverbs.cq as _cq
+    import pyverbs.device as _device
+    import pyverbs.mr as _mr
+    import pyverbs.pd as _pd
+    import pyverbs.qp as _qp
+    import pyverbs.wr as _wr
+    from pyverbs.addr import AHAttr, GlobalRoute
+    from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
+
+    try:  # the enum module moved between rdma-core releases
+        import pyverbs.libibverbs_enums as _e
+    except ImportError:  # pragma: no cover - depends on rdma-core version
+        import pyverbs.enums as _e
+    _IMPORT_ERROR: BaseException | None = None
+except ImportError as exc:  # pragma: no cover - depends on the machine
+    _IMPORT_ERROR = exc
+
+log = logging.getLogger("hixl.verbs")
+
+# ibv_wc_status values (a stable ABI enum in <infiniband/verbs.h>).
+WC_STATUS_NAMES: dict[int, str] = {
+    0: "IBV_WC_SUCCESS",
+    1: "IBV_WC_LOC_LEN_ERR",
+    2: "IBV_WC_LOC_QP_OP_ERR",
+    3: "IBV_WC_LOC_EEC_OP_ERR",
+    4: "IBV_WC_LOC_PROT_ERR",
+    5: "IBV_WC_WR_FLUSH_ERR",
+    6: "IBV_WC_MW_BIND_ERR",
+    7: "IBV_WC_BAD_RESP_ERR",
+    8: "IBV_WC_LOC_ACCESS_ERR",
+    9: "IBV_WC_REM_INV_REQ_ERR",
+    10: "IBV_WC_REM_ACCESS_ERR",
+    11: "IBV_WC_REM_OP_ERR",
+    12: "IBV_WC_RETRY_EXC_ERR",
+    13: "IBV_WC_RNR_RETRY_EXC_ERR",
+    14: "IBV_WC_LOC_RDD_VIOL_ERR",
+    15: "IBV_WC_REM_INV_RD_REQ_ERR",
+    16: "IBV_WC_REM_ABORT_ERR",
+    17: "IBV_WC_INV_EECN_ERR",
+    18: "IBV_WC_INV_EEC_STATE_ERR",
+    19: "IBV_WC_FATAL_ERR",
+    20: "IBV_WC_RESP_TIMEOUT_ERR",
+    21: "IBV_WC_GENERAL_ERR",
+}
+
+# ibv_mtu enum value <-> bytes.
+MTU_BYTES: dict[int, int] = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
+MTU_ENUM: dict[int, int] = {v: k for k, v in MTU_BYTES.items()}
+
+# Access flags (ibv_access_flags values, stable ABI).
+ACCESS_LOCAL_WRITE = 1
+ACCESS_REMOTE_WRITE = 2
+ACCESS_REMOTE_READ = 4
+
+# Opcodes we use (ibv_wr_opcode / ibv_wc_opcode, stable ABI).
+WR_RDMA_WRITE = 0
+WR_RDMA_WRITE_WITH_IMM = 1
+WR_SEND = 2
+WR_SEND_WITH_IMM = 3
+WR_RDMA_READ = 4
+
+WC_OPCODE_RECV = 128
+WC_OPCODE_RECV_RDMA_WITH_IMM = 129
+
+_T = TypeVar("_T")
+
+
+def available() -> tuple[bool, str]:
+    """Return ``(True, "")`` when pyverbs imports, else ``(False, reason)``."""
+    if _IMPORT_ERROR is not None:
+        return False, f"pyverbs cannot be imported: {_IMPORT_ERROR}"
+    return True, ""
+
+
+def _require() -> None:
+    if _IMPORT_ERROR is not None:
+        raise DeviceError(
+            f"pyverbs cannot be imported ({_IMPORT_ERROR}). Install the distribution's "
+            "python3-pyverbs and use a venv made with --system-site-packages; "
+            "run 'hixl doctor' for details"
+        )
+
+
+@contextmanager
+def _translate(op: str) -> Iterator[None]:
+    """Turn any pyverbs exception raised inside the block into a VerbsError."""
+    try:
+        yield
+    except HixlError:
+        raise
+    except PyverbsRDMAError as exc:
+        code = exc.error_code if exc.error_code != -1 else None
+        raise VerbsError(op, str(exc), code) from exc
+    except PyverbsError as exc:
+        raise VerbsError(op, str(exc)) from exc
+
+
+def _call(op: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    with _translate(op):
+        return fn(*args, **kwargs)
+
+
+def device_names() -> list[str]:
+    """Names of the verbs devices on this machine.
+
+    Raises :class:`DeviceError` when the kernel has no RDMA support at all
+    (pyverbs raises rather than returning an empty list in that case).
+    """
+    _require()
+    try:
+        devs = _device.get_device_list()
+    except PyverbsError as exc:
+        raise DeviceError(
+            f"cannot list verbs devices ({exc}); this kernel may have no RDMA support. "
+            "Run 'hixl doctor', or run under 'hixl vm run -- CMD'"
+        ) from exc
+    return [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devs]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceCaps:
+    """Limits of an opened device and port that transfers must respect."""
+
+    max_sge: int
+    max_sge_rd: int
+    max_qp_wr: int
+    max_cqe: int
+    max_msg_sz: int
+    max_mr_size: int
+    max_qp_rd_atom: int
+
+
+def _is_ipv4_mapped(gid: bytes) -> bool:
+    return gid[:10] == b"\x00" * 10 and gid[10:12] == b"\xff\xff"
+
+
+def gid_to_str(gid: bytes) -> str:
+    """Format a 16-byte GID the way ``ibv_devinfo -v`` does (IPv6 text)."""
+    return str(ipaddress.IPv6Address(gid))
+
+
+class Device:
+    """An opened verbs device: context, one port, one protection domain.
+
+    Use :func:`open_device` to make one.  A context manager; ``close()`` is
+    idempotent and closes every child first.
+    """
+
+    def __init__(self, ctx: Any, name: str, port: int, gid_index: int) -> None:
+        self._ctx = ctx
+        self.name = name
+        self.port = port
+        self._children: list[Any] = []  # QueuePair, MemoryRegion, CompletionQueue
+        self._closed = False
+        with _translate("alloc_pd"):
+            self._pd = _pd.PD(ctx)
+        with _translate("query_device/query_port"):
+            dattr = ctx.query_device()
+            pattr = ctx.query_port(port)
+        self.caps = DeviceCaps(
+            max_sge=int(dattr.max_sge),
+            max_sge_rd=int(dattr.max_sge_rd) or int(dattr.max_sge),
+            max_qp_wr=int(dattr.max_qp_wr),
+            max_cqe=int(dattr.max_cqe),
+            max_msg_sz=int(pattr.max_msg_sz),
+            max_mr_size=int(dattr.max_mr_size),
+            max_qp_rd_atom=int(dattr.max_qp_rd_atom),
+        )
+        self.port_state = int(pattr.state)
+        self.active_mtu = MTU_BYTES.get(int(pattr.active_mtu), 1024)
+        self.lid = int(pattr.lid)
+        self.gid_index = gid_index
+        with _translate("query_gid"):
+            self.gid = _gid_bytes(ctx.query_gid(port, gid_index))
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"<Device {self.name} port={self.port} gid_index={self.gid_index} "
+            f"mtu={self.active_mtu} {state}>"
+        )
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError(f"device {self.name} is closed")
+
+    def register(self, address: int, length: int, access: int, owner: object = None
+                 ) -> MemoryRegion:
+        """Register ``length`` bytes at ``address`` with ``access`` flags.
+
+        ``owner`` is the object that owns the memory; the region keeps it alive.
+        """
+        self._check_open()
+        with _translate(f"reg_mr(length={length}, access={access:#x})"):
+            mr = _mr.MR(self._pd, length, access, address=address)
+        region = MemoryRegion(mr, address, length, access, owner)
+        self._children.append(region)
+        return region
+
+    def create_cq(self, depth: int) -> CompletionQueue:
+        """Create a completion queue with room for ``depth`` completions."""
+        self._check_open()
+        depth = min(depth, self.caps.max_cqe)
+        with _translate(f"create_cq(cqe={depth})"):
+            cq = _cq.CQ(self._ctx, depth, None, None, 0)
+        wrapped = CompletionQueue(cq, depth)
+        self._children.append(wrapped)
+        return wrapped
+
+    def create_rc_qp(self, send_cq: CompletionQueue, recv_cq: CompletionQueue,
+                     max_send_wr: int, max_recv_wr: int, max_send_sge: int,
+                     max_recv_sge: int = 1) -> QueuePair:
+        """Create a reliable-connected QP and move it to INIT.
+
+        The QP allows remote READ and WRITE at the QP level; which memory is
+        reachable is decided per region by the memory region's access flags.
+        """
+        self._check_open()
+        cap = _qp.QPCap(max_send_wr=max_send_wr, max_recv_wr=max_recv_wr,
+                        max_send_sge=max_send_sge, max_recv_sge=max_recv_sge)
+        with _translate("create_qp(RC)"):
+            init = _qp.QPInitAttr(qp_type=_e.IBV_QPT_RC, scq=send_cq._cq, rcq=recv_cq._cq,
+                                  cap=cap, sq_sig_all=0)
+            qp = _qp.QP(self._pd, init)
+        wrapped = QueuePair(qp, self, max_send_wr, max_send_sge)
+        self._children.append(wrapped)
+        wrapped._to_init()
+        return wrapped
+
+    def close(self) -> None:
+        """Close every child (QPs, then MRs, then CQs), then the PD and context."""
+        if self._closed:
+            return
+        self._closed = True
+        order = (QueuePair, MemoryRegion, CompletionQueue)
+        for kind in order:
+            for child in [c for c in self._children if isinstance(c, kind)]:
+                child.close()
+        self._children.clear()
+        with _translate("dealloc_pd"):
+            self._pd.close()
+        with _translate("close_device"):
+            self._ctx.close()
+        log.debug("closed device %s", self.name)
+
+    def _forget(self, child: object) -> None:
+        if child in self._children:
+            self._children.remove(child)
+
+
+def _gid_bytes(gid: Any) -> bytes:
+    text = str(gid.gid) if hasattr(gid, "gid") else str(gid)
+    return ipaddress.IPv6Address(text).packed
+
+
+def open_device(name: str | None = None, port: int = 1, gid_index: int | None = None
+                ) -> Device:
+    """Open a verbs device.
+
+    ``name`` None takes the first device with an ACTIVE ``port``.  ``gid_index``
+    None picks the first RoCEv2 GID that is an IPv4-mapped address (what
+    perftest chooses), falling back to the first non-zero GID.
+
+    Raises :class:`DeviceError` when no such device, port or GID exists.
+    """
+    names = device_names()
+    if not names:
+        raise DeviceError("no verbs devices found; create one with 'hixl rxe up' "
+                          "or run under 'hixl vm run -- CMD'")
+    if name is not None and name not in names:
+        raise DeviceError(f"no verbs device named {name!r}; devices: {', '.join(names)}")
+    candidates = [name] if name is not None else names
+    problems: list[str] = []
+    for cand in candidates:
+        with _translate(f"open_device({cand})"):
+            ctx = _device.Context(name=cand)
+        try:
+            pattr = _call("query_port", ctx.query_port, port)
+            if int(pattr.state) != int(_e.IBV_PORT_ACTIVE):
+                problems.append(f"{cand} port {port} state={int(pattr.state)} (not ACTIVE)")
+                ctx.close()
+                continue
+            idx = gid_index if gid_index is not None else _choose_gid(ctx, port,
+                                                                       pattr.gid_tbl_len)
+            if idx is None:
+                problems.append(f"{cand} port {port} has no usable GID")
+                ctx.close()
+                continue
+            dev = Device(ctx, cand, port, idx)
+            log.debug("opened %r", dev)
+            return dev
+        except BaseException:
+            ctx.close()
+            raise
+    raise DeviceError("no usable verbs device: " + "; ".join(problems))
+
+
+# ibv_query_gid_type reports the sysfs flavour of the enum (RoCEv2 == 1).
+_ROCE_V2_SYSFS = 1
+
+
+def _choose_gid(ctx: Any, port: int, table_len: int) -> int | None:
+    fallback: int | None = None
+    for idx in range(int(table_len)):
+        try:
+            gid = _gid_bytes(ctx.query_gid(port, idx))
+        except PyverbsError:
+            continue
+        if gid == bytes(16):
+            continue
+        try:
+            gtype = int(ctx.query_gid_type(port, idx))
+        except PyverbsError:
+            gtype = -1
+        if _is_ipv4_mapped(gid) and gtype == _ROCE_V2_SYSFS:
+            return idx
+        if fallback is None:
+            fallback = idx
+    return fallback
+
+
+class MemoryRegion:
+    """A registered memory region.  ``addr``/``length`` in bytes; keys for SGEs/peers."""
+
+    def __init__(self, mr: Any, addr: int, length: int, access: int, owner: object) -> None:
+        self._mr = mr
+        self.addr = addr
+        self.length = length
+        self.access = access
+        self.lkey = int(mr.lkey)
+        self.rkey = int(mr.rkey)
+        self._owner = owner  # keeps the registered memory alive
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (f"<MemoryRegion addr={self.addr:#x} length={self.length} "
+                f"rkey={self.rkey:#x} access={self.access:#x}"
+                f"{' closed' if self._closed else ''}>")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with _translate("dereg_mr"):
+            self._mr.close()
+        self._owner = None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One work completion, as plain values."""
+
+    wr_id: int
+    status: int
+    opcode: int
+    byte_len: int
+    imm_data: int | None
+    qp_num: int
+    vendor_err: int
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 0
+
+    @property
+    def status_name(self) -> str:
+        return WC_STATUS_NAMES.get(self.status, f"IBV_WC_STATUS_{self.status}")
+
+
+_WC_WITH_IMM = 2  # ibv_wc_flags IBV_WC_WITH_IMM
+
+
+class CompletionQueue:
+    """A completion queue polled without blocking (callers back off with sleep)."""
+
+    def __init__(self, cq: Any, depth: int) -> None:
+        self._cq = cq
+        self.depth = depth
+        self._closed = False
+
+    def poll(self, max_entries: int = 16) -> list[Completion]:
+        """Return up to ``max_entries`` completions, possibly none.  Never blocks."""
+        if self._closed:
+            raise StateError("completion queue is closed")
+        with _translate("poll_cq"):
+            n, wcs = self._cq.poll(max_entries)
+        out = []
+        for wc in wcs[:n]:
+            imm = int(wc.imm_data) if int(wc.wc_flags) & _WC_WITH_IMM else None
+            out.append(Completion(int(wc.wr_id), int(wc.status), int(wc.opcode),
+                                  int(wc.byte_len), imm, int(wc.qp_num), int(wc.vendor_err)))
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with _translate("destroy_cq"):
+            self._cq.close()
+
+
+@dataclass(frozen=True, slots=True)
+class SendRequest:
+    """One send-queue work request in plain values.
+
+    ``opcode`` is one of the ``WR_*`` constants; ``sges`` are
+    ``(address, length, lkey)``; ``remote_addr``/``rkey`` are used by RDMA
+    opcodes; ``imm`` by the ``*_WITH_IMM`` opcodes.
+    """
+
+    wr_id: int
+    opcode: int
+    sges: Sequence[tuple[int, int, int]]
+    remote_addr: int = 0
+    rkey: int = 0
+    imm: int | None = None
+    signaled: bool = True
+
+
+_QPS_NAMES = {0: "RESET", 1: "INIT", 2: "RTR", 3: "RTS", 4: "SQD", 5: "SQE", 6: "ERR"}
+
+
+class QueuePair:
+    """A reliable-connected queue pair.
+
+    Lifecycle: created in INIT by :meth:`Device.create_rc_qp`; :meth:`connect`
+    moves it through RTR to RTS given the remote side's QPN, PSN and GID.
+    """
+
+    def __init__(self, qp: Any, device: Device, max_send_wr: int, max_send_sge: int) -> None:
+        self._qp = qp
+        self._device = device
+        self.qpn = int(qp.qp_num)
+        self.max_send_wr = max_send_wr
+        self.max_send_sge = max_send_sge
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<QueuePair qpn={self.qpn:#x} state={self.state_name}>"
+
+    @property
+    def state_name(self) -> str:
+        if self._closed:
+            return "CLOSED"
+        try:
+            with _translate("query_qp"):
+                attr, _ = self._qp.query(_e.IBV_QP_STATE)
+            return _QPS_NAMES.get(int(attr.qp_state), str(int(attr.qp_state)))
+        except VerbsError:
+            return "UNKNOWN"
+
+    def _to_init(self) -> None:
+        attr = _qp.QPAttr()
+        attr.qp_state = _e.IBV_QPS_INIT
+        attr.pkey_index = 0
+        attr.port_num = self._device.port
+        attr.qp_access_flags = ACCESS_REMOTE_WRITE | ACCESS_REMOTE_READ | ACCESS_LOCAL_WRITE
+        mask = (_e.IBV_QP_STATE | _e.IBV_QP_PKEY_INDEX | _e.IBV_QP_PORT
+                | _e.IBV_QP_ACCESS_FLAGS)
+        with _translate("modify_qp(INIT)"):
+            self._qp.modify(attr, mask)
+
+    def connect(self, remote_qpn: int, remote_psn: int, local_psn: int, remote_gid: bytes,
+                mtu: int, timeout: int = 14, retry_cnt: int = 7, rnr_retry: int = 7,
+                rd_atomic: int = 16) -> None:
+        """Move INIT -> RTR -> RTS towards the remote QP.
+
+        ``mtu`` is the path MTU in bytes (256..4096).  ``timeout`` is the ACK
+        timeout exponent (4.096 us * 2**timeout) and with ``retry_cnt`` bounds
+        how long a dead peer takes to surface as ``IBV_WC_RETRY_EXC_ERR``.
+        """
+        if mtu not in MTU_ENUM:
+            raise VerbsError("modify_qp(RTR)", f"path MTU {mtu} is not one of "
+                             f"{sorted(MTU_ENUM)}")
+        rd_atomic = max(1, min(rd_atomic, self._device.caps.max_qp_rd_atom or 1))
+        with _translate("modify_qp(RTR): address vector"):
+            gr = GlobalRoute(dgid=_pyverbs_gid(remote_gid), sgid_index=self._device.gid_index)
+            ah = AHAttr(port_num=self._device.port, is_global=1, gr=gr, dlid=0)
+        attr = _qp.QPAttr()
+        attr.qp_state = _e.IBV_QPS_RTR
+        attr.path_mtu = MTU_ENUM[mtu]
+        attr.dest_qp_num = remote_qpn
+        attr.rq_psn = remote_psn
+        attr.max_dest_rd_atomic = rd_atomic
+        attr.min_rnr_timer = 12
+        attr.ah_attr = ah
+        mask = (_e.IBV_QP_STATE | _e.IBV_QP_AV | _e.IBV_QP_PATH_MTU | _e.IBV_QP_DEST_QPN
+                | _e.IBV_QP_RQ_PSN | _e.IBV_QP_MAX_DEST_RD_ATOMIC | _e.IBV_QP_MIN_RNR_TIMER)
+        with _translate(f"modify_qp(RTR, dest_qpn={remote_qpn:#x}, mtu={mtu})"):
+            self._qp.modify(attr, mask)
+        attr = _qp.QPAttr()
+        attr.qp_state = _e.IBV_QPS_RTS
+        attr.timeout = timeout
+        attr.retry_cnt = retry_cnt
+        attr.rnr_retry = rnr_retry
+        attr.sq_psn = local_psn
+        attr.max_rd_atomic = rd_atomic
+        mask = (_e.IBV_QP_STATE | _e.IBV_QP_TIMEOUT | _e.IBV_QP_RETRY_CNT
+                | _e.IBV_QP_RNR_RETRY | _e.IBV_QP_SQ_PSN | _e.IBV_QP_MAX_QP_RD_ATOMIC)
+        with _translate("modify_qp(RTS)"):
+            self._qp.modify(attr, mask)
+        log.debug("qp %#x connected to %#x (mtu %d)", self.qpn, remote_qpn, mtu)
+
+    def post_send(self, requests: Sequence[SendRequest]) -> None:
+        """Post ``requests`` as one chain with a single ``ibv_post_send``."""
+        if self._closed:
+            raise StateError(f"queue pair {self.qpn:#x} is closed")
+        if not requests:
+            return
+        keep: list[Any] = []  # pyverbs does not keep SGEs or next_wr alive
+        nxt = None
+        with _translate("post_send"):
+            for req in reversed(requests):
+                sges = [_wr.SGE(a, n, k) for a, n, k in req.sges]
+                keep.extend(sges)
+                flags = _e.IBV_SEND_SIGNALED if req.signaled else 0
+                kwargs: dict[str, Any] = {}
+                if req.imm is not None:
+                    kwargs["imm_data"] = req.imm
+                w = _wr.SendWR(wr_id=req.wr_id, opcode=req.opcode, num_sge=len(sges),
+                               sg=sges or None, send_flags=flags, next_wr=nxt, **kwargs)
+                if req.opcode in (WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, WR_RDMA_READ):
+                    w.set_wr_rdma(req.rkey, req.remote_addr)
+                keep.append(w)
+                nxt = w
+            self._qp.post_send(nxt)
+        del keep
+
+    def post_recv(self, wr_id: int, sges: Sequence[tuple[int, int, int]]) -> None:
+        """Post one receive work request (pyverbs requires at least one SGE)."""
+        if self._closed:
+            raise StateError(f"queue pair {self.qpn:#x} is closed")
+        with _translate("post_recv"):
+            sge_objs = [_wr.SGE(a, n, k) for a, n, k in sges]
+            w = _wr.RecvWR(wr_id=wr_id, num_sge=len(sge_objs), sg=sge_objs)
+            self._qp.post_recv(w)
+        del sge_objs, w
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with _translate("destroy_qp"):
+            self._qp.close()
+
+
+def _pyverbs_gid(raw: bytes) -> Any:
+    from pyverbs.addr import GID
+
+    return GID(ipaddress.IPv6Address(raw).exploded)
