@@ -1,0 +1,28 @@
+# hixl: the one front door for developer tasks.  See README.md.
+VENV := .venv
+BIN := $(CURDIR)/$(VENV)/bin
+PY := $(BIN)/python
+HIXL := $(BIN)/hixl
+
+.PHONY: setup test test-unit test-rdma check demo bench
+
+## setup: system packages (and the VM path if the kernel lacks rdma_rxe), then .venv
+setup:
+	bash scripts/setup.sh
+
+## test: unit and property tests here, then the RDMA tests on rxe (host or VM)
+test: test-unit test-rdma
+
+test-unit:
+	$(PY) -m pytest tests/unit -q
+
+# `hixl run` uses the host's rxe when there is one and boots the VM otherwise.
+# HIXL_REQUIRE_RDMA=1 turns a missing device into a failure, never a skip.
+test-rdma:
+	HIXL_REQUIRE_RDMA=1 $(HIXL) run -- $(PY) -m pytest -p no:cacheprovider tests/rdma -q
+
+## check: format, lint and types
+check:
+	$(BIN)/ruff format --check hixl tests benchmarks
+	$(BIN)/ruff check hixl tests benchmarks
+	$(BIN)/mypy
