@@ -1,0 +1,146 @@
+"""The ``hixl`` command line.
+
+Each subcommand is one ``_add_<name>(subparsers)`` function that registers its parser
+and sets ``handler`` to a function ``(args) -> exit code``.  To add a subcommand, write
+such a function and append it to :data:`_COMMANDS`.
+
+Errors: a :class:`~hixl.HixlError` escaping a handler is printed as
+``hixl: error: <message>`` on stderr with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hixl._errors import HixlError
+
+__all__ = ["main"]
+
+_Subparsers = Any  # argparse's _SubParsersAction is private; keep the annotation simple
+
+
+def _print_json(data: object) -> None:
+    print(json.dumps(data, indent=2))
+
+
+# --- devices ---------------------------------------------------------------------------
+
+def _cmd_devices(args: argparse.Namespace) -> int:
+    from hixl._devices import devices_to_json, format_devices, list_devices
+
+    devices = list_devices(args.sysfs)
+    if args.json:
+        data = devices_to_json(devices)
+        _print_json(data)
+    else:
+        print(format_devices(devices))
+        data = devices_to_json(devices)
+    return 0 if data["selected"] is not None else 1
+
+
+def _add_devices(sub: _Subparsers) -> None:
+    p = sub.add_parser("devices", help="list verbs devices, ports, MTU and GIDs",
+                       description="List verbs devices from sysfs (no pyverbs needed) and "
+                                   "mark the GID hixl would use. Exit 0 if a usable "
+                                   "device exists, 1 if not.")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--sysfs", default="/sys", help=argparse.SUPPRESS)
+    p.set_defaults(handler=_cmd_devices)
+
+
+# --- rxe -------------------------------------------------------------------------------
+
+def _cmd_rxe_up(args: argparse.Namespace) -> int:
+    from hixl._rxe import rxe_up
+
+    result = rxe_up(args.netdev, name=args.name, timeout=args.timeout)
+    print(result.message)
+    return 0
+
+
+def _cmd_rxe_down(args: argparse.Namespace) -> int:
+    from hixl._rxe import rxe_down
+
+    print(rxe_down(args.name).message)
+    return 0
+
+
+def _add_rxe(sub: _Subparsers) -> None:
+    p = sub.add_parser("rxe", help="create or remove a soft-RoCE (rxe) device",
+                       description="Create or remove a soft-RoCE device (needs root).")
+    rxe = p.add_subparsers(dest="rxe_command", metavar="{up,down}", required=True)
+    up = rxe.add_parser("up", help="create a soft-RoCE device and wait until it is ACTIVE",
+                        description="Load rdma_rxe, create an rxe device on NETDEV (default: "
+                                    "the first UP interface with IPv4, else a dummy hixl0 "
+                                    "with 192.168.77.1/24) and wait for its IPv4 RoCEv2 GID. "
+                                    "Does nothing if the netdev already has one.")
+    up.add_argument("--netdev", metavar="IF", help="network interface to bind to")
+    up.add_argument("--name", help="device name (default: first free rxeN)")
+    up.add_argument("--timeout", type=float, default=15.0, metavar="S",
+                    help="seconds to wait for the port to be ACTIVE (default 15)")
+    up.set_defaults(handler=_cmd_rxe_up)
+    down = rxe.add_parser("down", help="remove a soft-RoCE device",
+                          description="Remove the soft-RoCE device NAME (default: the only "
+                                      "one), and the dummy netdev if hixl created it.")
+    down.add_argument("name", nargs="?", help="device to remove (default: the only rxe)")
+    down.set_defaults(handler=_cmd_rxe_down)
+
+
+# --- doctor ----------------------------------------------------------------------------
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from hixl._doctor import diagnose, format_report, gather_facts, report_to_json
+
+    report = diagnose(gather_facts())
+    if args.json:
+        _print_json(report_to_json(report))
+    else:
+        print(format_report(report))
+    return report.exit_code
+
+
+def _add_doctor(sub: _Subparsers) -> None:
+    p = sub.add_parser("doctor", help="check what hixl needs here and how to fix it",
+                       description="Check kernel RDMA, rdma_rxe, root, pyverbs, devices "
+                                   "and the VM path; print a fix for each problem. Exit 0 "
+                                   "if hixl can run RDMA here (directly or via the VM).")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=_cmd_doctor)
+
+
+# --- entry point -----------------------------------------------------------------------
+
+_COMMANDS: list[Callable[[_Subparsers], None]] = [_add_devices, _add_rxe, _add_doctor]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the ``hixl`` argument parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="hixl", description="One-sided RDMA transfers over pyverbs: devices, "
+                                 "soft-RoCE setup and diagnostics.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for register in _COMMANDS:
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``hixl`` command line; return the exit status.
+
+    0 on success, 1 when a command ran but found nothing usable, 2 on an error
+    (printed as ``hixl: error: ...``; argparse usage errors also exit 2).
+    """
+    args = build_parser().parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except HixlError as exc:
+        print(f"hixl: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hixl: interrupted", file=sys.stderr)
+        return 130
