@@ -112,9 +112,80 @@ def _add_doctor(sub: _Subparsers) -> None:
     p.set_defaults(handler=_cmd_doctor)
 
 
+# --- vm / run --------------------------------------------------------------------------
+
+def _vm_config(args: argparse.Namespace) -> Any:
+    from pathlib import Path
+
+    from hixl._vm import VMConfig
+
+    return VMConfig(memory=args.memory, cpus=args.cpus, accel=args.accel,
+                    boot_timeout=args.boot_timeout, timeout=args.timeout,
+                    rw_dirs=tuple(Path(d).resolve() for d in args.rwdir))
+
+
+def _command_after_dashes(args: argparse.Namespace) -> list[str]:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise HixlError("no command given; put it after '--', e.g. hixl vm run -- hixl devices")
+    return cmd
+
+
+def _cmd_vm_run(args: argparse.Namespace) -> int:
+    from hixl._vm import run
+
+    return run(_command_after_dashes(args), _vm_config(args))
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from hixl._vm import run_with_rdma
+
+    return run_with_rdma(_command_after_dashes(args), _vm_config(args))
+
+
+def _vm_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory", default="4G", help="guest memory (default 4G)")
+    p.add_argument("--cpus", type=int, default=2, help="guest vCPUs (default 2)")
+    p.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto",
+                   help="KVM, TCG emulation, or auto: KVM if a probe boot works (default)")
+    p.add_argument("--boot-timeout", type=float, default=240.0, metavar="S",
+                   help="fail if the guest has not booted after S seconds (default 240)")
+    p.add_argument("--timeout", type=float, default=3600.0, metavar="S",
+                   help="kill the VM and fail after S seconds in all (default 3600)")
+    p.add_argument("--rwdir", action="append", default=[], metavar="DIR",
+                   help="a host directory the guest may write (repeatable); the rest of "
+                        "the host filesystem is read-only in the guest")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+
+
+def _add_vm(sub: _Subparsers) -> None:
+    p = sub.add_parser("vm", help="run a command on soft-RoCE inside a small VM",
+                       description="Boot a kernel that has rdma_rxe (virtme-ng over this "
+                                   "machine's root filesystem), bring up rxe0 and run a "
+                                   "command inside. Output and exit status pass through.")
+    vm = p.add_subparsers(dest="vm_command", metavar="{run}", required=True)
+    run = vm.add_parser("run", help="run CMD inside the VM: hixl vm run -- CMD ...")
+    _vm_options(run)
+    run.set_defaults(handler=_cmd_vm_run)
+
+
+def _add_run(sub: _Subparsers) -> None:
+    p = sub.add_parser("run", help="run CMD on rxe: on this host if it has a device, "
+                                   "else inside the VM",
+                       description="Run a command where a soft-RoCE device is available: "
+                                   "directly when this host has an ACTIVE RDMA port, "
+                                   "otherwise in the hixl VM (see 'hixl vm run').")
+    _vm_options(p)
+    p.set_defaults(handler=_cmd_run)
+
+
 # --- entry point -----------------------------------------------------------------------
 
-_COMMANDS: list[Callable[[_Subparsers], None]] = [_add_devices, _add_rxe, _add_doctor]
+_COMMANDS: list[Callable[[_Subparsers], None]] = [
+    _add_devices, _add_rxe, _add_doctor, _add_vm, _add_run,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

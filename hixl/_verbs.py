@@ -165,10 +165,6 @@ class DeviceCaps:
     max_qp_rd_atom: int
 
 
-def _is_ipv4_mapped(gid: bytes) -> bool:
-    return gid[:10] == b"\x00" * 10 and gid[10:12] == b"\xff\xff"
-
-
 def gid_to_str(gid: bytes) -> str:
     """Format a 16-byte GID the way ``ibv_devinfo -v`` does (IPv6 text)."""
     return str(ipaddress.IPv6Address(gid))
@@ -302,70 +298,40 @@ def _gid_bytes(gid: Any) -> bytes:
     return ipaddress.IPv6Address(text).packed
 
 
-def open_device(name: str | None = None, port: int = 1, gid_index: int | None = None
-                ) -> Device:
+def open_device(name: str | None = None, port: int | None = None,
+                gid_index: int | None = None) -> Device:
     """Open a verbs device.
 
-    ``name`` None takes the first device with an ACTIVE ``port``.  ``gid_index``
-    None picks the first RoCEv2 GID that is an IPv4-mapped address (what
-    perftest chooses), falling back to the first non-zero GID.
+    With no arguments, the device, port and GID are the ones ``hixl devices``
+    marks (:func:`hixl._devices.select_device`): the first ACTIVE port with an
+    IPv4-mapped RoCEv2 GID, as perftest chooses.  Explicit ``name``, ``port``
+    and ``gid_index`` override that choice.
 
     Raises :class:`DeviceError` when no such device, port or GID exists.
     """
-    names = device_names()
-    if not names:
-        raise DeviceError("no verbs devices found; create one with 'hixl rxe up' "
-                          "or run under 'hixl vm run -- CMD'")
-    if name is not None and name not in names:
-        raise DeviceError(f"no verbs device named {name!r}; devices: {', '.join(names)}")
-    candidates = [name] if name is not None else names
-    problems: list[str] = []
-    for cand in candidates:
-        with _translate(f"open_device({cand})"):
-            ctx = _device.Context(name=cand)
-        try:
-            pattr = _call("query_port", ctx.query_port, port)
-            if int(pattr.state) != int(_e.IBV_PORT_ACTIVE):
-                problems.append(f"{cand} port {port} state={int(pattr.state)} (not ACTIVE)")
-                ctx.close()
-                continue
-            idx = gid_index if gid_index is not None else _choose_gid(ctx, port,
-                                                                       pattr.gid_tbl_len)
-            if idx is None:
-                problems.append(f"{cand} port {port} has no usable GID")
-                ctx.close()
-                continue
-            dev = Device(ctx, cand, port, idx)
-            log.debug("opened %r", dev)
-            return dev
-        except BaseException:
-            ctx.close()
-            raise
-    raise DeviceError("no usable verbs device: " + "; ".join(problems))
+    from hixl._devices import select_device
 
-
-# ibv_query_gid_type reports the sysfs flavour of the enum (RoCEv2 == 1).
-_ROCE_V2_SYSFS = 1
-
-
-def _choose_gid(ctx: Any, port: int, table_len: int) -> int | None:
-    fallback: int | None = None
-    for idx in range(int(table_len)):
-        try:
-            gid = _gid_bytes(ctx.query_gid(port, idx))
-        except PyverbsError:
-            continue
-        if gid == bytes(16):
-            continue
-        try:
-            gtype = int(ctx.query_gid_type(port, idx))
-        except PyverbsError:
-            gtype = -1
-        if _is_ipv4_mapped(gid) and gtype == _ROCE_V2_SYSFS:
-            return idx
-        if fallback is None:
-            fallback = idx
-    return fallback
+    _require()
+    if port is None or gid_index is None:
+        sel = select_device(name)
+        name = sel.device.name
+        port = sel.port.number if port is None else port
+        gid_index = sel.gid.index if gid_index is None else gid_index
+    elif name is None:
+        names = device_names()
+        if not names:
+            raise DeviceError("no verbs devices found; create one with 'hixl rxe up' "
+                              "or run under 'hixl vm run -- CMD'")
+        name = names[0]
+    with _translate(f"open_device({name})"):
+        ctx = _device.Context(name=name)
+    try:
+        dev = Device(ctx, name, port, gid_index)
+    except BaseException:
+        ctx.close()
+        raise
+    log.debug("opened %r", dev)
+    return dev
 
 
 class MemoryRegion:

@@ -1,0 +1,84 @@
+"""Guest side of the hixl VM (``python -m hixl._guest XDIR``).
+
+Runs inside the VM that :mod:`hixl._vm` boots.  It reads ``XDIR/request.json``
+(written by the host), marks ``XDIR/booted``, brings up a soft-RoCE device,
+runs the requested command with its output in ``XDIR/stdout`` and
+``XDIR/stderr``, and finally writes the exit status to ``XDIR/rc``.  The host
+never parses the guest console.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def _sh(*args: str) -> None:
+    subprocess.run(list(args), check=True, timeout=60, stdin=subprocess.DEVNULL,
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _nic_by_mac(mac: str) -> str:
+    for dev in Path("/sys/class/net").iterdir():
+        try:
+            if (dev / "address").read_text().strip().lower() == mac.lower():
+                return dev.name
+        except OSError:
+            continue
+    raise RuntimeError(f"no network interface with MAC {mac} in the guest")
+
+
+def _bring_up_network(net: dict[str, Any] | None) -> list[str]:
+    """Configure the guest's NIC (multi-host) and return ``hixl rxe up`` arguments."""
+    if net is None:
+        return []  # hixl rxe up makes a dummy netdev with an address
+    _sh("modprobe", "virtio_net")
+    ifname = _nic_by_mac(str(net["mac"]))
+    _sh("ip", "link", "set", ifname, "mtu", str(int(net["mtu"])))
+    _sh("ip", "addr", "add", str(net["address"]), "dev", ifname)
+    _sh("ip", "link", "set", ifname, "up")
+    return ["--netdev", ifname]
+
+
+def main(argv: list[str]) -> int:
+    xdir = Path(argv[0])
+    (xdir / "booted").write_text("1")
+    request = json.loads((xdir / "request.json").read_text())
+    env = {str(k): str(v) for k, v in request["env"].items()}
+    rc = 1
+    with (xdir / "stdout").open("wb") as out, (xdir / "stderr").open("wb") as err:
+        try:
+            subprocess.run(["ip", "link", "set", "lo", "up"], check=False, timeout=30)
+            up = [sys.executable, "-m", "hixl", "rxe", "up", *_bring_up_network(request["net"])]
+            setup = subprocess.run(up, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, timeout=120, check=False)
+            if setup.returncode != 0:
+                err.write(b"hixl vm: could not bring up a soft-RoCE device in the guest:\n")
+                err.write(setup.stdout)
+                rc = 125
+            else:
+                out.flush()
+                rc = subprocess.run(request["command"], cwd=request["cwd"], env=env,
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    check=False).returncode
+                if rc < 0:  # killed by a signal: report it the way a shell does
+                    rc = 128 - rc
+        except FileNotFoundError as exc:
+            err.write(f"hixl vm: command not found in the guest: {exc.filename}\n".encode())
+            rc = 127
+        except Exception:  # noqa: BLE001 - report anything to the host, then exit
+            err.write(traceback.format_exc().encode())
+            rc = 125
+    tmp = xdir / "rc.tmp"
+    tmp.write_text(str(rc))
+    os.replace(tmp, xdir / "rc")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

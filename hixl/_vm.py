@@ -1,0 +1,421 @@
+"""Run commands on a real soft-RoCE device inside a small VM.
+
+Where the host kernel cannot run ``rdma_rxe`` (many cloud and CI kernels),
+hixl boots a distribution kernel that ships the module with virtme-ng, over
+the host's own root filesystem, brings up ``rxe0`` inside and runs the
+command there.  The guest sees the host's files read-only; hixl gives it one
+writable exchange directory (and any directories the caller names) through
+which the command's output, its exit status and the guest's progress come
+back.  Nothing is parsed from the guest console, which can lose lines.
+
+Acceleration: KVM where a guest really boots with it, TCG otherwise.  The
+choice comes from a short, time-limited probe boot whose answer is cached per
+kernel (``~/.cache/hixl/kvm-probe.json``); ``HIXL_VM_ACCEL=kvm|tcg`` forces it.
+
+Every run has a boot deadline and an overall deadline; when either passes the
+whole process group of the VM is killed and :class:`hixl.VMError` is raised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from hixl._errors import VMError
+
+log = logging.getLogger("hixl.vm")
+
+#: Environment variables the guest command inherits from the caller.
+PASSED_ENV = ("PATH", "VIRTUAL_ENV", "PYTHONPATH", "HOME", "LANG", "LC_ALL", "TERM", "CI")
+PASSED_ENV_PREFIXES = ("HIXL_", "PYTEST_", "HYPOTHESIS_")
+
+_RXE_MODULE = re.compile(r"rdma_rxe\.ko(\.[xg]z|\.zst)?$")
+
+
+@dataclass(frozen=True, slots=True)
+class VMConfig:
+    """How to boot the guest.  Times in seconds, memory as QEMU accepts it."""
+
+    kernel: Path | None = None
+    memory: str = "4G"
+    cpus: int = 2
+    accel: str = "auto"  # auto | kvm | tcg
+    boot_timeout: float = 240.0
+    timeout: float = 3600.0
+    rw_dirs: tuple[Path, ...] = ()
+    extra_qemu_opts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.accel not in ("auto", "kvm", "tcg"):
+            raise VMError(f"accel must be auto, kvm or tcg, not {self.accel!r}")
+        if self.cpus < 1:
+            raise VMError(f"cpus must be >= 1, got {self.cpus}")
+        if self.boot_timeout <= 0 or self.timeout <= 0:
+            raise VMError(f"timeouts must be > 0: boot_timeout={self.boot_timeout} "
+                          f"timeout={self.timeout}")
+
+
+@dataclass(frozen=True, slots=True)
+class GuestNet:
+    """A virtual NIC joining guests over a QEMU socket on loopback.
+
+    ``role`` is ``listen`` or ``connect``; ``address`` is the guest's IPv4/prefix.
+    """
+
+    role: str
+    port: int
+    mac: str
+    address: str
+    mtu: int = 1500
+
+    def qemu_opts(self) -> str:
+        return (f"-netdev socket,id=hx0,{self.role}=127.0.0.1:{self.port} "
+                f"-device virtio-net-pci,netdev=hx0,mac={self.mac}")
+
+
+@dataclass(frozen=True, slots=True)
+class GuestSpec:
+    """One guest: the command it runs and, for multi-host runs, its NIC."""
+
+    command: tuple[str, ...]
+    name: str = "vm"
+    net: GuestNet | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def rxe_capable_kernels(boot: Path = Path("/boot"), modules: Path = Path("/lib/modules")
+                        ) -> list[Path]:
+    """Kernel images under ``boot`` whose module tree ships ``rdma_rxe``, newest first."""
+    found: list[tuple[tuple[int, ...], Path]] = []
+    for image in boot.glob("vmlinuz-*"):
+        version = image.name[len("vmlinuz-"):]
+        rxe_dir = modules / version / "kernel" / "drivers" / "infiniband" / "sw" / "rxe"
+        if rxe_dir.is_dir() and any(_RXE_MODULE.search(p.name) for p in rxe_dir.iterdir()):
+            key = tuple(int(x) for x in re.findall(r"\d+", version))
+            found.append((key, image))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def find_kernel() -> Path:
+    """The kernel the VM boots: ``HIXL_VM_KERNEL`` or the newest rxe-capable one."""
+    env = os.environ.get("HIXL_VM_KERNEL")
+    if env:
+        path = Path(env)
+        if not path.is_file():
+            raise VMError(f"HIXL_VM_KERNEL={env} is not a file")
+        return path
+    kernels = rxe_capable_kernels()
+    if not kernels:
+        raise VMError("no kernel image in /boot has rdma_rxe in its modules; install one "
+                      "(Debian: apt-get install linux-image-amd64) or run 'make setup'")
+    return kernels[0]
+
+
+def find_vng() -> str:
+    """Path of virtme-ng's ``vng``, looked up beside this interpreter, then on PATH."""
+    beside = Path(sys.executable).parent / "vng"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("vng")
+    if found:
+        return found
+    raise VMError("virtme-ng ('vng') is not installed; run 'make setup' or "
+                  "'pip install virtme-ng' in hixl's virtual environment")
+
+
+def _missing_tools() -> list[str]:
+    missing = []
+    if shutil.which("qemu-system-x86_64") is None:
+        missing.append("qemu-system-x86 (apt-get install qemu-system-x86)")
+    if not Path("/bin/busybox").exists() and not Path("/usr/bin/busybox").exists():
+        missing.append("busybox-static (apt-get install busybox-static)")
+    return missing
+
+
+def _cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hixl" / "kvm-probe.json"
+
+
+def _vng_base(vng: str, kernel: Path, cfg: VMConfig, kvm: bool) -> list[str]:
+    cmd = [vng, "--run", str(kernel), "--force-9p", "--memory", cfg.memory,
+           "--cpus", str(cfg.cpus)]
+    if not kvm:
+        cmd.append("--disable-kvm")
+    return cmd
+
+
+def kvm_usable(kernel: Path, probe_timeout: float = 25.0) -> bool:
+    """Whether a guest boots under KVM here, from a cached, time-limited probe.
+
+    Some hosts offer ``/dev/kvm`` but the guest hangs early in boot or QEMU
+    aborts; the probe boots ``true`` once and remembers the answer.
+    """
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False
+    cache = _cache_file()
+    key = f"{kernel}:{os.uname().release}"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known, dict) and isinstance(known.get(key), bool):
+        return bool(known[key])
+    cmd = _vng_base(find_vng(), kernel, VMConfig(memory="1G", cpus=1), kvm=True)
+    cmd += ["--exec", "true"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            env=_host_env())
+    try:
+        ok = proc.wait(timeout=probe_timeout) == 0
+    except subprocess.TimeoutExpired:
+        ok = False
+    finally:
+        _kill_group(proc)
+    log.debug("KVM probe for %s: %s", kernel, ok)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        known = known if isinstance(known, dict) else {}
+        known[key] = ok
+        cache.write_text(json.dumps(known))
+    except OSError:
+        pass
+    return ok
+
+
+def _host_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # vng runs helper programs (virtme-run, virtme-init) from its own bin directory.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _guest_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k in PASSED_ENV or k.startswith(PASSED_ENV_PREFIXES)}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
+    env["HIXL_IN_VM"] = "1"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.update(extra)
+    return env
+
+
+class _Tail:
+    """Copies what a guest appends to a file onto one of our streams."""
+
+    def __init__(self, path: Path, sink: IO[str], prefix: str = "") -> None:
+        self.path = path
+        self.sink = sink
+        self.prefix = prefix
+        self.pos = 0
+        self._partial = ""
+
+    def pump(self) -> None:
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self.pos)
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        if not data:
+            return
+        self.pos += len(data)
+        text = self._partial + data.decode("utf-8", "replace")
+        if self.prefix:
+            lines = text.split("\n")
+            self._partial = lines.pop()
+            text = "".join(f"{self.prefix}{line}\n" for line in lines)
+        self.sink.write(text)
+        self.sink.flush()
+
+    def flush(self) -> None:
+        self.pump()
+        if self._partial:
+            self.sink.write(f"{self.prefix}{self._partial}\n")
+            self._partial = ""
+            self.sink.flush()
+
+
+@dataclass
+class _Running:
+    spec: GuestSpec
+    proc: subprocess.Popen[bytes]
+    xdir: Path
+    tails: tuple[_Tail, _Tail]
+    console: Path
+    started: float
+
+
+def _launch(spec: GuestSpec, cfg: VMConfig, kernel: Path, vng: str, kvm: bool,
+            xdir: Path, prefix: str) -> _Running:
+    cwd = Path.cwd()
+    request = {
+        "command": list(spec.command),
+        "cwd": str(cwd),
+        "env": _guest_env(spec.env),
+        "net": None if spec.net is None else {
+            "address": spec.net.address, "mtu": spec.net.mtu, "mac": spec.net.mac},
+    }
+    (xdir / "request.json").write_text(json.dumps(request))
+    guest = f"{shlex.quote(sys.executable)} -m hixl._guest {shlex.quote(str(xdir))}"
+    cmd = _vng_base(vng, kernel, cfg, kvm)
+    for d in (xdir, *cfg.rw_dirs):
+        cmd += ["--rwdir", str(d)]
+    qemu_opts = list(cfg.extra_qemu_opts)
+    if spec.net is not None:
+        qemu_opts.append(spec.net.qemu_opts())
+    if qemu_opts:
+        cmd += ["--qemu-opts", " ".join(qemu_opts)]
+    cmd += ["--exec", guest]
+    console = xdir / "console.log"
+    log.debug("launching %s: %s", spec.name, shlex.join(cmd))
+    with console.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                start_new_session=True, env=_host_env())
+    tails = (_Tail(xdir / "stdout", sys.stdout, prefix), _Tail(xdir / "stderr", sys.stderr,
+                                                                  prefix))
+    return _Running(spec, proc, xdir, tails, console, time.monotonic())
+
+
+def _console_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no console output)"
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def run_guests(specs: Sequence[GuestSpec], cfg: VMConfig | None = None) -> list[int]:
+    """Boot one VM per spec, run each command, and return their exit codes.
+
+    Output of each guest command is streamed to this process's stdout and
+    stderr (prefixed with the guest name when there are several).  Raises
+    :class:`VMError` when a guest does not boot within ``boot_timeout``, when
+    the whole run exceeds ``timeout``, or when a guest ends without reporting
+    an exit status.  All VMs are killed before this returns or raises.
+    """
+    cfg = cfg or VMConfig()
+    if not specs:
+        raise VMError("no guest to run")
+    missing = _missing_tools()
+    if missing:
+        raise VMError("the VM path needs: " + ", ".join(missing) + "; run 'make setup'")
+    kernel = cfg.kernel or find_kernel()
+    vng = find_vng()
+    kvm = {"kvm": True, "tcg": False}.get(
+        os.environ.get("HIXL_VM_ACCEL", cfg.accel)) if os.environ.get(
+        "HIXL_VM_ACCEL", cfg.accel) != "auto" else kvm_usable(kernel)
+    log.debug("kernel=%s accel=%s", kernel, "kvm" if kvm else "tcg")
+    root = Path(tempfile.mkdtemp(prefix="hixl-vm-"))
+    running: list[_Running] = []
+    try:
+        for i, spec in enumerate(specs):
+            xdir = root / f"{i}-{spec.name}"
+            xdir.mkdir()
+            prefix = f"[{spec.name}] " if len(specs) > 1 else ""
+            running.append(_launch(spec, cfg, kernel, vng, bool(kvm), xdir, prefix))
+        return _supervise(running, cfg)
+    finally:
+        for r in running:
+            _kill_group(r.proc)
+        if os.environ.get("HIXL_VM_KEEP") != "1":
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _supervise(running: list[_Running], cfg: VMConfig) -> list[int]:
+    start = time.monotonic()
+    codes: dict[int, int] = {}
+    while len(codes) < len(running):
+        time.sleep(0.2)
+        now = time.monotonic()
+        for i, r in enumerate(running):
+            for t in r.tails:
+                t.pump()
+            if i in codes:
+                continue
+            rc_file = r.xdir / "rc"
+            if rc_file.exists() or (r.proc.poll() is not None and _wait_for(rc_file, 2.0)):
+                for t in r.tails:
+                    t.flush()
+                codes[i] = int(rc_file.read_text().strip() or "1")
+                continue
+            if r.proc.poll() is not None:
+                raise VMError(
+                    f"guest {r.spec.name} ended (qemu exit {r.proc.returncode}) without "
+                    f"running the command. Last console lines:\n{_console_tail(r.console)}")
+            if not (r.xdir / "booted").exists() and now - r.started > cfg.boot_timeout:
+                raise VMError(
+                    f"guest {r.spec.name} did not boot within {cfg.boot_timeout:.0f} s. "
+                    f"Last console lines:\n{_console_tail(r.console)}")
+        if now - start > cfg.timeout:
+            raise VMError(f"VM run exceeded its timeout of {cfg.timeout:.0f} s; killed")
+    return [codes[i] for i in range(len(running))]
+
+
+def _wait_for(path: Path, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if path.exists():
+            return True
+        time.sleep(0.1)
+    return path.exists()
+
+
+def run(command: Sequence[str], cfg: VMConfig | None = None) -> int:
+    """Run ``command`` in one VM with ``rxe0`` up; return its exit code."""
+    if not command:
+        raise VMError("no command given; usage: hixl vm run -- CMD [ARGS...]")
+    return run_guests([GuestSpec(command=tuple(command))], cfg)[0]
+
+
+def host_has_rdma() -> bool:
+    """Whether this host has an ACTIVE verbs port with a usable GID right now."""
+    from hixl._devices import select_device
+    from hixl._errors import DeviceError
+
+    try:
+        select_device()
+    except DeviceError:
+        return False
+    return True
+
+
+def run_with_rdma(command: Sequence[str], cfg: VMConfig | None = None) -> int:
+    """Run ``command`` where a soft-RoCE device is: on the host if it has one, else in a VM.
+
+    On the host the command runs with ``HIXL_REQUIRE_RDMA=1`` added to its
+    environment, so hixl's RDMA tests fail rather than skip.  Returns its exit code.
+    """
+    if not command:
+        raise VMError("no command given; usage: hixl run -- CMD [ARGS...]")
+    if host_has_rdma():
+        log.debug("host has an RDMA device; running %s directly", command[0])
+        env = dict(os.environ, HIXL_REQUIRE_RDMA="1")
+        try:
+            return subprocess.run(list(command), env=env, check=False).returncode
+        except FileNotFoundError as exc:
+            raise VMError(f"command not found: {exc.filename}") from exc
+    return run(command, cfg)
