@@ -1,0 +1,533 @@
+"""Transfer planning: local and remote descriptors in, RDMA work requests out.
+
+Theory of operation
+-------------------
+A transfer pairs the local stream with the remote stream byte for byte (see
+``hixl._descriptors``): stream byte ``p`` lives at local offset ``L(p)`` and remote offset
+``R(p)``. A work request (WR) is one contiguous remote range plus a list of local
+scatter/gather entries (SGEs); a WRITE gathers the SGEs into the remote range, a READ
+scatters the remote range into the SGEs. Limits, per WR:
+
+* at most ``max_sge`` SGEs for WRITE, ``max_sge_rd`` for READ;
+* at most ``max_msg_sz`` bytes (so every SGE is also at most that long).
+
+Planning, all vectorized with numpy (no Python loop per segment):
+
+1. Merge neighbours that are adjacent in memory on each side (``stride == size`` becomes
+   one segment).
+2. Cut the stream at every local and every remote segment boundary: each *piece* is
+   contiguous on both sides.
+3. Order the pieces by remote offset (stable). The plan depends only on the byte mapping,
+   not on how the stream was enumerated or cut. On the way, check that the destination
+   (remote for WRITE, local for READ) never receives a byte twice.
+4. Fuse pieces that continue each other on both sides. A *remote run* is a maximal chain of
+   pieces, each starting where the previous one ends in remote memory; within a run, the
+   fused pieces are the *local pieces*.
+5. Pack each run greedily: a WR starting at byte ``x`` of a run ends at
+   ``min(x + max_msg_sz, end of the S-th local piece counted from the one holding x)``.
+
+Minimality. Call a plan valid when each WR's remote range lies in one remote run, its
+SGEs follow the run's local pieces in order, and it respects the limits. Every valid plan
+of a run cuts the run into consecutive WR byte ranges, and a sub-range of a feasible range
+is feasible (fewer bytes, no more local pieces). So the greedy cut is never behind any
+other valid plan after each WR, and it uses the fewest WRs: ``num_wrs`` is the minimum
+over all valid plans. When the remote side does not overlap itself (always for WRITE,
+whose destination is remote) the runs are exactly the maximal contiguous ranges of
+remote memory the transfer touches, and no plan at all can use fewer WRs. Merging never
+increases the count: an unmerged plan is a valid plan of the merged runs.
+
+Where both limits bind in one run (some ``S`` consecutive local pieces exceed
+``max_msg_sz``: pieces of hundreds of KiB), step 5 walks that run in Python, once per WR
+rather than once per segment; elsewhere the WR boundaries are computed in closed form.
+
+This module is pure: no I/O, no clock, no pyverbs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from hixl._descriptors import (
+    Descriptor,
+    Segments,
+    as_segments,
+    normalize_alignment,
+)
+from hixl._errors import AlignmentError, BoundsError, DescriptorError
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "MAX_MSG_SZ_LIMIT",
+    "DeviceLimits",
+    "Op",
+    "Plan",
+    "check_alignment",
+    "check_bounds",
+    "plan_transfer",
+]
+
+I64Array = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+#: ``ibv_sge.length`` and ``max_msg_sz`` are 32-bit in verbs, so no WR may be longer.
+MAX_MSG_SZ_LIMIT = 0xFFFF_FFFF
+
+
+class Op(enum.Enum):
+    """Direction of a one-sided transfer, seen from the local side."""
+
+    #: Local memory to remote memory (RDMA WRITE): the remote side is the destination.
+    WRITE = "write"
+    #: Remote memory to local memory (RDMA READ): the local side is the destination.
+    READ = "read"
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceLimits:
+    """Per-work-request limits of a device/port (``ibv_query_device``/``ibv_query_port``).
+
+    ``max_sge``: SGEs per WRITE WR; ``max_sge_rd``: SGEs per READ WR; ``max_msg_sz``:
+    bytes per WR. Defaults are rxe's (32, 32, 8 MiB). Raises :class:`DescriptorError` unless
+    every value is an int ``>= 1`` and ``max_msg_sz <= 2**32 - 1``.
+    """
+
+    max_sge: int = 32
+    max_sge_rd: int = 32
+    max_msg_sz: int = 8 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_sge", "max_sge_rd", "max_msg_sz"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise DescriptorError(
+                    f"DeviceLimits.{name} must be an int, got {type(value).__name__} {value!r}"
+                )
+            if value < 1:
+                raise DescriptorError(f"DeviceLimits.{name} must be >= 1, got {value}")
+            object.__setattr__(self, name, int(value))
+        if self.max_msg_sz > MAX_MSG_SZ_LIMIT:
+            raise DescriptorError(
+                f"DeviceLimits.max_msg_sz={self.max_msg_sz} exceeds the 32-bit verbs limit "
+                f"{MAX_MSG_SZ_LIMIT}"
+            )
+
+    def sge_limit(self, op: Op) -> int:
+        """SGEs allowed per WR for ``op``: ``max_sge`` for WRITE, ``max_sge_rd`` for READ."""
+        return self.max_sge_rd if op is Op.READ else self.max_sge
+
+
+DEFAULT_LIMITS = DeviceLimits()
+
+
+def _i64(name: str, arr: npt.ArrayLike) -> I64Array:
+    out = np.array(arr, dtype=np.int64, copy=True)
+    if out.ndim != 1:
+        raise DescriptorError(f"Plan.{name} must be 1-D, got shape {out.shape}")
+    out.setflags(write=False)
+    return out
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Plan:
+    """Work requests for one transfer, in CSR form (all offsets and lengths in bytes).
+
+    WR ``w`` covers remote ``[wr_remote_offset[w], wr_remote_offset[w] + wr_length[w])``
+    and its SGEs are entries ``wr_sge_start[w] .. wr_sge_start[w+1] - 1`` of
+    ``sge_local_offset``/``sge_length``, in order; their lengths sum to ``wr_length[w]``.
+    Offsets are relative to the registered regions: the caller adds region addresses.
+    WRs are ordered by remote offset and may be posted in any order (destinations are
+    disjoint). Arrays are read-only int64. Raises :class:`DescriptorError` when built from
+    inconsistent arrays.
+    """
+
+    op: Op
+    limits: DeviceLimits
+    wr_remote_offset: I64Array
+    wr_length: I64Array
+    wr_sge_start: I64Array
+    sge_local_offset: I64Array
+    sge_length: I64Array
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "wr_remote_offset",
+            "wr_length",
+            "wr_sge_start",
+            "sge_local_offset",
+            "sge_length",
+        ):
+            object.__setattr__(self, name, _i64(name, getattr(self, name)))
+        n_wr, n_sge = self.wr_remote_offset.size, self.sge_local_offset.size
+        if self.wr_length.size != n_wr or self.wr_sge_start.size != n_wr + 1:
+            raise DescriptorError(
+                f"Plan arrays disagree: {n_wr} remote offsets, {self.wr_length.size} WR "
+                f"lengths, {self.wr_sge_start.size} indptr entries (want {n_wr + 1})"
+            )
+        if self.sge_length.size != n_sge:
+            raise DescriptorError(
+                f"Plan arrays disagree: {n_sge} SGE offsets but {self.sge_length.size} lengths"
+            )
+        ptr = self.wr_sge_start
+        if int(ptr[0]) != 0 or int(ptr[-1]) != n_sge or bool((np.diff(ptr) < 1).any()):
+            raise DescriptorError(
+                f"Plan.wr_sge_start must rise from 0 to {n_sge} by >= 1 per WR, got "
+                f"first={int(ptr[0])} last={int(ptr[-1])}"
+            )
+        total = int(self.wr_length.sum())
+        if total != int(self.sge_length.sum()):
+            raise DescriptorError(
+                f"Plan moves {total} bytes by WR lengths but {int(self.sge_length.sum())} "
+                f"by SGE lengths"
+            )
+        object.__setattr__(self, "nbytes", total)
+
+    @property
+    def num_wrs(self) -> int:
+        """Number of work requests."""
+        return int(self.wr_remote_offset.size)
+
+    @property
+    def num_sges(self) -> int:
+        """Number of SGEs over all work requests."""
+        return int(self.sge_local_offset.size)
+
+    @property
+    def sges_per_wr(self) -> I64Array:
+        """SGE count of every WR (int64 array of length ``num_wrs``)."""
+        return np.diff(self.wr_sge_start)
+
+    def wrs(self) -> Iterator[tuple[int, list[tuple[int, int]]]]:
+        """Yield ``(remote_offset, [(local_offset, length), ...])`` per WR, as Python ints."""
+        remote = self.wr_remote_offset.tolist()
+        ptr = self.wr_sge_start.tolist()
+        local = self.sge_local_offset.tolist()
+        length = self.sge_length.tolist()
+        for w, r in enumerate(remote):
+            a, b = ptr[w], ptr[w + 1]
+            yield r, list(zip(local[a:b], length[a:b], strict=True))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return (
+            self.op is other.op
+            and self.limits == other.limits
+            and all(
+                np.array_equal(getattr(self, n), getattr(other, n))
+                for n in (
+                    "wr_remote_offset",
+                    "wr_length",
+                    "wr_sge_start",
+                    "sge_local_offset",
+                    "sge_length",
+                )
+            )
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (
+            f"<Plan op={self.op.value} wrs={self.num_wrs} sges={self.num_sges} "
+            f"nbytes={self.nbytes}>"
+        )
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _merge_sorted(a: I64Array, b: I64Array) -> tuple[I64Array, BoolArray, BoolArray]:
+    """Union of two strictly increasing int64 arrays, with membership flags.
+
+    Returns ``(u, in_a, in_b)``: ``u`` strictly increasing, ``in_a[k]`` true iff ``u[k]``
+    is in ``a``, ``in_b[k]`` iff in ``b``. O(n) to O(n log n), no Python loop.
+    """
+    if b.size * 8 <= a.size:
+        pos = np.searchsorted(a, b)
+        both = np.insert(a, pos, b)
+        from_a = np.insert(np.ones(a.size, dtype=bool), pos, np.zeros(b.size, dtype=bool))
+    else:
+        cat = np.concatenate((b, a))
+        order = np.argsort(cat, kind="stable")
+        both = cat[order]
+        from_a = order >= b.size
+    # Equal values come in (b, a) pairs: keep the a copy and remember its twin.
+    twin = both[1:] == both[:-1]
+    keep = np.ones(both.size, dtype=bool)
+    keep[:-1] = ~twin
+    had_b = ~from_a
+    had_b[1:] |= twin
+    return both[keep], from_a[keep], had_b[keep]
+
+
+def _ramp(base: I64Array, count: I64Array, step: int) -> I64Array:
+    """Concatenation of ``base[i] + step * arange(count[i])`` over i, vectorized."""
+    total = int(count.sum())
+    first = np.cumsum(count) - count
+    within = np.arange(total, dtype=np.int64) - np.repeat(first, count)
+    return np.repeat(base, count) + within * np.int64(step)
+
+
+def _locate(
+    seg: Segments, cum: I64Array, is_end: BoolArray, starts: I64Array, want_index: bool
+) -> tuple[I64Array, I64Array | None]:
+    """Offset in ``seg`` of every piece starting at stream position ``starts[k]``.
+
+    ``cum`` is the running total of ``seg.lengths`` and ``is_end[k]`` marks pieces that end
+    one of ``seg``'s segments, so segment ``i`` holds the pieces up to its ``i``-th mark.
+    Also returns each piece's segment index when ``want_index``.
+    """
+    if is_end.size == cum.size:  # every piece is a whole segment
+        return seg.offsets, (np.arange(cum.size, dtype=np.int64) if want_index else None)
+    counts = np.diff(np.flatnonzero(is_end), prepend=-1)
+    off = np.repeat(seg.offsets - (cum - seg.lengths), counts)
+    off += starts
+    index = np.repeat(np.arange(cum.size, dtype=np.int64), counts) if want_index else None
+    return off, index
+
+
+def _pieces(
+    loc: Segments, rem: Segments, want_index: bool
+) -> tuple[I64Array, I64Array, I64Array, I64Array | None]:
+    """Cut the stream at all boundaries of both sides.
+
+    Returns ``(local_offset, remote_offset, length, remote_segment_index)`` per piece, in
+    stream order; the index is None unless ``want_index``.
+    """
+    cl = np.cumsum(loc.lengths)
+    cr = np.cumsum(rem.lengths)
+    if cl.size == cr.size and np.array_equal(cl, cr):
+        idx = np.arange(cl.size, dtype=np.int64) if want_index else None
+        return loc.offsets, rem.offsets, loc.lengths, idx
+    ends, end_l, end_r = _merge_sorted(cl, cr)
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1]
+    l_off, _ = _locate(loc, cl, end_l, starts, False)
+    r_off, r_idx = _locate(rem, cr, end_r, starts, want_index)
+    return l_off, r_off, ends - starts, r_idx
+
+
+def _greedy_run(q: list[int], sge: int, msg: int, out: list[int]) -> None:
+    """Greedy WR starts for one run; ``q`` holds the run's local-piece boundaries.
+
+    Invariant: ``q[j] <= x < q[j+1]``. A WR from ``x`` ends at the first of ``x + msg``
+    and the end of its ``sge``-th piece.
+    """
+    n = len(q) - 1
+    x, end, j = q[0], q[n], 0
+    while x < end:
+        out.append(x)
+        jj = min(j + sge, n)
+        if x + msg >= q[jj]:
+            x, j = q[jj], jj
+        else:
+            x += msg
+            if x >= q[j + 1]:
+                j = bisect.bisect_right(q, x, j + 1, n) - 1
+
+
+def _pack(q: I64Array, run_first: I64Array, sge: int, msg: int) -> I64Array:
+    """Greedy WR start positions, in the byte space ``q`` of the sorted local pieces.
+
+    ``q[j]`` is where local piece ``j`` starts (``q[-1]`` is the total) and ``run_first``
+    lists the first piece of every remote run.
+    """
+    k = q.size - 1
+    run_stop = np.empty_like(run_first)
+    run_stop[:-1] = run_first[1:]
+    run_stop[-1] = k
+    n_pieces = run_stop - run_first
+
+    # Class A: a run of <= S pieces never reaches the SGE limit: cut it every msg bytes.
+    few = n_pieces <= sge
+    # Class B: if no S consecutive pieces of a run exceed msg bytes, the byte limit never
+    # binds: cut it every S pieces. Class C (the rest) needs the walk.
+    if bool(few.all()) or int(np.diff(q).max()) * sge <= msg:
+        small = ~few
+    else:
+        stop_of_piece = np.repeat(run_stop, n_pieces)
+        window_end = np.minimum(np.arange(k, dtype=np.int64) + sge, stop_of_piece)
+        window = q[window_end] - q[:-1]
+        small = (np.maximum.reduceat(window, run_first) <= msg) & ~few
+    mixed = ~(few | small)
+
+    parts: list[I64Array] = []
+    if bool(few.any()):
+        run_bytes = q[run_stop[few]] - q[run_first[few]]
+        parts.append(_ramp(q[run_first[few]], -(-run_bytes // msg), msg))
+    if bool(small.any()):
+        parts.append(q[_ramp(run_first[small], -(-n_pieces[small] // sge), sge)])
+    if bool(mixed.any()):
+        out: list[int] = []
+        for a, b in zip(run_first[mixed].tolist(), run_stop[mixed].tolist(), strict=True):
+            _greedy_run(q[a : b + 1].tolist(), sge, msg, out)
+        parts.append(np.array(out, dtype=np.int64))
+    return parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts))
+
+
+def plan_transfer(
+    local: Descriptor,
+    remote: Descriptor,
+    op: Op,
+    limits: DeviceLimits = DEFAULT_LIMITS,
+    *,
+    merge: bool = True,
+) -> Plan:
+    """Plan the work requests that move ``local``'s stream to/from ``remote``'s.
+
+    ``local``/``remote`` are descriptors or :class:`Segments` with offsets in bytes relative
+    to their registered regions. Stream byte ``p`` of ``local`` pairs with stream byte ``p``
+    of ``remote``. WRITE copies local to remote, READ remote to local. The result uses the
+    minimum number of WRs that any plan respecting ``limits`` can (module docstring); each
+    WR has at most ``limits.sge_limit(op)`` SGEs and ``limits.max_msg_sz`` bytes.
+    ``merge=False`` plans without fusing adjacent segments (a baseline for comparisons).
+
+    Raises :class:`DescriptorError` if the totals differ, if the destination (remote for
+    WRITE, local for READ) covers a byte twice, or if an argument is not of the right type.
+    Region bounds and address alignment are separate checks (:func:`check_bounds`,
+    :func:`check_alignment`).
+    """
+    if not isinstance(op, Op):
+        raise DescriptorError(f"op must be Op.WRITE or Op.READ, got {op!r}")
+    if not isinstance(limits, DeviceLimits):
+        raise DescriptorError(f"limits must be DeviceLimits, got {type(limits).__name__}")
+    loc0, rem0 = as_segments(local), as_segments(remote)
+    if loc0.nbytes != rem0.nbytes:
+        raise DescriptorError(
+            f"local and remote totals differ: local nbytes={loc0.nbytes} in {loc0.count} "
+            f"segments, remote nbytes={rem0.nbytes} in {rem0.count} segments"
+        )
+    loc, rem = (loc0.merged(), rem0.merged()) if merge else (loc0, rem0)
+    if op is Op.READ and loc.first_overlap() is not None:
+        loc0.check_disjoint("local (the READ destination)")
+
+    l_off, r_off, length, r_idx = _pieces(loc, rem, want_index=not merge)
+    if length.size > 1 and not bool((r_off[1:] >= r_off[:-1]).all()):
+        order = np.argsort(r_off, kind="stable")
+        l_off, r_off, length = l_off[order], r_off[order], length[order]
+        r_idx = None if r_idx is None else r_idx[order]
+    # Sorted by start, a range overlaps an earlier one iff it starts before its
+    # predecessor ends.
+    gap = r_off[1:] - (r_off[:-1] + length[:-1])
+    if op is Op.WRITE and bool((gap < 0).any()):
+        rem0.check_disjoint("remote (the WRITE destination)")
+
+    # Fuse pieces that continue each other on both sides; mark where remote runs start.
+    cont_r = gap == 0
+    if r_idx is not None:
+        cont_r &= r_idx[1:] == r_idx[:-1]
+        join = None
+    else:
+        join = cont_r & (l_off[1:] == l_off[:-1] + length[:-1])
+    if join is None or not bool(join.any()):
+        g_len, g_l, g_r = length, l_off, r_off
+        run_first = np.flatnonzero(np.concatenate(([True], ~cont_r)))
+    else:
+        first = np.flatnonzero(np.concatenate(([True], ~join)))
+        g_len = np.add.reduceat(length, first)
+        g_l, g_r = l_off[first], r_off[first]
+        run_first = np.flatnonzero(np.concatenate(([True], ~cont_r))[first])
+    q = np.zeros(g_len.size + 1, dtype=np.int64)
+    np.cumsum(g_len, out=q[1:])
+
+    wr_start = _pack(q, run_first, limits.sge_limit(op), limits.max_msg_sz)
+    wr_length = np.diff(np.append(wr_start, q[-1]))
+    at = np.searchsorted(q, wr_start)
+    if bool((q[at] == wr_start).all()):
+        # Every WR starts at a piece start: the pieces are the SGEs.
+        sge_local, sge_length = g_l, g_len
+        indptr = np.append(at, g_len.size)
+        wr_remote = g_r[at]
+    else:
+        # Cut the pieces again at every WR start.
+        sge_start, is_piece, is_wr = _merge_sorted(q[:-1], wr_start)
+        piece = np.cumsum(is_piece) - 1
+        sge_local = g_l[piece] + (sge_start - q[piece])
+        sge_length = np.diff(np.append(sge_start, q[-1]))
+        indptr = np.append(np.flatnonzero(is_wr), sge_start.size)
+        wr_piece = piece[indptr[:-1]]
+        wr_remote = g_r[wr_piece] + (wr_start - q[wr_piece])
+    return Plan(
+        op=op,
+        limits=limits,
+        wr_remote_offset=wr_remote,
+        wr_length=wr_length,
+        wr_sge_start=indptr,
+        sge_local_offset=sge_local,
+        sge_length=sge_length,
+    )
+
+
+# --------------------------------------------------------------------------- region checks
+
+
+def check_bounds(segments: Descriptor, region_length: int, what: str = "remote") -> None:
+    """Check that every byte of ``segments`` lies in ``[0, region_length)``.
+
+    ``segments`` is a descriptor or :class:`Segments` with offsets in bytes relative to the
+    region; ``region_length`` is the region's length in bytes. Raises
+    :class:`hixl._errors.BoundsError` naming the first segment that reaches past the end,
+    e.g. ``remote out of bounds: offset=4096 nbytes=8192 region_length=8192``; raises
+    :class:`DescriptorError` for a negative or non-integer ``region_length``.
+    """
+    if isinstance(region_length, bool) or not isinstance(region_length, int | np.integer):
+        raise DescriptorError(f"region_length must be an int, got {type(region_length).__name__}")
+    limit = int(region_length)
+    if limit < 0:
+        raise DescriptorError(f"region_length must be >= 0, got {limit}")
+    seg = as_segments(segments)
+    bad = np.flatnonzero(seg.offsets > limit - seg.lengths)
+    if bad.size:
+        i = int(bad[0])
+        raise BoundsError(
+            f"{what} out of bounds: offset={int(seg.offsets[i])} "
+            f"nbytes={int(seg.lengths[i])} region_length={limit}"
+            + (f" (segment {i} of {seg.count})" if seg.count > 1 else "")
+        )
+
+
+def check_alignment(
+    segments_or_desc: Descriptor,
+    base_address: int,
+    alignment: int | None,
+    what: str = "remote",
+) -> None:
+    """Check that every element start ``base_address + offset`` is ``alignment``-aligned.
+
+    For a strided descriptor the element starts are ``base + offset + i*stride``; for
+    :class:`Segments` and block lists, every segment's start. ``base_address`` is the
+    absolute address of the region (bytes); ``alignment`` is a power of two in bytes, and
+    ``0`` or ``None`` turns the check off. Raises :class:`AlignmentError` naming the first
+    misaligned element and its address; :class:`DescriptorError` for a bad ``alignment``
+    or ``base_address``.
+    """
+    align = normalize_alignment(alignment)
+    if align is None:
+        return
+    if isinstance(base_address, bool) or not isinstance(base_address, int | np.integer):
+        raise DescriptorError(f"base_address must be an int, got {type(base_address).__name__}")
+    base = int(base_address)
+    if base < 0:
+        raise DescriptorError(f"base_address must be >= 0, got {base}")
+    if not isinstance(segments_or_desc, Segments) and not hasattr(
+        segments_or_desc, "first_misaligned"
+    ):
+        raise DescriptorError(
+            f"expected a descriptor or Segments, got {type(segments_or_desc).__name__}"
+        )
+    hit = segments_or_desc.first_misaligned(base, align)
+    if hit is not None:
+        i, addr = hit
+        raise AlignmentError(
+            f"{what} element {i} starts at address {addr:#x} (base_address={base:#x} + "
+            f"offset={addr - base}), not a multiple of alignment={align} bytes "
+            f"(misaligned by {addr % align})"
+        )
