@@ -1,0 +1,990 @@
+"""The control-channel wire format: the versioned handshake and the messages after it.
+
+This module is pure: no sockets, no clock, no pyverbs. It turns message values into bytes
+(:func:`encode`) and bytes from the network into message values (:class:`Decoder`, sans-I/O
+in the style of h11). Everything a peer sends is untrusted: a frame is checked field by field,
+and anything malformed raises :class:`~hixl._errors.HandshakeError` (never ``KeyError``,
+``TypeError``, ``UnicodeError``, ``RecursionError``...), with the field and value named.
+
+Frames
+------
+Every message is one frame: a 12-byte header ``struct "!4sHHI"`` = (``MAGIC`` ``b"HIXL"``,
+protocol version, :class:`MsgType`, payload length in bytes), then the payload, a UTF-8 JSON
+object of exactly the keys listed below (no key missing, none extra, no key twice). Integers
+are JSON integers (``true``/``false`` and floats are refused), bytes are lowercase hex
+strings. The length is checked against the decoder's ``max_payload`` (default
+:data:`MAX_PAYLOAD`, 1 MiB) from the header, before any of the payload is buffered.
+
+==========  ==========================================================================
+type        payload keys
+==========  ==========================================================================
+HELLO       ``engine_id``, ``nonce`` (16 bytes)
+CHALLENGE   ``engine_id``, ``nonce`` (16 bytes), ``proof`` (empty or 32 bytes)
+INFO        ``proof``, ``qpn``, ``psn``, ``gid``, ``mtu``, ``max_sge``, ``recv_slots``,
+            ``recv_slot_size``, ``regions`` (list of region objects)
+ACCEPT      same keys as INFO
+READY       none (``{}``)
+REGIONS     ``regions``
+ERROR       ``code`` (one of :class:`ErrorCode`), ``message``
+BYE         ``reason``
+NOTIFY      ``name``, ``message`` (bytes)
+==========  ==========================================================================
+
+A region object has the keys ``addr``, ``length``, ``rkey``, ``access``, ``name``
+(see :class:`RemoteRegion`).
+
+Protocol
+--------
+::
+
+    client                                         server
+      HELLO(engine_id=C, nonce=Nc)          ->
+                                            <-     CHALLENGE(engine_id=S, nonce=Ns,
+                                                             proof=P("server", Nc, S))
+      verify the server's proof
+      INFO(proof=P("client", Ns, C),        ->
+           qpn, psn, gid, ..., regions)
+                                                   verify the client's proof; on failure
+                                                   send ERROR(AUTH) and close: no rkeys
+                                                   ever go to an unproven client
+                                                   create the QP, move it to RTR/RTS
+                                            <-     ACCEPT(proof=b"", qpn, psn, gid, ...,
+                                                          regions)
+      move the QP to RTR and RTS
+      READY                                 ->
+
+Afterwards the same TCP connection carries REGIONS (a new list of the sender's exposed
+regions, replacing the previous one), NOTIFY, ERROR and BYE in either direction. Either
+side may answer a message it cannot accept with ERROR (``VERSION`` for another protocol
+version, ``MALFORMED`` for a bad frame, ``ALREADY_CONNECTED``, ``BUSY``, ``INTERNAL``) and
+close; :attr:`Decoder.error_code` says which code fits a decoding failure.
+
+Authentication is optional and mutual. With a shared token both ends prove knowledge of it
+with ``P(role, nonce, engine_id) = HMAC-SHA256(token, "hixl/1|" role "|" nonce "|"
+engine_id)`` (:func:`proof`): the server over the client's fresh nonce, the client over the
+server's. The role keeps one side's proof from being reflected as the other's, the nonces
+keep old proofs from being replayed. Without a token every proof is empty, and an end that
+has a token refuses an empty proof (:func:`verify_proof`), so both ends must agree on
+whether a token is used. The proofs authenticate the ends at handshake time; they do not
+protect later bytes from an on-path attacker (there is no channel encryption).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import hmac
+import ipaddress
+import json
+import operator
+import re
+import secrets
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from hixl._errors import HandshakeError
+
+__all__ = [
+    "ERROR_CODES",
+    "HEADER",
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAX_PAYLOAD",
+    "MAX_REGIONS",
+    "NONCE_SIZE",
+    "PROOF_SIZE",
+    "PROTOCOL_VERSION",
+    "REMOTE_READ",
+    "REMOTE_WRITE",
+    "Accept",
+    "Bye",
+    "Challenge",
+    "Decoder",
+    "Error",
+    "ErrorCode",
+    "Hello",
+    "Info",
+    "Message",
+    "MsgType",
+    "Notify",
+    "QpInfo",
+    "Ready",
+    "Regions",
+    "RemoteRegion",
+    "decode",
+    "encode",
+    "expect",
+    "make_nonce",
+    "parse_engine_id",
+    "proof",
+    "verify_proof",
+]
+
+#: Version of the wire format this module speaks; a frame with another version is refused.
+PROTOCOL_VERSION = 1
+#: First four bytes of every frame.
+MAGIC = b"HIXL"
+#: Frame header: magic, version (u16), message type (u16), payload length in bytes (u32).
+HEADER = struct.Struct("!4sHHI")
+HEADER_SIZE = HEADER.size
+#: Default largest payload a :class:`Decoder` accepts and :func:`encode` produces, in bytes.
+MAX_PAYLOAD = 1 << 20
+#: Bytes in a handshake nonce.
+NONCE_SIZE = 16
+#: Bytes in a non-empty proof (HMAC-SHA256).
+PROOF_SIZE = 32
+#: Most regions one INFO, ACCEPT or REGIONS message may carry.
+MAX_REGIONS = 4096
+#: Remote access bits of a region, as ``IBV_ACCESS_REMOTE_WRITE`` and ``IBV_ACCESS_REMOTE_READ``.
+REMOTE_WRITE = 2
+REMOTE_READ = 4
+
+_U64_MAX = (1 << 64) - 1
+_U32_MAX = (1 << 32) - 1
+_U24_MAX = (1 << 24) - 1
+_GID_SIZE = 16
+_MTUS = (256, 512, 1024, 2048, 4096)
+_MAX_SGE = 1024
+_MAX_RECV_SLOTS = 65536
+_MAX_RECV_SLOT_SIZE = 65536
+_MAX_REGION_NAME = 128
+_MAX_NOTIFY_NAME = 256
+_MAX_NOTIFY_MESSAGE = 4096
+_MAX_ERROR_MESSAGE = 4096
+_MAX_BYE_REASON = 1024
+_MAX_HOSTNAME = 253
+_MAX_ENGINE_ID = 320
+# The longest integer literal a payload may hold: u64 values have at most 20 digits. The cap
+# is applied while parsing, so a megabyte of digits never reaches int() (quadratic).
+_MAX_INT_DIGITS = 24
+_PROOF_LABEL = b"hixl/%d|" % PROTOCOL_VERSION
+
+
+class MsgType(enum.IntEnum):
+    """The message type field of a frame header."""
+
+    HELLO = 1
+    CHALLENGE = 2
+    INFO = 3
+    ACCEPT = 4
+    READY = 5
+    REGIONS = 6
+    ERROR = 7
+    BYE = 8
+    NOTIFY = 9
+
+
+class ErrorCode(enum.StrEnum):
+    """The codes an :class:`Error` message may carry."""
+
+    AUTH = "AUTH"
+    VERSION = "VERSION"
+    MALFORMED = "MALFORMED"
+    ALREADY_CONNECTED = "ALREADY_CONNECTED"
+    BUSY = "BUSY"
+    INTERNAL = "INTERNAL"
+
+
+ERROR_CODES = frozenset(code.value for code in ErrorCode)
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+def _show(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: values come from untrusted peers."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _int(where: str, value: object, lo: int, hi: int) -> int:
+    """``value`` as a plain int in ``[lo, hi]``; bool is refused, ``__index__`` accepted."""
+    if isinstance(value, bool):
+        raise HandshakeError(f"{where} must be an integer, got bool {value!r}")
+    try:
+        result = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise HandshakeError(
+            f"{where} must be an integer, got {type(value).__name__} {_show(value)}"
+        ) from None
+    if not lo <= result <= hi:
+        raise HandshakeError(f"{where}={result} out of range [{lo}, {hi}]")
+    return int(result)
+
+
+def _bytes(where: str, value: object, sizes: tuple[int, ...] | None, max_size: int = 0) -> bytes:
+    """``value`` as bytes of one of ``sizes`` (or at most ``max_size`` when sizes is None)."""
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise HandshakeError(f"{where} must be bytes, got {type(value).__name__} {_show(value)}")
+    result = bytes(value)
+    if sizes is not None and len(result) not in sizes:
+        allowed = " or ".join(str(s) for s in sizes)
+        raise HandshakeError(f"{where} must be {allowed} bytes long, got {len(result)} bytes")
+    if sizes is None and len(result) > max_size:
+        raise HandshakeError(f"{where} has {len(result)} bytes, at most {max_size} allowed")
+    return result
+
+
+def _text(where: str, value: object, lo: int, hi: int, *, multiline: bool = False) -> str:
+    """``value`` as a str of ``lo..hi`` printable characters (``\\t``/``\\n`` if multiline).
+
+    Printable excludes lone surrogates, so every accepted string encodes as UTF-8.
+    """
+    if not isinstance(value, str):
+        raise HandshakeError(f"{where} must be a str, got {type(value).__name__} {_show(value)}")
+    if not lo <= len(value) <= hi:
+        raise HandshakeError(f"{where} has {len(value)} characters, allowed {lo}..{hi}")
+    for i, ch in enumerate(value):
+        if not (ch.isprintable() or (multiline and ch in "\t\n")):
+            raise HandshakeError(f"{where} has the unprintable character {ch!r} at index {i}")
+    return str(value)
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)
+
+
+# --------------------------------------------------------------------------- engine ids
+
+_PORT_RE = re.compile(r"(0|[1-9][0-9]{0,4})(?:~([0-9a-fA-F]{1,16}))?", re.ASCII)
+_LABEL_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?", re.ASCII)
+_DOTTED_RE = re.compile(r"[0-9.]+", re.ASCII)
+_SCOPE_RE = re.compile(r"[A-Za-z0-9_.-]{1,32}", re.ASCII)
+
+
+def parse_engine_id(text: str) -> tuple[str, int]:
+    """Split an engine id ``"host:port"`` or ``"host:port~suffix"`` into ``(host, port)``.
+
+    ``host`` is an IPv4 dotted quad, a bracketed IPv6 address ``[v6]`` (returned without the
+    brackets; a ``%scope`` of letters, digits, ``_.-`` is allowed) or a hostname (letters,
+    digits, dashes, dot-separated labels of 1..63 characters, at most 253 characters, not all
+    digits). ``port`` is decimal ``0..65535`` without leading zeros. The optional suffix is
+    ``~`` and 1..16 hex digits; it keeps ids of engines that do not listen (port 0) unique
+    and is not returned.
+
+    Raises :class:`ValueError` naming the id and the broken part. The message decoders turn
+    it into :class:`~hixl._errors.HandshakeError`.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"engine id must be a str, got {type(text).__name__} {_show(text)}")
+    if len(text) > _MAX_ENGINE_ID:
+        raise ValueError(f"engine id has {len(text)} characters, at most {_MAX_ENGINE_ID}")
+    host, sep, rest = text.rpartition(":")
+    if not sep:
+        raise ValueError(f"engine id {text!r} has no ':port'")
+    if "]" in rest:
+        raise ValueError(f"engine id {text!r}: the part after the last ':' is not a port")
+    match = _PORT_RE.fullmatch(rest)
+    if match is None:
+        raise ValueError(
+            f"engine id {text!r}: port {rest!r} must be decimal 0..65535 without leading "
+            "zeros, optionally followed by '~' and 1..16 hex digits"
+        )
+    port = int(match.group(1))
+    if port > 0xFFFF:
+        raise ValueError(f"engine id {text!r}: port {port} out of range [0, 65535]")
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise ValueError(f"engine id {text!r}: '[' without a closing ']' before the port")
+        host = host[1:-1]
+        address, pct, scope = host.partition("%")
+        if pct and _SCOPE_RE.fullmatch(scope) is None:
+            raise ValueError(f"engine id {text!r}: bad IPv6 scope {scope!r}")
+        if not address.isascii():
+            raise ValueError(f"engine id {text!r}: {address!r} is not an IPv6 address")
+        try:
+            ipaddress.IPv6Address(address)
+        except ValueError as exc:
+            raise ValueError(
+                f"engine id {text!r}: {address!r} is not an IPv6 address: {exc}"
+            ) from None
+        return host, port
+    if not host:
+        raise ValueError(f"engine id {text!r} has an empty host")
+    if ":" in host:
+        raise ValueError(f"engine id {text!r}: an IPv6 host must be written in brackets, [v6]")
+    if _DOTTED_RE.fullmatch(host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError as exc:
+            raise ValueError(
+                f"engine id {text!r}: {host!r} is not an IPv4 address: {exc}"
+            ) from None
+        return host, port
+    if len(host) > _MAX_HOSTNAME:
+        raise ValueError(
+            f"engine id {text!r}: hostname has {len(host)} characters, at most {_MAX_HOSTNAME}"
+        )
+    for label in host.split("."):
+        if _LABEL_RE.fullmatch(label) is None:
+            raise ValueError(
+                f"engine id {text!r}: hostname label {label!r} must be 1..63 letters, digits "
+                "or dashes, not starting or ending with a dash"
+            )
+    return host, port
+
+
+def _engine_id(where: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise HandshakeError(f"{where} must be a str, got {type(value).__name__} {_show(value)}")
+    try:
+        parse_engine_id(value)
+    except ValueError as exc:
+        raise HandshakeError(f"{where}: {exc}") from None
+    return str(value)
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RemoteRegion:
+    """A memory region a peer exposes: ``[addr, addr + length)`` under ``rkey``.
+
+    ``addr`` is the peer's virtual address (u64) and ``length`` the size in bytes
+    (``1..2**64-1``, ending at or before ``2**64``); ``rkey`` is a u32; ``access`` is a
+    non-zero combination of :data:`REMOTE_WRITE` and :data:`REMOTE_READ` only; ``name`` is
+    up to 128 printable characters. Invalid values raise :class:`HandshakeError`.
+    """
+
+    addr: int
+    length: int
+    rkey: int
+    access: int
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        addr = _int("RemoteRegion.addr", self.addr, 0, _U64_MAX)
+        length = _int("RemoteRegion.length", self.length, 1, _U64_MAX)
+        if addr + length > 1 << 64:
+            raise HandshakeError(
+                f"RemoteRegion ends past 2**64: addr={addr:#x} length={length} "
+                f"end={addr + length:#x}"
+            )
+        access = _int("RemoteRegion.access", self.access, 0, _U32_MAX)
+        if access == 0 or access & ~(REMOTE_WRITE | REMOTE_READ):
+            raise HandshakeError(
+                f"RemoteRegion.access={access:#x} must be a non-zero combination of "
+                f"REMOTE_WRITE={REMOTE_WRITE:#x} and REMOTE_READ={REMOTE_READ:#x}"
+            )
+        _set(self, "addr", addr)
+        _set(self, "length", length)
+        _set(self, "rkey", _int("RemoteRegion.rkey", self.rkey, 0, _U32_MAX))
+        _set(self, "access", access)
+        _set(self, "name", _text("RemoteRegion.name", self.name, 0, _MAX_REGION_NAME))
+
+    @property
+    def end(self) -> int:
+        """One past the last address of the region."""
+        return self.addr + self.length
+
+
+def _regions(where: str, value: object) -> tuple[RemoteRegion, ...]:
+    if not isinstance(value, tuple | list):
+        raise HandshakeError(f"{where} must be a tuple of RemoteRegion, got {type(value).__name__}")
+    if len(value) > MAX_REGIONS:
+        raise HandshakeError(f"{where} has {len(value)} regions, at most {MAX_REGIONS}")
+    seen: dict[tuple[int, int], int] = {}
+    for i, region in enumerate(value):
+        if not isinstance(region, RemoteRegion):
+            raise HandshakeError(
+                f"{where}[{i}] must be a RemoteRegion, got {type(region).__name__}"
+            )
+        key = (region.rkey, region.addr)
+        if key in seen:
+            raise HandshakeError(
+                f"{where}[{i}] repeats {where}[{seen[key]}]: rkey={region.rkey:#x} "
+                f"addr={region.addr:#x}"
+            )
+        seen[key] = i
+    return tuple(value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello:
+    """Client -> server, first message: who the client is and a fresh 16-byte nonce."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO
+    engine_id: str
+    nonce: bytes
+
+    def __post_init__(self) -> None:
+        _set(self, "engine_id", _engine_id("Hello.engine_id", self.engine_id))
+        _set(self, "nonce", _bytes("Hello.nonce", self.nonce, (NONCE_SIZE,)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Challenge:
+    """Server -> client: the server's id, its nonce, and its proof over the client's nonce.
+
+    ``proof`` is ``b""`` when the server has no token, else 32 bytes.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.CHALLENGE
+    engine_id: str
+    nonce: bytes
+    proof: bytes
+
+    def __post_init__(self) -> None:
+        _set(self, "engine_id", _engine_id("Challenge.engine_id", self.engine_id))
+        _set(self, "nonce", _bytes("Challenge.nonce", self.nonce, (NONCE_SIZE,)))
+        _set(self, "proof", _bytes("Challenge.proof", self.proof, (0, PROOF_SIZE)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QpInfo:
+    """What one end tells the other to connect an RC queue pair and reach its memory.
+
+    Not a message itself: :class:`Info` (client -> server, with the client's proof) and
+    :class:`Accept` (server -> client, proof ``b""``) are. ``qpn`` is the 24-bit non-zero QP
+    number, ``psn`` the 24-bit starting packet sequence number, ``gid`` 16 bytes, ``mtu`` the
+    path MTU in bytes (256..4096, a power of two), ``max_sge`` 1..1024, ``recv_slots`` and
+    ``recv_slot_size`` (bytes) describe the posted receive buffers (0..65536 each) and
+    ``regions`` the exposed memory (at most 4096, no two with the same rkey and addr).
+    """
+
+    proof: bytes
+    qpn: int
+    psn: int
+    gid: bytes
+    mtu: int
+    max_sge: int
+    recv_slots: int
+    recv_slot_size: int
+    regions: tuple[RemoteRegion, ...] = ()
+
+    def __post_init__(self) -> None:
+        kind = type(self).__name__
+        _set(self, "proof", _bytes(f"{kind}.proof", self.proof, (0, PROOF_SIZE)))
+        _set(self, "qpn", _int(f"{kind}.qpn", self.qpn, 1, _U24_MAX))
+        _set(self, "psn", _int(f"{kind}.psn", self.psn, 0, _U24_MAX))
+        _set(self, "gid", _bytes(f"{kind}.gid", self.gid, (_GID_SIZE,)))
+        mtu = _int(f"{kind}.mtu", self.mtu, _MTUS[0], _MTUS[-1])
+        if mtu not in _MTUS:
+            raise HandshakeError(f"{kind}.mtu={mtu} must be one of {', '.join(map(str, _MTUS))}")
+        _set(self, "mtu", mtu)
+        _set(self, "max_sge", _int(f"{kind}.max_sge", self.max_sge, 1, _MAX_SGE))
+        _set(self, "recv_slots", _int(f"{kind}.recv_slots", self.recv_slots, 0, _MAX_RECV_SLOTS))
+        _set(
+            self,
+            "recv_slot_size",
+            _int(f"{kind}.recv_slot_size", self.recv_slot_size, 0, _MAX_RECV_SLOT_SIZE),
+        )
+        _set(self, "regions", _regions(f"{kind}.regions", self.regions))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Info(QpInfo):
+    """Client -> server: the client's proof over the server nonce, its QP and regions."""
+
+    TYPE: ClassVar[MsgType] = MsgType.INFO
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Accept(QpInfo):
+    """Server -> client, sent only to a proven client: the server's QP and regions."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ACCEPT
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ready:
+    """Client -> server: the client's QP is in RTS; the connection is usable."""
+
+    TYPE: ClassVar[MsgType] = MsgType.READY
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Regions:
+    """Either direction, after READY: the sender's exposed regions now (replaces the last)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.REGIONS
+    regions: tuple[RemoteRegion, ...]
+
+    def __post_init__(self) -> None:
+        _set(self, "regions", _regions("Regions.regions", self.regions))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Error:
+    """Either direction: the sender refuses or gives up; it closes the connection after.
+
+    ``code`` is one of :class:`ErrorCode` (stored as the enum member), ``message`` up to
+    4096 printable characters (tabs and newlines allowed).
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.ERROR
+    code: str
+    message: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.code, str) or self.code not in ERROR_CODES:
+            raise HandshakeError(
+                f"Error.code={_show(self.code)} must be one of {', '.join(sorted(ERROR_CODES))}"
+            )
+        _set(self, "code", ErrorCode(self.code))
+        _set(
+            self,
+            "message",
+            _text("Error.message", self.message, 0, _MAX_ERROR_MESSAGE, multiline=True),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bye:
+    """Either direction: an orderly close, with up to 1024 printable characters of reason."""
+
+    TYPE: ClassVar[MsgType] = MsgType.BYE
+    reason: str
+
+    def __post_init__(self) -> None:
+        _set(self, "reason", _text("Bye.reason", self.reason, 0, _MAX_BYE_REASON, multiline=True))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Notify:
+    """Either direction: a named notification over TCP (the fallback when no recv slot fits).
+
+    ``name`` is 1..256 printable characters, ``message`` up to 4096 bytes.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.NOTIFY
+    name: str
+    message: bytes
+
+    def __post_init__(self) -> None:
+        _set(self, "name", _text("Notify.name", self.name, 1, _MAX_NOTIFY_NAME))
+        _set(
+            self,
+            "message",
+            _bytes("Notify.message", self.message, None, _MAX_NOTIFY_MESSAGE),
+        )
+
+
+Message = Hello | Challenge | Info | Accept | Ready | Regions | Error | Bye | Notify
+
+_CLASSES: dict[MsgType, type[Message]] = {
+    cls.TYPE: cls for cls in (Hello, Challenge, Info, Accept, Ready, Regions, Error, Bye, Notify)
+}
+assert set(_CLASSES) == set(MsgType)
+
+# Wire form of each field kind, keyed by the annotation string of the dataclass field
+# (``from __future__ import annotations`` keeps them as written above).
+_REGION_KEYS = ("addr", "length", "rkey", "access", "name")
+_REGIONS_ANNOTATION = "tuple[RemoteRegion, ...]"
+_FIELDS: dict[MsgType, tuple[tuple[str, str], ...]] = {
+    t: tuple((f.name, str(f.type)) for f in dataclasses.fields(cls)) for t, cls in _CLASSES.items()
+}
+assert all(
+    kind in ("int", "str", "bytes", _REGIONS_ANNOTATION)
+    for fields in _FIELDS.values()
+    for _, kind in fields
+)
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _region_json(region: RemoteRegion) -> dict[str, object]:
+    return {key: getattr(region, key) for key in _REGION_KEYS}
+
+
+def encode(msg: Message, *, max_payload: int = MAX_PAYLOAD) -> bytes:
+    """The frame for ``msg``: 12-byte header then the UTF-8 JSON payload.
+
+    Raises :class:`HandshakeError` if the payload would exceed ``max_payload`` bytes (the
+    peer's decoder would refuse it), :class:`TypeError` if ``msg`` is not a message.
+    """
+    cls = type(msg)
+    msg_type = getattr(cls, "TYPE", None)
+    if not isinstance(msg_type, MsgType) or _CLASSES.get(msg_type) is not cls:
+        raise TypeError(f"encode() takes a hixl wire message, got {cls.__name__}")
+    obj: dict[str, object] = {}
+    for name, kind in _FIELDS[msg_type]:
+        value = getattr(msg, name)
+        if kind == "bytes":
+            obj[name] = value.hex()
+        elif kind == _REGIONS_ANNOTATION:
+            obj[name] = [_region_json(r) for r in value]
+        else:
+            obj[name] = str(value) if kind == "str" else value
+    payload = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    if len(payload) > max_payload:
+        raise HandshakeError(
+            f"{msg_type.name} payload of {len(payload)} bytes exceeds max_payload={max_payload}"
+        )
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, len(payload)) + payload
+
+
+# --------------------------------------------------------------------------- decoding
+
+_HEX_RE = re.compile(r"(?:[0-9a-f]{2})*", re.ASCII)
+
+
+class _Reject(ValueError):
+    """Raised from inside json.loads hooks; caught and reported as HandshakeError."""
+
+
+def _parse_int(literal: str) -> int:
+    if len(literal) > _MAX_INT_DIGITS:
+        raise _Reject(f"integer literal of {len(literal)} characters (at most {_MAX_INT_DIGITS})")
+    return int(literal)
+
+
+def _parse_constant(name: str) -> float:
+    raise _Reject(f"the non-standard constant {name} is not allowed")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _Reject(f"key {_show(key)} appears twice in one object")
+        result[key] = value
+    return result
+
+
+def _parse_json(where: str, payload: bytes) -> dict[str, Any]:
+    try:
+        text = payload.decode("utf-8")
+        obj = json.loads(
+            text,
+            parse_int=_parse_int,
+            parse_constant=_parse_constant,
+            object_pairs_hook=_unique_keys,
+        )
+    except UnicodeDecodeError as exc:
+        raise HandshakeError(f"{where} payload is not UTF-8: {exc}") from None
+    except RecursionError:
+        raise HandshakeError(f"{where} payload nests JSON too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, _Reject
+        raise HandshakeError(f"{where} payload is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise HandshakeError(
+            f"{where} payload must be a JSON object, got {type(obj).__name__} {_show(obj)}"
+        )
+    return obj
+
+
+def _check_keys(where: str, obj: dict[str, Any], expected: tuple[str, ...]) -> None:
+    missing = [k for k in expected if k not in obj]
+    extra = [k for k in obj if k not in expected]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing}")
+        if extra:
+            parts.append(f"unexpected keys {_show(sorted(extra))}")
+        raise HandshakeError(f"{where}: {' and '.join(parts)}; expected exactly {list(expected)}")
+
+
+def _wire_int(where: str, value: object) -> int:
+    # JSON gives exact ints; bool is a subclass of int and must not pass.
+    if type(value) is not int:
+        raise HandshakeError(
+            f"{where} must be a JSON integer, got {type(value).__name__} {_show(value)}"
+        )
+    return value
+
+
+def _wire_str(where: str, value: object) -> str:
+    if type(value) is not str:
+        raise HandshakeError(
+            f"{where} must be a JSON string, got {type(value).__name__} {_show(value)}"
+        )
+    return value
+
+
+def _wire_bytes(where: str, value: object) -> bytes:
+    text = _wire_str(where, value)
+    if _HEX_RE.fullmatch(text) is None:
+        raise HandshakeError(
+            f"{where} must be an even number of lowercase hex digits, got {_show(text)}"
+        )
+    return bytes.fromhex(text)
+
+
+def _wire_regions(where: str, value: object) -> tuple[RemoteRegion, ...]:
+    if type(value) is not list:
+        raise HandshakeError(
+            f"{where} must be a JSON array, got {type(value).__name__} {_show(value)}"
+        )
+    if len(value) > MAX_REGIONS:
+        raise HandshakeError(f"{where} has {len(value)} regions, at most {MAX_REGIONS}")
+    regions = []
+    for i, item in enumerate(value):
+        at = f"{where}[{i}]"
+        if type(item) is not dict:
+            raise HandshakeError(
+                f"{at} must be a JSON object, got {type(item).__name__} {_show(item)}"
+            )
+        _check_keys(at, item, _REGION_KEYS)
+        try:
+            regions.append(
+                RemoteRegion(
+                    addr=_wire_int(f"{at}.addr", item["addr"]),
+                    length=_wire_int(f"{at}.length", item["length"]),
+                    rkey=_wire_int(f"{at}.rkey", item["rkey"]),
+                    access=_wire_int(f"{at}.access", item["access"]),
+                    name=_wire_str(f"{at}.name", item["name"]),
+                )
+            )
+        except HandshakeError as exc:
+            raise HandshakeError(f"{at}: {exc}") from None
+    return tuple(regions)
+
+
+_WIRE_KINDS: dict[str, Callable[[str, object], Any]] = {
+    "int": _wire_int,
+    "str": _wire_str,
+    "bytes": _wire_bytes,
+    _REGIONS_ANNOTATION: _wire_regions,
+}
+
+
+def _decode_payload(msg_type: MsgType, payload: bytes) -> Message:
+    where = msg_type.name
+    obj = _parse_json(where, payload)
+    fields = _FIELDS[msg_type]
+    _check_keys(where, obj, tuple(name for name, _ in fields))
+    kwargs = {name: _WIRE_KINDS[kind](f"{where}.{name}", obj[name]) for name, kind in fields}
+    try:
+        return _CLASSES[msg_type](**kwargs)
+    except HandshakeError as exc:
+        raise HandshakeError(f"invalid {where} message: {exc}") from None
+
+
+class Decoder:
+    """Sans-I/O frame decoder: feed it bytes as they arrive, get complete messages back.
+
+    ``max_payload`` (bytes, default :data:`MAX_PAYLOAD`) bounds a frame's payload; a header
+    announcing more is refused before any payload is buffered, so the decoder never holds
+    more than ``HEADER_SIZE + max_payload`` bytes. The first malformed frame raises
+    :class:`HandshakeError` and poisons the decoder: every later :meth:`feed` raises too, and
+    :attr:`error_code` says which :class:`ErrorCode` to send the peer before closing.
+    """
+
+    __slots__ = ("_body_len", "_buf", "_error", "_error_code", "_max_payload", "_msg_type")
+
+    def __init__(self, *, max_payload: int = MAX_PAYLOAD) -> None:
+        if isinstance(max_payload, bool) or not isinstance(max_payload, int):
+            raise TypeError(f"max_payload must be an int, got {type(max_payload).__name__}")
+        if not 2 <= max_payload <= _U32_MAX:
+            raise ValueError(f"max_payload={max_payload} out of range [2, {_U32_MAX}]")
+        self._max_payload = max_payload
+        self._buf = bytearray()
+        self._msg_type: MsgType | None = None  # set while the payload of a frame is awaited
+        self._body_len = 0
+        self._error: HandshakeError | None = None
+        self._error_code: ErrorCode | None = None
+
+    @property
+    def max_payload(self) -> int:
+        """Largest payload accepted, in bytes."""
+        return self._max_payload
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held from an incomplete frame (header or payload)."""
+        return len(self._buf)
+
+    @property
+    def error_code(self) -> ErrorCode | None:
+        """``None`` while healthy; after a failure ``VERSION`` or ``MALFORMED``."""
+        return self._error_code
+
+    def __repr__(self) -> str:
+        state = "poisoned" if self._error else f"buffered={len(self._buf)}"
+        return f"<Decoder max_payload={self._max_payload} {state}>"
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
+        """Take the next bytes received; return every message they complete, in order.
+
+        Partial frames are kept for the next call. Raises :class:`HandshakeError` on the
+        first malformed frame (messages completed earlier in the same call are dropped with
+        it: the connection is to be closed).
+        """
+        if self._error is not None:
+            raise HandshakeError(
+                f"decoder is unusable after an earlier error: {self._error}"
+            ) from self._error
+        view = memoryview(data).cast("B")
+        try:
+            return self._feed(view)
+        except HandshakeError as exc:
+            self._error = exc
+            self._error_code = self._error_code or ErrorCode.MALFORMED
+            self._buf = bytearray()
+            raise
+
+    def eof(self) -> None:
+        """Declare the stream ended; raises :class:`HandshakeError` inside a frame."""
+        if self._error is not None:
+            raise HandshakeError(
+                f"decoder is unusable after an earlier error: {self._error}"
+            ) from self._error
+        if self._msg_type is not None:
+            raise HandshakeError(
+                f"connection closed inside a {self._msg_type.name} frame: got "
+                f"{len(self._buf)} of {self._body_len} payload bytes"
+            )
+        if self._buf:
+            raise HandshakeError(
+                f"connection closed inside a frame header: got {len(self._buf)} of "
+                f"{HEADER_SIZE} bytes"
+            )
+
+    def _feed(self, view: memoryview) -> list[Message]:
+        out: list[Message] = []
+        pos, end = 0, len(view)
+        while True:
+            if self._msg_type is None:
+                take = min(HEADER_SIZE - len(self._buf), end - pos)
+                self._buf += view[pos : pos + take]
+                pos += take
+                self._check_header(self._buf)
+                if len(self._buf) < HEADER_SIZE:
+                    return out
+                _, _, raw_type, length = HEADER.unpack(self._buf)
+                self._msg_type = MsgType(raw_type)
+                self._body_len = length
+                self._buf = bytearray()
+            take = min(self._body_len - len(self._buf), end - pos)
+            self._buf += view[pos : pos + take]
+            pos += take
+            if len(self._buf) < self._body_len:
+                return out
+            msg_type = self._msg_type
+            payload = bytes(self._buf)
+            self._msg_type = None
+            self._buf = bytearray()
+            out.append(_decode_payload(msg_type, payload))
+
+    def _check_header(self, head: bytearray) -> None:
+        """Check as much of a (possibly partial) header as has arrived."""
+        n = len(head)
+        if head[: min(n, 4)] != MAGIC[: min(n, 4)]:
+            shown = bytes(head[: min(n, 4)])
+            raise HandshakeError(f"bad frame magic {shown!r}, expected {MAGIC!r}")
+        if n >= 6:
+            (version,) = struct.unpack_from("!H", head, 4)
+            if version != PROTOCOL_VERSION:
+                self._error_code = ErrorCode.VERSION
+                raise HandshakeError(
+                    f"unsupported protocol version {version}: this side speaks version "
+                    f"{PROTOCOL_VERSION}"
+                )
+        if n >= 8:
+            (raw_type,) = struct.unpack_from("!H", head, 6)
+            if raw_type not in _CLASSES:
+                raise HandshakeError(
+                    f"unknown message type {raw_type} (known: {min(MsgType)}..{max(MsgType)})"
+                )
+        if n >= HEADER_SIZE:
+            (length,) = struct.unpack_from("!I", head, 8)
+            if length > self._max_payload:
+                raise HandshakeError(
+                    f"frame announces a {length}-byte payload, more than "
+                    f"max_payload={self._max_payload}"
+                )
+
+
+def decode(frame: bytes | bytearray | memoryview, *, max_payload: int = MAX_PAYLOAD) -> Message:
+    """The one message in ``frame``, which must be exactly one complete frame.
+
+    Raises :class:`HandshakeError` if it is malformed, incomplete or followed by more bytes.
+    """
+    decoder = Decoder(max_payload=max_payload)
+    messages = decoder.feed(frame)
+    decoder.eof()
+    if len(messages) != 1:
+        raise HandshakeError(f"expected exactly one frame, got {len(messages)}")
+    return messages[0]
+
+
+_M = TypeVar("_M", Hello, Challenge, Info, Accept, Ready, Regions, Error, Bye, Notify)
+
+
+def expect(msg: Message, kind: type[_M]) -> _M:
+    """``msg`` if it is a ``kind`` message, else :class:`HandshakeError` naming both.
+
+    An :class:`Error` from the peer (when not expected) is reported with its code and text.
+    """
+    if isinstance(msg, kind):
+        return msg
+    if isinstance(msg, Error):
+        raise HandshakeError(
+            f"peer sent ERROR {msg.code}: {msg.message!r} while {kind.TYPE.name} was expected"
+        )
+    raise HandshakeError(f"expected a {kind.TYPE.name} message, got {msg.TYPE.name}")
+
+
+# --------------------------------------------------------------------------- authentication
+
+
+def make_nonce() -> bytes:
+    """A fresh random 16-byte nonce from :mod:`secrets`."""
+    return secrets.token_bytes(NONCE_SIZE)
+
+
+_ROLES = ("client", "server")
+
+
+def _proof_input(role: str, nonce: bytes, engine_id: str) -> bytes:
+    if role not in _ROLES:
+        raise ValueError(f"role must be 'client' or 'server', got {_show(role)}")
+    if not isinstance(nonce, bytes | bytearray | memoryview) or len(nonce) != NONCE_SIZE:
+        size = len(nonce) if isinstance(nonce, bytes | bytearray | memoryview) else "?"
+        raise ValueError(f"nonce must be {NONCE_SIZE} bytes, got {size}")
+    if not isinstance(engine_id, str):
+        raise ValueError(f"engine_id must be a str, got {type(engine_id).__name__}")
+    # role has no '|' and the nonce has a fixed size, so the input splits one way only.
+    return b"".join(
+        (_PROOF_LABEL, role.encode(), b"|", bytes(nonce), b"|", engine_id.encode("utf-8"))
+    )
+
+
+def _check_token(token: bytes | None) -> None:
+    if token is not None and (not isinstance(token, bytes) or not token):
+        raise ValueError("token must be non-empty bytes, or None for no authentication")
+
+
+def proof(token: bytes | None, role: str, peer_nonce: bytes, own_engine_id: str) -> bytes:
+    """The proof the end playing ``role`` sends: it knows ``token``, for this handshake.
+
+    ``HMAC-SHA256(token, b"hixl/1|" + role + b"|" + peer_nonce + b"|" + own_engine_id)``,
+    32 bytes; ``b""`` when ``token`` is None. ``role`` is ``"client"`` or ``"server"``,
+    ``peer_nonce`` the 16-byte nonce the other end sent. Raises :class:`ValueError` for an
+    empty token, an unknown role or a nonce of the wrong size.
+    """
+    return _compute_proof(token, role, peer_nonce, own_engine_id)
+
+
+def _compute_proof(token: bytes | None, role: str, nonce: bytes, engine_id: str) -> bytes:
+    _check_token(token)
+    data = _proof_input(role, nonce, engine_id)
+    if token is None:
+        return b""
+    return hmac.new(token, data, hashlib.sha256).digest()
+
+
+def verify_proof(
+    token: bytes | None, role: str, nonce: bytes, engine_id: str, proof: bytes
+) -> bool:
+    """Whether ``proof`` from the peer playing ``role`` is right for this handshake.
+
+    ``nonce`` is the nonce this end sent, ``engine_id`` the id the peer claims. With a token
+    the proof must equal :func:`proof` (compared in constant time); an empty proof fails.
+    Without a token only an empty proof passes (a peer that proves a token expects one we
+    cannot check). Never raises for a bad ``proof``; raises :class:`ValueError` for an
+    empty token, an unknown role or a nonce of the wrong size.
+    """
+    expected = _compute_proof(token, role, nonce, engine_id)
+    if not isinstance(proof, bytes | bytearray | memoryview):
+        return False
+    if token is None:
+        return len(proof) == 0
+    return len(proof) == PROOF_SIZE and hmac.compare_digest(expected, bytes(proof))
