@@ -539,9 +539,9 @@ def diagnose(facts: Facts) -> Report:
     checks.extend(vm_checks)
     if vm_ready:
         where = ("this kernel cannot run soft-RoCE" if not _kernel_can_rxe(facts)
-                 else "no usable device here yet (sudo hixl rxe up would make one)")
+                 else "no usable device here yet; sudo hixl rxe up would make one")
         return Report(checks=tuple(checks), mode="vm",
-                      verdict=f"hixl can run RDMA through the VM ({where}): {VM_COMMAND}")
+                      verdict=f"hixl can run RDMA through the VM: {VM_COMMAND}   ({where})")
     return Report(checks=tuple(checks), mode="none",
                   verdict="hixl cannot run RDMA here yet: apply the fixes of the [fail] "
                           "lines above")
