@@ -348,8 +348,8 @@ def _check_rxe_module(facts: Facts) -> Check:
                      fix="sudo hixl rxe up   # loads it and creates rxe0")
     if _cfg(facts, "CONFIG_MODULES") == "n":
         return Check(name=name, status=Status.FAIL,
-                     finding=f"kernel {facts.kernel_release} cannot load modules "
-                             f"({_cfg_note(facts, 'CONFIG_MODULES')}), so not rdma_rxe",
+                     finding=f"kernel {facts.kernel_release} cannot load modules, so no "
+                             f"rdma_rxe: {_cfg_note(facts, 'CONFIG_MODULES')}",
                      fix=f"use the VM path: {VM_COMMAND}")
     detail = facts.modprobe[1] if facts.modprobe is not None else "modprobe is not installed"
     rxe_cfg = _cfg(facts, "CONFIG_RDMA_RXE")
@@ -381,6 +381,10 @@ def _check_root(facts: Facts, selection: Selection | None) -> Check:
         return Check(name=name, status=Status.OK,
                      finding=f"not root (uid {facts.euid}); fine: {selection.device.name} "
                              f"is already up")
+    if not _kernel_can_rxe(facts):
+        return Check(name=name, status=Status.OK,
+                     finding=f"not root (uid {facts.euid}); root would not help this kernel, "
+                             f"and the VM path does not need it")
     return Check(name=name, status=Status.WARN,
                  finding=f"not root (uid {facts.euid}): creating a soft-RoCE device needs root",
                  fix="sudo hixl rxe up")

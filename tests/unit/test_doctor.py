@@ -212,6 +212,12 @@ def test_not_root_without_a_device_warns() -> None:
     assert status is Status.WARN and "8192 KiB" in finding
 
 
+def test_not_root_does_not_matter_when_the_kernel_cannot_rxe() -> None:
+    status, finding, fix = check(diagnose(dataclasses.replace(HOST, euid=1000)), "root")
+    assert (status, fix) == (Status.OK, "")
+    assert "the VM path does not need it" in finding
+
+
 def test_not_root_with_a_device_is_fine() -> None:
     facts = dataclasses.replace(GUEST, euid=1000, memlock=None)
     report = diagnose(facts)
