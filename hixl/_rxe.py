@@ -22,7 +22,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hixl._devices import SYSFS_ROOT, Device, Selection, list_devices, select_device
+from hixl._devices import (
+    SYSFS_ROOT,
+    Device,
+    Selection,
+    list_devices,
+    select_device,
+    select_from,
+)
 from hixl._errors import DeviceError
 
 __all__ = [
@@ -213,7 +220,8 @@ def rxe_up(netdev: str | None = None, *, name: str | None = None, timeout: float
 
     ``netdev`` defaults to the first UP non-loopback interface with an IPv4 address; if
     there is none, a dummy netdev ``hixl0`` with 192.168.77.1/24 is created.  ``name``
-    defaults to the first free ``rxeN``.  If an rxe device already exists on the netdev,
+    defaults to the first free ``rxeN``.  If an rxe device already exists on the netdev
+    (or, when neither ``netdev`` nor ``name`` is given, any usable rxe device exists),
     nothing is created.  Waits up to ``timeout`` seconds for the port to be ACTIVE with an
     IPv4 RoCEv2 GID.  Needs root.  Raises DeviceError naming what failed and how to fix it
     (not root, unknown netdev, netdev down or without IPv4, module not loadable,
@@ -235,6 +243,16 @@ def rxe_up(netdev: str | None = None, *, name: str | None = None, timeout: float
                   "or use the VM: hixl vm run -- CMD")
 
     created_netdev = False
+    if netdev is None and name is None:
+        # Without a netdev to honour, any usable soft-RoCE device already satisfies us.
+        ready = [d for d in list_devices(root) if d.kind == "rxe"]
+        try:
+            sel = select_from(ready)
+        except DeviceError:
+            pass
+        else:
+            log.debug("%s is already usable", sel.device.name)
+            return RxeUp(selection=sel, created_device=False, created_netdev=False)
     if netdev is None:
         chosen = pick_netdev(list_netdevs())
         if chosen is None:

@@ -237,3 +237,21 @@ def test_parse_ip_addr_json_rejects_garbage() -> None:
         parse_ip_addr_json("Object \"addr\" is unknown")
     with pytest.raises(DeviceError, match="printed a dict, not a list"):
         parse_ip_addr_json("{}")
+
+
+def test_rxe_up_reuses_a_usable_device_without_running_anything(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hixl._rxe as rxe
+
+    def no_commands(argv: list[str], **_: object) -> None:
+        raise AssertionError(f"rxe_up ran {argv}")
+
+    monkeypatch.setattr(rxe, "_run", no_commands)
+    monkeypatch.setattr(rxe.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(rxe.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    make_device(tmp_path, "rxe0", netdev="d0")
+    (tmp_path / "module" / "rdma_rxe").mkdir(parents=True)
+    result = rxe.rxe_up(sysfs=tmp_path)
+    assert not result.created_device and not result.created_netdev
+    assert str(result.selection) == "rxe0 port 1 gid 1 (192.168.77.1 on d0)"
+    assert result.message.startswith("rxe0 already exists on d0; nothing to do")
