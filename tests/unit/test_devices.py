@@ -247,8 +247,8 @@ def test_rxe_up_reuses_a_usable_device_without_running_anything(
         raise AssertionError(f"rxe_up ran {argv}")
 
     monkeypatch.setattr(rxe, "_run", no_commands)
-    monkeypatch.setattr(rxe.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(rxe.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    monkeypatch.setattr("shutil.which", lambda tool: f"/usr/sbin/{tool}")
     make_device(tmp_path, "rxe0", netdev="d0")
     (tmp_path / "module" / "rdma_rxe").mkdir(parents=True)
     result = rxe.rxe_up(sysfs=tmp_path)
