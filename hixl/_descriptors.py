@@ -286,14 +286,13 @@ class Segments:
             order = np.argsort(off, kind="stable")
             so = off[order]
             se = so + ln[order]
-        # Sorted by start, a segment overlaps an earlier one iff it starts before the
-        # largest end seen so far.
-        reach = np.maximum.accumulate(se)
-        bad = np.flatnonzero(so[1:] < reach[:-1])
+        # Sorted by start, some segment overlaps an earlier one iff one starts before its
+        # predecessor ends (induction: if none does, each starts after all earlier ends).
+        bad = np.flatnonzero(so[1:] < se[:-1])
         if not bad.size:
             return None
         k = int(bad[0]) + 1
-        prev = int(np.flatnonzero(se[:k] > so[k])[0])
+        prev = k - 1
         if order is None:
             return prev, k
         return int(order[prev]), int(order[k])
@@ -540,6 +539,16 @@ class NdStridedDesc:
             alignment=self.alignment,
         )
 
+    def with_alignment(self, alignment: int | None) -> NdStridedDesc:
+        """The same descriptor under another alignment policy (checked now)."""
+        return NdStridedDesc(
+            offset=self.offset,
+            shape=self.shape,
+            strides=self.strides,
+            size=self.size,
+            alignment=alignment,
+        )
+
     def element_offsets(self) -> I64Array:
         """Start offset of every element, in stream order (int64, bytes)."""
         count = self.count
@@ -763,17 +772,14 @@ def desc_from_view(
             f"view is not inside base: view bytes [{low}, {end}) relative to base, "
             f"base nbytes={base.nbytes}"
         )
-    desc = NdStridedDesc(
-        offset=rel,
-        shape=tuple(view.shape),
-        strides=tuple(view.strides),
-        size=view.itemsize,
-        alignment=None,
-    ).simplified()
-    return NdStridedDesc(
-        offset=desc.offset,
-        shape=desc.shape,
-        strides=desc.strides,
-        size=desc.size,
-        alignment=alignment,
+    return (
+        NdStridedDesc(
+            offset=rel,
+            shape=tuple(view.shape),
+            strides=tuple(view.strides),
+            size=view.itemsize,
+            alignment=None,
+        )
+        .simplified()
+        .with_alignment(alignment)
     )

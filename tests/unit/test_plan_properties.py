@@ -1,0 +1,426 @@
+"""Property tests of the planner: random descriptors and limits against byte-level oracles.
+
+The oracles are independent of the planner: a plain ``memoryview`` copy of the described
+elements, a per-byte write counter, a dynamic program for the fewest WRs, and the
+per-segment reference planner of ``benchmarks/bench_plan.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from hixl._descriptors import INT64_MAX, Segments, StridedDesc
+from hixl._errors import DescriptorError
+from hixl._plan import DeviceLimits, Op, Plan, plan_transfer
+
+PROPS = settings(
+    max_examples=250,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def _load_reference() -> ModuleType:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_plan.py"
+    spec = importlib.util.spec_from_file_location("hixl_bench_plan", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+REFERENCE = _load_reference()
+
+
+# --------------------------------------------------------------------------- oracles
+
+
+def stream_of(buf: bytes | bytearray, seg: Segments) -> bytes:
+    """The described bytes, element by element: the direct copy's source."""
+    view = memoryview(buf)
+    return b"".join(bytes(view[o : o + n]) for o, n in seg.pairs())
+
+
+def direct_copy(src: bytes, src_seg: Segments, dst: bytearray, dst_seg: Segments) -> None:
+    data = stream_of(src, src_seg)
+    view = memoryview(dst)
+    pos = 0
+    for o, n in dst_seg.pairs():
+        view[o : o + n] = data[pos : pos + n]
+        pos += n
+
+
+def apply_plan(plan: Plan, local: bytearray, remote: bytearray) -> None:
+    """Execute the plan with memoryview copies, as the NIC would."""
+    lv, rv = memoryview(local), memoryview(remote)
+    for r, sges in plan.wrs():
+        pos = r
+        for lo, n in sges:
+            if plan.op is Op.WRITE:
+                rv[pos : pos + n] = lv[lo : lo + n]
+            else:
+                lv[lo : lo + n] = rv[pos : pos + n]
+            pos += n
+
+
+def writes_per_byte(plan: Plan, size: int) -> np.ndarray:
+    """How many times the plan writes each destination byte."""
+    count = np.zeros(size, dtype=np.int64)
+    for r, sges in plan.wrs():
+        if plan.op is Op.WRITE:
+            count[r : r + sum(n for _, n in sges)] += 1
+        else:
+            for lo, n in sges:
+                count[lo : lo + n] += 1
+    return count
+
+
+def coverage(seg: Segments, size: int) -> np.ndarray:
+    count = np.zeros(size, dtype=np.int64)
+    for o, n in seg.pairs():
+        count[o : o + n] += 1
+    return count
+
+
+def fewest_wrs(local: Segments, remote: Segments, sge: int, msg: int) -> int:
+    """Fewest WRs of any valid plan, by dynamic programming over bytes.
+
+    Valid: a WR is a contiguous range of remote addresses the transfer touches, holding at
+    most ``msg`` bytes and at most ``sge`` runs of consecutive local addresses. Assumes the
+    remote side is disjoint (each remote byte has one local partner).
+    """
+    lbytes = [o + i for o, n in local.pairs() for i in range(n)]
+    rbytes = [o + i for o, n in remote.pairs() for i in range(n)]
+    partner = dict(zip(rbytes, lbytes, strict=True))
+    addrs = sorted(partner)
+    runs: list[list[int]] = []
+    for a in addrs:
+        if runs and runs[-1][-1] + 1 == a:
+            runs[-1].append(a)
+        else:
+            runs.append([a])
+    total = 0
+    for run in runs:
+        n = len(run)
+        # new[p] is true when byte p of the run does not continue byte p-1 locally.
+        new = [p == 0 or partner[run[p]] != partner[run[p - 1]] + 1 for p in range(n)]
+        best = [0] + [n + 1] * n
+        for end in range(1, n + 1):
+            pieces = 1  # local runs in [start, end)
+            for start in range(end - 1, max(-1, end - msg - 1), -1):
+                if start < end - 1 and new[start + 1]:
+                    pieces += 1
+                if pieces > sge:
+                    break
+                best[end] = min(best[end], best[start] + 1)
+        total += best[n]
+    return total
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+@st.composite
+def lengths_of(draw: st.DrawFn, total: int, max_parts: int = 10) -> list[int]:
+    parts = draw(st.integers(1, min(total, max_parts)))
+    cuts: list[int] = []
+    if parts > 1:
+        cuts = sorted(
+            draw(st.sets(st.integers(1, total - 1), min_size=parts - 1, max_size=parts - 1))
+        )
+    edges = [0, *cuts, total]
+    return [b - a for a, b in zip(edges, edges[1:], strict=False)]
+
+
+@st.composite
+def side(draw: st.DrawFn, total: int, disjoint: bool) -> Segments:
+    """Segments covering ``total`` bytes; disjoint ones for a destination."""
+    lengths = draw(lengths_of(total))
+    k = len(lengths)
+    if disjoint:
+        order = draw(st.sampled_from(["packed", "shuffled", "gaps"]))
+        place = list(range(k)) if order != "shuffled" else draw(st.permutations(range(k)))
+        gaps = (
+            [0] * k
+            if order == "packed"
+            else draw(st.lists(st.integers(0, 6), min_size=k, max_size=k))
+        )
+        offsets = [0] * k
+        pos = draw(st.integers(0, 8))
+        for i in place:
+            pos += gaps[i]
+            offsets[i] = pos
+            pos += lengths[i]
+    else:
+        offsets = draw(st.lists(st.integers(0, 40), min_size=k, max_size=k))
+    return Segments(offsets, lengths)
+
+
+limits_st = st.builds(
+    DeviceLimits,
+    max_sge=st.integers(1, 5),
+    max_sge_rd=st.integers(1, 5),
+    max_msg_sz=st.integers(1, 48),
+)
+
+
+@st.composite
+def transfer(draw: st.DrawFn, source_may_overlap: bool = True) -> tuple[Segments, Segments, Op]:
+    op = draw(st.sampled_from([Op.WRITE, Op.READ]))
+    total = draw(st.integers(1, 96))
+    src_disjoint = not source_may_overlap or draw(st.booleans())
+    if op is Op.WRITE:
+        local = draw(side(total, disjoint=src_disjoint))
+        remote = draw(side(total, disjoint=True))
+    else:
+        local = draw(side(total, disjoint=True))
+        remote = draw(side(total, disjoint=src_disjoint))
+    return local, remote, op
+
+
+def end_of(seg: Segments) -> int:
+    return seg.extent()[1]
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@PROPS
+@given(transfer(), limits_st, st.randoms(use_true_random=False))
+def test_plan_equals_direct_copy(
+    t: tuple[Segments, Segments, Op], limits: DeviceLimits, rnd
+) -> None:  # type: ignore[no-untyped-def]
+    local, remote, op = t
+    plan = plan_transfer(local, remote, op, limits)
+    lbuf = bytearray(rnd.randbytes(end_of(local) + 3))
+    rbuf = bytearray(rnd.randbytes(end_of(remote) + 3))
+    want_l, want_r = bytearray(lbuf), bytearray(rbuf)
+    if op is Op.WRITE:
+        direct_copy(bytes(lbuf), local, want_r, remote)
+    else:
+        direct_copy(bytes(rbuf), remote, want_l, local)
+    apply_plan(plan, lbuf, rbuf)
+    assert lbuf == want_l
+    assert rbuf == want_r
+
+
+@PROPS
+@given(transfer(), limits_st)
+def test_bytes_conserved_and_limits_hold(
+    t: tuple[Segments, Segments, Op], limits: DeviceLimits
+) -> None:
+    local, remote, op = t
+    plan = plan_transfer(local, remote, op, limits)
+    assert plan.nbytes == local.nbytes == remote.nbytes
+    assert int(plan.wr_length.sum()) == int(plan.sge_length.sum()) == local.nbytes
+    sge_cap = limits.max_sge_rd if op is Op.READ else limits.max_sge
+    assert int(plan.sges_per_wr.max()) <= sge_cap
+    assert int(plan.sges_per_wr.min()) >= 1
+    assert int(plan.wr_length.max()) <= limits.max_msg_sz
+    assert int(plan.sge_length.min()) >= 1
+    for r, sges in plan.wrs():
+        assert all(isinstance(x, int) for pair in sges for x in pair) and isinstance(r, int)
+    # WR lengths are the sums of their SGEs.
+    sums = np.add.reduceat(plan.sge_length, plan.wr_sge_start[:-1])
+    assert np.array_equal(sums, plan.wr_length)
+
+
+@PROPS
+@given(transfer(), limits_st)
+def test_every_destination_byte_written_exactly_once(
+    t: tuple[Segments, Segments, Op], limits: DeviceLimits
+) -> None:
+    local, remote, op = t
+    plan = plan_transfer(local, remote, op, limits)
+    dst = remote if op is Op.WRITE else local
+    size = end_of(dst)
+    assert np.array_equal(writes_per_byte(plan, size), coverage(dst, size))
+    assert int(writes_per_byte(plan, size).max()) == 1
+
+
+@PROPS
+@given(transfer(), limits_st)
+def test_merging_never_increases_wrs(
+    t: tuple[Segments, Segments, Op], limits: DeviceLimits
+) -> None:
+    local, remote, op = t
+    merged = plan_transfer(local, remote, op, limits)
+    unmerged = plan_transfer(local, remote, op, limits, merge=False)
+    assert merged.num_wrs <= unmerged.num_wrs
+    # The unmerged plan is valid too, and does the same.
+    l1, r1 = bytearray(range(256)), bytearray(range(255, -1, -1))
+    l2, r2 = bytearray(l1), bytearray(r1)
+    apply_plan(merged, l1, r1)
+    apply_plan(unmerged, l2, r2)
+    assert (l1, r1) == (l2, r2)
+
+
+@PROPS
+@given(transfer(source_may_overlap=False), limits_st)
+def test_wr_count_is_minimal(t: tuple[Segments, Segments, Op], limits: DeviceLimits) -> None:
+    local, remote, op = t
+    plan = plan_transfer(local, remote, op, limits)
+    assert plan.num_wrs == fewest_wrs(local, remote, limits.sge_limit(op), limits.max_msg_sz)
+
+
+@PROPS
+@given(transfer(), limits_st)
+def test_same_plan_as_per_segment_reference(
+    t: tuple[Segments, Segments, Op], limits: DeviceLimits
+) -> None:
+    local, remote, op = t
+    assert plan_transfer(local, remote, op, limits) == REFERENCE.reference_plan(
+        local, remote, op, limits
+    )
+
+
+@PROPS
+@given(transfer(), limits_st, st.data())
+def test_plan_ignores_how_the_stream_is_cut(
+    t: tuple[Segments, Segments, Op], limits: DeviceLimits, data: st.DataObject
+) -> None:
+    local, remote, op = t
+
+    def split(seg: Segments) -> Segments:
+        pairs: list[tuple[int, int]] = []
+        for o, n in seg.pairs():
+            cut = data.draw(st.integers(0, n - 1))
+            pairs += [(o, cut), (o + cut, n - cut)] if cut else [(o, n)]
+        return Segments.from_pairs(pairs)
+
+    assert plan_transfer(split(local), split(remote), op, limits) == plan_transfer(
+        local, remote, op, limits
+    )
+
+
+@PROPS
+@given(
+    st.integers(1, 12),
+    st.integers(1, 16),
+    st.integers(0, 24),
+    limits_st,
+    st.sampled_from([Op.WRITE, Op.READ]),
+    st.randoms(use_true_random=False),
+)
+def test_strided_against_contiguous(
+    count: int,
+    size: int,
+    extra: int,
+    limits: DeviceLimits,
+    op: Op,
+    rnd,  # type: ignore[no-untyped-def]
+) -> None:
+    strided = StridedDesc(offset=0, count=count, size=size, stride=size + extra, alignment=None)
+    packed = Segments([5], [count * size])
+    plan = plan_transfer(strided, packed, op, limits)
+    seg = strided.to_segments()
+    lbuf = bytearray(rnd.randbytes(end_of(seg)))
+    rbuf = bytearray(rnd.randbytes(5 + count * size))
+    want_l, want_r = bytearray(lbuf), bytearray(rbuf)
+    if op is Op.WRITE:
+        direct_copy(bytes(lbuf), seg, want_r, packed)
+    else:
+        direct_copy(bytes(rbuf), packed, want_l, seg)
+    apply_plan(plan, lbuf, rbuf)
+    assert (lbuf, rbuf) == (want_l, want_r)
+    if extra == 0:  # stride == size: one segment, cut only by max_msg_sz
+        assert plan.num_sges == plan.num_wrs == -(-count * size // limits.max_msg_sz)
+
+
+# --------------------------------------------------------------------------- invalid input
+
+
+@PROPS
+@given(transfer(), limits_st, st.integers(1, 5))
+def test_mismatched_totals_always_raise(
+    t: tuple[Segments, Segments, Op], limits: DeviceLimits, extra: int
+) -> None:
+    local, remote, op = t
+    longer = Segments.from_pairs([*remote.pairs(), (end_of(remote) + 1, extra)])
+    with pytest.raises(DescriptorError, match="totals differ"):
+        plan_transfer(local, longer, op, limits)
+
+
+@PROPS
+@given(st.data(), limits_st, st.sampled_from([Op.WRITE, Op.READ]))
+def test_overlapping_destination_always_raises(
+    data: st.DataObject, limits: DeviceLimits, op: Op
+) -> None:
+    total = data.draw(st.integers(2, 64))
+    dst = data.draw(side(total, disjoint=True))
+    pairs = dst.pairs()
+    # Move one element onto a byte that another element (or itself, shifted) covers.
+    i = data.draw(st.integers(0, len(pairs) - 1))
+    j = data.draw(st.integers(0, len(pairs) - 1))
+    oj, nj = pairs[j]
+    o, n = pairs[i]
+    if i == j:
+        assume(n >= 2)
+        pairs.append((o + n // 2, 1))
+        pairs[i] = (o, n - 1) if n > 1 else pairs[i]
+        pairs = [p for p in pairs if p[1] > 0]
+    else:
+        pairs[i] = (oj + data.draw(st.integers(0, nj - 1)), n)
+    bad = Segments.from_pairs(pairs)
+    assume(bad.first_overlap() is not None)
+    src = Segments([0], [bad.nbytes])
+    with pytest.raises(DescriptorError, match="overlaps itself"):
+        if op is Op.WRITE:
+            plan_transfer(src, bad, op, limits)
+        else:
+            plan_transfer(bad, src, op, limits)
+
+
+@PROPS
+@given(
+    st.lists(st.integers(-(2**70), 2**70), min_size=1, max_size=6),
+    st.lists(st.integers(-(2**70), 2**70), min_size=1, max_size=6),
+)
+def test_segments_accept_only_valid_values(offsets: list[int], lengths: list[int]) -> None:
+    ok = (
+        len(offsets) == len(lengths)
+        and all(n >= 1 for n in lengths)
+        and all(o >= 0 for o in offsets)
+        and all(o + n <= INT64_MAX for o, n in zip(offsets, lengths, strict=True))
+        and sum(lengths) <= INT64_MAX
+    )
+    if ok:
+        seg = Segments(offsets, lengths)
+        assert seg.pairs() == list(zip(offsets, lengths, strict=True))
+        assert seg.nbytes == sum(lengths)
+    else:
+        with pytest.raises(DescriptorError):
+            Segments(offsets, lengths)
+
+
+@PROPS
+@given(
+    st.integers(-4, 2**64),
+    st.integers(-4, 2**40),
+    st.integers(-4, 2**40),
+    st.integers(-(2**62), 2**62),
+)
+def test_strided_accepts_only_valid_values(offset: int, count: int, size: int, stride: int) -> None:
+    last = offset + (count - 1) * stride
+    ok = (
+        offset >= 0
+        and count >= 1
+        and size >= 1
+        and count <= 1 << 26
+        and last >= 0
+        and max(offset, last) + size <= INT64_MAX
+        and count * size <= INT64_MAX
+    )
+    if ok:
+        desc = StridedDesc(offset=offset, count=count, size=size, stride=stride, alignment=None)
+        assert desc.nbytes == count * size
+    else:
+        with pytest.raises(DescriptorError):
+            StridedDesc(offset=offset, count=count, size=size, stride=stride, alignment=None)
