@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "HixlError",
+    "ArgumentError",
     "DescriptorError",
     "AlignmentError",
     "BoundsError",
@@ -28,6 +29,10 @@ __all__ = [
 
 class HixlError(Exception):
     """Root of every error raised by hixl."""
+
+
+class ArgumentError(HixlError, ValueError):
+    """An argument is malformed: a bad engine id, notification name, option value..."""
 
 
 class DescriptorError(HixlError, ValueError):

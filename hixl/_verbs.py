@@ -520,6 +520,19 @@ class QueuePair:
             self._qp.modify(attr, mask)
         log.debug("qp %#x connected to %#x (mtu %d)", self.qpn, remote_qpn, mtu)
 
+    def to_error(self) -> None:
+        """Move the QP to the error state: outstanding work requests are flushed.
+
+        After this returns the device no longer touches memory for this QP's
+        requests, so buffers of transfers that were in flight may be reused.
+        """
+        if self._closed:
+            return
+        attr = _qp.QPAttr()
+        attr.qp_state = _e.IBV_QPS_ERR
+        with _translate("modify_qp(ERR)"):
+            self._qp.modify(attr, _e.IBV_QP_STATE)
+
     def post_send(self, requests: Sequence[SendRequest]) -> None:
         """Post ``requests`` as one chain with a single ``ibv_post_send``."""
         if self._closed:
