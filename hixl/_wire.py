@@ -818,24 +818,35 @@ class Decoder:
             self._error = exc
             self._error_code = self._error_code or ErrorCode.MALFORMED
             self._buf = bytearray()
+            self._msg_type = None
             raise
 
     def eof(self) -> None:
-        """Declare the stream ended; raises :class:`HandshakeError` inside a frame."""
+        """Declare the stream ended; raises :class:`HandshakeError` inside a frame.
+
+        A stream cut inside a frame poisons the decoder like a malformed one.
+        """
         if self._error is not None:
             raise HandshakeError(
                 f"decoder is unusable after an earlier error: {self._error}"
             ) from self._error
         if self._msg_type is not None:
-            raise HandshakeError(
+            problem = (
                 f"connection closed inside a {self._msg_type.name} frame: got "
                 f"{len(self._buf)} of {self._body_len} payload bytes"
             )
-        if self._buf:
-            raise HandshakeError(
+        elif self._buf:
+            problem = (
                 f"connection closed inside a frame header: got {len(self._buf)} of "
                 f"{HEADER_SIZE} bytes"
             )
+        else:
+            return
+        self._error = HandshakeError(problem)
+        self._error_code = ErrorCode.MALFORMED
+        self._buf = bytearray()
+        self._msg_type = None
+        raise self._error
 
     def _feed(self, view: memoryview) -> list[Message]:
         out: list[Message] = []
