@@ -45,6 +45,7 @@ collected while open warns with ``ResourceWarning``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import secrets
@@ -56,7 +57,7 @@ import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -75,6 +76,8 @@ from hixl._plan import DeviceLimits, Op, check_alignment, check_bounds, plan_tra
 from hixl._wire import RemoteRegion
 
 log = logging.getLogger("hixl.engine")
+
+_QI = TypeVar("_QI", _wire.Info, _wire.Accept)
 
 __all__ = [
     "Access",
@@ -161,8 +164,7 @@ class Region:
     :meth:`Engine.deregister` (or by closing the engine).
     """
 
-    def __init__(self, engine: Engine, mr: _verbs.MemoryRegion, access: Access, name: str
-                 ) -> None:
+    def __init__(self, engine: Engine, mr: _verbs.MemoryRegion, access: Access, name: str) -> None:
         self._engine = engine
         self._mr = mr
         self.addr = mr.addr
@@ -180,14 +182,20 @@ class Region:
         remote_bits = int(self.access) & (_wire.REMOTE_READ | _wire.REMOTE_WRITE)
         if not remote_bits or self.closed:
             return None
-        return RemoteRegion(addr=self.addr, length=self.length, rkey=self._mr.rkey,
-                            access=remote_bits, name=self.name)
+        return RemoteRegion(
+            addr=self.addr,
+            length=self.length,
+            rkey=self._mr.rkey,
+            access=remote_bits,
+            name=self.name,
+        )
 
     def __repr__(self) -> str:
         name = f" name={self.name!r}" if self.name else ""
         state = " closed" if self.closed else ""
-        return (f"<Region addr={self.addr:#x} length={self.length} "
-                f"access={self.access!r}{name}{state}>")
+        return (
+            f"<Region addr={self.addr:#x} length={self.length} access={self.access!r}{name}{state}>"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -246,7 +254,8 @@ class TransferHandle:
         if not self._event.wait(max(0.0, limit)):
             raise TransferTimeout(
                 f"transfer to {self.peer} still pending after {timeout} s "
-                f"({self.nbytes} bytes, {self.num_wrs} work requests)")
+                f"({self.nbytes} bytes, {self.num_wrs} work requests)"
+            )
         if self._error is not None:
             raise self._error
 
@@ -258,8 +267,10 @@ class TransferHandle:
         self._event.set()
 
     def __repr__(self) -> str:
-        return (f"<TransferHandle peer={self.peer} nbytes={self.nbytes} "
-                f"wrs={self.num_wrs} status={self._status.value}>")
+        return (
+            f"<TransferHandle peer={self.peer} nbytes={self.nbytes} "
+            f"wrs={self.num_wrs} status={self._status.value}>"
+        )
 
 
 @dataclass(slots=True)
@@ -287,13 +298,18 @@ class Connection:
         self.mtu = 0
         self._remote: tuple[RemoteRegion, ...] = ()
         dev = engine._dev
-        self._qp = dev.create_rc_qp(engine._send_cq, engine._recv_cq, engine._sq_depth,
-                                    _RECV_SLOTS, dev.caps.max_sge, 1)
+        self._qp = dev.create_rc_qp(
+            engine._send_cq, engine._recv_cq, engine._sq_depth, _RECV_SLOTS, dev.caps.max_sge, 1
+        )
         self.qpn = self._qp.qpn
         self.psn = secrets.randbits(24)
         self._recv_buf = np.zeros(_RECV_SLOTS * _NOTIFY_SLOT, dtype=np.uint8)
-        self._recv_mr = dev.register(self._recv_buf.ctypes.data, self._recv_buf.nbytes,
-                                     _verbs.ACCESS_LOCAL_WRITE, self._recv_buf)
+        self._recv_mr = dev.register(
+            self._recv_buf.ctypes.data,
+            self._recv_buf.nbytes,
+            _verbs.ACCESS_LOCAL_WRITE,
+            self._recv_buf,
+        )
         for slot in range(_RECV_SLOTS):
             self._post_recv(slot)
         self._sock: socket.socket | None = None
@@ -313,64 +329,90 @@ class Connection:
         if len(found) != 1:
             names = sorted({r.name for r in self._remote if r.name})
             what = "no" if not found else f"{len(found)}"
-            raise RegistrationError(f"peer {self.peer} has {what} region named {name!r} "
-                                    f"(named regions: {names})")
+            raise RegistrationError(
+                f"peer {self.peer} has {what} region named {name!r} (named regions: {names})"
+            )
         return found[0]
 
     def find_remote(self, addr: int, nbytes: int) -> RemoteRegion:
-        """The peer region holding ``[addr, addr + nbytes)``; :class:`BoundsError`-like error if none."""
+        """The peer region holding ``[addr, addr + nbytes)``.
+
+        Raises :class:`RegistrationError` when no region the peer exposes holds it.
+        """
         for r in self._remote:
             if r.addr <= addr and addr + nbytes <= r.addr + r.length:
                 return r
         raise RegistrationError(
             f"remote memory not registered: addr={addr:#x} nbytes={nbytes} is in no region "
-            f"peer {self.peer} exposes ({len(self._remote)} regions)")
+            f"peer {self.peer} exposes ({len(self._remote)} regions)"
+        )
 
     def __repr__(self) -> str:
-        return (f"<Connection peer={self.peer} qpn={self.qpn:#x} state={self.state.name} "
-                f"mtu={self.mtu} regions={len(self._remote)}>")
+        return (
+            f"<Connection peer={self.peer} qpn={self.qpn:#x} state={self.state.name} "
+            f"mtu={self.mtu} regions={len(self._remote)}>"
+        )
 
     # -- state ---------------------------------------------------------------------------
     def _transition(self, event: str) -> None:
         key = (self.state, event)
         if key not in _TRANSITIONS:
-            raise StateError(f"connection to {self.peer}: illegal transition {event!r} "
-                             f"in state {self.state.name}")
+            raise StateError(
+                f"connection to {self.peer}: illegal transition {event!r} "
+                f"in state {self.state.name}"
+            )
         self.state = _TRANSITIONS[key]
 
     def _check_ready(self) -> None:
         if self.state is ConnState.READY:
             return
         if self.state is ConnState.FAILED:
-            raise ConnectionFailed(f"connection to {self.peer} has failed: {self.failure}; "
-                                   "disconnect and connect again")
+            raise ConnectionFailed(
+                f"connection to {self.peer} has failed: {self.failure}; "
+                "disconnect and connect again"
+            )
         raise StateError(f"connection to {self.peer} is {self.state.name}")
 
     # -- verbs ---------------------------------------------------------------------------
     def _post_recv(self, slot: int) -> None:
-        self._qp.post_recv(slot, [(self._recv_mr.addr + slot * _NOTIFY_SLOT, _NOTIFY_SLOT,
-                                   self._recv_mr.lkey)])
+        self._qp.post_recv(
+            slot, [(self._recv_mr.addr + slot * _NOTIFY_SLOT, _NOTIFY_SLOT, self._recv_mr.lkey)]
+        )
 
-    def _local_info(self, cls: type[_wire.QpInfo], proof: bytes) -> _wire.QpInfo:
+    def _local_info(self, cls: type[_QI], proof: bytes) -> _QI:
         dev = self._engine._dev
-        return cls(proof=proof, qpn=self.qpn, psn=self.psn, gid=dev.gid, mtu=dev.active_mtu,
-                   max_sge=dev.caps.max_sge, recv_slots=_RECV_SLOTS,
-                   recv_slot_size=_NOTIFY_SLOT, regions=self._engine._exposed())
+        return cls(
+            proof=proof,
+            qpn=self.qpn,
+            psn=self.psn,
+            gid=dev.gid,
+            mtu=dev.active_mtu,
+            max_sge=dev.caps.max_sge,
+            recv_slots=_RECV_SLOTS,
+            recv_slot_size=_NOTIFY_SLOT,
+            regions=self._engine._exposed(),
+        )
 
     def _establish(self, remote: _wire.QpInfo) -> None:
         self.mtu = min(self._engine._dev.active_mtu, remote.mtu)
-        self._qp.connect(remote.qpn, remote.psn, self.psn, remote.gid, self.mtu,
-                         timeout=self._engine._qp_timeout, retry_cnt=7, rnr_retry=7)
+        self._qp.connect(
+            remote.qpn,
+            remote.psn,
+            self.psn,
+            remote.gid,
+            self.mtu,
+            timeout=self._engine._qp_timeout,
+            retry_cnt=7,
+            rnr_retry=7,
+        )
         self._remote = remote.regions
 
     def _destroy(self) -> None:
         self._qp.close()
         self._recv_mr.close()
         if self._sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._sock.close()
-            except OSError:
-                pass
 
 
 def _buffer_span(obj: object) -> tuple[int, int, object, bool]:
@@ -380,24 +422,28 @@ def _buffer_span(obj: object) -> tuple[int, int, object, bool]:
         return int(addr), int(length), None, False
     if hasattr(obj, "data_ptr") and hasattr(obj, "element_size") and hasattr(obj, "numel"):
         # A torch tensor, duck-typed so hixl does not depend on torch.
-        dev_type = getattr(getattr(obj, "device", None), "type", "cpu")
+        tensor: Any = obj
+        dev_type = getattr(getattr(tensor, "device", None), "type", "cpu")
         if dev_type != "cpu":
             raise RegistrationError(f"only CPU tensors can be registered, got device {dev_type}")
-        if not obj.is_contiguous():  # type: ignore[attr-defined]
+        if not tensor.is_contiguous():
             raise RegistrationError("tensor is not contiguous; register .contiguous() instead")
-        nbytes = int(obj.numel()) * int(obj.element_size())  # type: ignore[attr-defined]
-        return int(obj.data_ptr()), nbytes, obj, False  # type: ignore[attr-defined]
+        nbytes = int(tensor.numel()) * int(tensor.element_size())
+        return int(tensor.data_ptr()), nbytes, tensor, False
     if isinstance(obj, np.ndarray):
         if not (obj.flags.c_contiguous or obj.flags.f_contiguous):
-            raise RegistrationError(f"array is not contiguous (strides {obj.strides}); "
-                                    "register its base buffer and use a strided descriptor")
+            raise RegistrationError(
+                f"array is not contiguous (strides {obj.strides}); "
+                "register its base buffer and use a strided descriptor"
+            )
         return int(obj.ctypes.data), int(obj.nbytes), obj, not obj.flags.writeable
     try:
         view = memoryview(obj)  # type: ignore[arg-type]
     except TypeError as exc:
         raise RegistrationError(
             f"cannot register {type(obj).__name__}: not a buffer, array, tensor or "
-            "(address, length) tuple") from exc
+            "(address, length) tuple"
+        ) from exc
     if not view.contiguous:
         raise RegistrationError("buffer is not contiguous")
     arr = np.frombuffer(view.cast("B"), dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)
@@ -422,11 +468,20 @@ class Engine:
     device is usable, :class:`OSError` when the address cannot be bound.
     """
 
-    def __init__(self, engine_id: str = "127.0.0.1:0", *, device: str | None = None,
-                 port: int | None = None, gid_index: int | None = None,
-                 token: bytes | str | None = None, alignment: int | None = 64,
-                 send_queue_depth: int = 512, handshake_timeout: float = 10.0,
-                 qp_timeout: int = 14, max_peers: int = 64) -> None:
+    def __init__(
+        self,
+        engine_id: str = "127.0.0.1:0",
+        *,
+        device: str | None = None,
+        port: int | None = None,
+        gid_index: int | None = None,
+        token: bytes | str | None = None,
+        alignment: int | None = 64,
+        send_queue_depth: int = 512,
+        handshake_timeout: float = 10.0,
+        qp_timeout: int = 14,
+        max_peers: int = 64,
+    ) -> None:
         try:
             host, tcp_port = _wire.parse_engine_id(engine_id)
         except ValueError as exc:
@@ -443,14 +498,18 @@ class Engine:
         try:
             caps = self._dev.caps
             self._sq_depth = max(_CHUNK * 2, min(send_queue_depth, caps.max_qp_wr))
-            self.limits = DeviceLimits(max_sge=caps.max_sge, max_sge_rd=caps.max_sge_rd,
-                                       max_msg_sz=min(caps.max_msg_sz, 0xFFFF_FFFF))
+            self.limits = DeviceLimits(
+                max_sge=caps.max_sge,
+                max_sge_rd=caps.max_sge_rd,
+                max_msg_sz=min(caps.max_msg_sz, 0xFFFF_FFFF),
+            )
             cq_depth = max_peers * (self._sq_depth // _CHUNK + _RECV_SLOTS + 4)
             self._send_cq = self._dev.create_cq(cq_depth)
             self._recv_cq = self._dev.create_cq(max_peers * _RECV_SLOTS + 16)
             self._notify_buf = np.zeros(_SEND_NOTIFY_SLOTS * _NOTIFY_SLOT, dtype=np.uint8)
-            self._notify_mr = self._dev.register(self._notify_buf.ctypes.data,
-                                                 self._notify_buf.nbytes, 0, self._notify_buf)
+            self._notify_mr = self._dev.register(
+                self._notify_buf.ctypes.data, self._notify_buf.nbytes, 0, self._notify_buf
+            )
             self._free_notify = list(range(_SEND_NOTIFY_SLOTS))
             self._listener: socket.socket | None = None
             if tcp_port:
@@ -474,8 +533,9 @@ class Engine:
             self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._stop = threading.Event()
         self._closed = False
-        self._thread = threading.Thread(target=self._progress, name=f"hixl-progress-{self.id}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._progress, name=f"hixl-progress-{self.id}", daemon=True
+        )
         self._thread.start()
         log.debug("engine %s up on %r", self.id, self._dev)
 
@@ -492,8 +552,10 @@ class Engine:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return (f"<Engine id={getattr(self, 'id', '?')} peers={len(getattr(self, '_conns', {}))}"
-                f" regions={len(getattr(self, '_regions', {}))} {state}>")
+        return (
+            f"<Engine id={getattr(self, 'id', '?')} peers={len(getattr(self, '_conns', {}))}"
+            f" regions={len(getattr(self, '_regions', {}))} {state}>"
+        )
 
     @property
     def closed(self) -> bool:
@@ -530,8 +592,9 @@ class Engine:
             raise StateError(f"engine {self.id} is closed")
 
     # -- memory --------------------------------------------------------------------------
-    def register(self, buffer: object, *, access: Access = Access.LOCAL_WRITE, name: str = ""
-                 ) -> Region:
+    def register(
+        self, buffer: object, *, access: Access = Access.LOCAL_WRITE, name: str = ""
+    ) -> Region:
         """Register ``buffer`` for transfers; return its :class:`Region`.
 
         ``buffer`` is anything with the buffer protocol (bytearray, mmap,
@@ -553,9 +616,11 @@ class Engine:
         if length <= 0:
             raise RegistrationError(f"cannot register an empty buffer (nbytes={length})")
         if readonly and access & (Access.LOCAL_WRITE | Access.REMOTE_WRITE):
-            raise RegistrationError(f"buffer at {addr:#x} (nbytes={length}) is read-only; "
-                                    f"register it with access=Access.NONE or REMOTE_READ, "
-                                    f"not {access!r}")
+            raise RegistrationError(
+                f"buffer at {addr:#x} (nbytes={length}) is read-only; "
+                f"register it with access=Access.NONE or REMOTE_READ, "
+                f"not {access!r}"
+            )
         if len(name) > 128 or not all(c.isprintable() for c in name):
             raise ArgumentError(f"region name must be <= 128 printable characters: {name!r}")
         with self._lock:
@@ -564,7 +629,8 @@ class Engine:
                 if existing.access != access or existing.name != name:
                     raise RegistrationError(
                         f"memory addr={addr:#x} nbytes={length} is already registered with "
-                        f"access={existing.access!r} name={existing.name!r}; deregister first")
+                        f"access={existing.access!r} name={existing.name!r}; deregister first"
+                    )
                 return existing
             mr = self._dev.register(addr, length, int(access), owner)
             region = Region(self, mr, access, name)
@@ -592,13 +658,18 @@ class Engine:
             return list(self._regions.values())
 
     def find_region(self, addr: int, nbytes: int) -> Region:
-        """The local region holding ``[addr, addr + nbytes)``; :class:`RegistrationError` if none."""
+        """The local region holding ``[addr, addr + nbytes)``.
+
+        Raises :class:`RegistrationError` when no registered region holds it.
+        """
         with self._lock:
             for r in self._regions.values():
                 if r.addr <= addr and addr + nbytes <= r.addr + r.length:
                     return r
-        raise RegistrationError(f"local memory not registered: addr={addr:#x} "
-                                f"nbytes={nbytes} is in no registered region")
+        raise RegistrationError(
+            f"local memory not registered: addr={addr:#x} "
+            f"nbytes={nbytes} is in no registered region"
+        )
 
     def _exposed(self) -> tuple[RemoteRegion, ...]:
         return tuple(r.remote for r in self._regions.values() if r.remote is not None)
@@ -679,8 +750,10 @@ class Engine:
     def _adopt(self, conn: Connection, chan: _Channel) -> None:
         """Make a handshaken connection live: index it and watch its control socket."""
         if len(self._conns) >= self._max_peers:
-            raise ConnectionFailed(f"engine {self.id} already has {len(self._conns)} peers "
-                                   f"(max_peers={self._max_peers})")
+            raise ConnectionFailed(
+                f"engine {self.id} already has {len(self._conns)} peers "
+                f"(max_peers={self._max_peers})"
+            )
         conn._transition("established")
         conn._sock = chan.sock
         conn._decoder = chan.decoder
@@ -699,9 +772,14 @@ class Engine:
             hello = chan.expect(_wire.Hello, deadline)
             chan.peer = hello.engine_id
             nonce = _wire.make_nonce()
-            chan.send(_wire.Challenge(engine_id=self.id, nonce=nonce,
-                                      proof=_wire.proof(self._token, "server", hello.nonce,
-                                                        self.id)), deadline)
+            chan.send(
+                _wire.Challenge(
+                    engine_id=self.id,
+                    nonce=nonce,
+                    proof=_wire.proof(self._token, "server", hello.nonce, self.id),
+                ),
+                deadline,
+            )
             info = chan.expect(_wire.Info, deadline)
             if not _wire.verify_proof(self._token, "client", nonce, hello.engine_id, info.proof):
                 chan.refuse(_wire.ErrorCode.AUTH, "authentication failed")
@@ -710,8 +788,10 @@ class Engine:
                 self._check_open()
                 old = self._conns.get(hello.engine_id)
                 if old is not None and old.state is ConnState.READY:
-                    chan.refuse(_wire.ErrorCode.ALREADY_CONNECTED,
-                                f"{hello.engine_id} is already connected to {self.id}")
+                    chan.refuse(
+                        _wire.ErrorCode.ALREADY_CONNECTED,
+                        f"{hello.engine_id} is already connected to {self.id}",
+                    )
                     raise ConnectionFailed(f"peer {hello.engine_id} is already connected")
                 if old is not None:
                     self._drop(old, "replaced by a new connection", send_bye=False)
@@ -769,8 +849,9 @@ class Engine:
             conn._qp.to_error()
         except HixlError as exc:
             log.debug("moving qp of %s to ERR failed: %s", conn.peer, exc)
-        self._fail_pending(conn, error or ConnectionFailed(
-            f"connection to {conn.peer} failed: {reason}"))
+        self._fail_pending(
+            conn, error or ConnectionFailed(f"connection to {conn.peer} failed: {reason}")
+        )
 
     def _fail_pending(self, conn: Connection, error: HixlError) -> None:
         handles = {c.handle for c in list(conn._inflight.values()) + list(conn._backlog)}
@@ -787,32 +868,34 @@ class Engine:
     def _drop(self, conn: Connection, reason: str, *, send_bye: bool) -> None:
         """Close ``conn`` for good and forget it (caller holds the lock)."""
         if send_bye and conn._sock is not None and conn.state is ConnState.READY:
-            try:
+            with contextlib.suppress(OSError):
                 conn._sock.sendall(_wire.encode(_wire.Bye(reason=reason[:1000])))
-            except OSError:
-                pass
         if conn.state is ConnState.READY:
-            try:
+            with contextlib.suppress(HixlError):
                 conn._qp.to_error()
-            except HixlError:
-                pass
         self._fail_pending(conn, ConnectionFailed(f"connection to {conn.peer} closed: {reason}"))
         conn._transition("close")
         if conn._sock is not None:
-            try:
+            with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(conn._sock)
-            except (KeyError, ValueError):
-                pass
         self._by_qpn.pop(conn.qpn, None)
         if self._conns.get(conn.peer) is conn:
             del self._conns[conn.peer]
         conn._destroy()
 
     # -- transfers -----------------------------------------------------------------------
-    def put(self, peer: str, local: Region, remote: RemoteRegion | str, *,
-            local_desc: Descriptor | None = None, remote_desc: Descriptor | None = None,
-            notify: str | None = None, notify_message: bytes = b"",
-            timeout: float = 30.0) -> None:
+    def put(
+        self,
+        peer: str,
+        local: Region,
+        remote: RemoteRegion | str,
+        *,
+        local_desc: Descriptor | None = None,
+        remote_desc: Descriptor | None = None,
+        notify: str | None = None,
+        notify_message: bytes = b"",
+        timeout: float = 30.0,
+    ) -> None:
         """RDMA WRITE ``local_desc`` of ``local`` into ``remote_desc`` of the peer's ``remote``.
 
         Blocks until the data has landed (and the notification, if any, was
@@ -821,47 +904,94 @@ class Engine:
         :class:`CompletionError`, :class:`ConnectionFailed` or
         :class:`TransferTimeout` (after ``timeout`` seconds) after it.
         """
-        self.put_async(peer, local, remote, local_desc=local_desc, remote_desc=remote_desc,
-                       notify=notify, notify_message=notify_message, timeout=timeout).wait()
+        self.put_async(
+            peer,
+            local,
+            remote,
+            local_desc=local_desc,
+            remote_desc=remote_desc,
+            notify=notify,
+            notify_message=notify_message,
+            timeout=timeout,
+        ).wait()
 
-    def get(self, peer: str, local: Region, remote: RemoteRegion | str, *,
-            local_desc: Descriptor | None = None, remote_desc: Descriptor | None = None,
-            timeout: float = 30.0) -> None:
+    def get(
+        self,
+        peer: str,
+        local: Region,
+        remote: RemoteRegion | str,
+        *,
+        local_desc: Descriptor | None = None,
+        remote_desc: Descriptor | None = None,
+        timeout: float = 30.0,
+    ) -> None:
         """RDMA READ the peer's ``remote_desc`` of ``remote`` into ``local_desc`` of ``local``.
 
         Errors as for :meth:`put`.  ``local`` needs ``Access.LOCAL_WRITE``.
         """
-        self.get_async(peer, local, remote, local_desc=local_desc, remote_desc=remote_desc,
-                       timeout=timeout).wait()
+        self.get_async(
+            peer, local, remote, local_desc=local_desc, remote_desc=remote_desc, timeout=timeout
+        ).wait()
 
-    def put_async(self, peer: str, local: Region, remote: RemoteRegion | str, *,
-                  local_desc: Descriptor | None = None, remote_desc: Descriptor | None = None,
-                  notify: str | None = None, notify_message: bytes = b"",
-                  timeout: float = 30.0) -> TransferHandle:
+    def put_async(
+        self,
+        peer: str,
+        local: Region,
+        remote: RemoteRegion | str,
+        *,
+        local_desc: Descriptor | None = None,
+        remote_desc: Descriptor | None = None,
+        notify: str | None = None,
+        notify_message: bytes = b"",
+        timeout: float = 30.0,
+    ) -> TransferHandle:
         """Start a put (see :meth:`put`); return its :class:`TransferHandle`."""
-        req = TransferRequest(op="write", local=local, remote=remote, local_desc=local_desc,
-                              remote_desc=remote_desc)
-        return self.transfer_async(peer, [req], notify=notify, notify_message=notify_message,
-                                   timeout=timeout)
+        req = TransferRequest(
+            op="write", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
+        )
+        return self.transfer_async(
+            peer, [req], notify=notify, notify_message=notify_message, timeout=timeout
+        )
 
-    def get_async(self, peer: str, local: Region, remote: RemoteRegion | str, *,
-                  local_desc: Descriptor | None = None, remote_desc: Descriptor | None = None,
-                  timeout: float = 30.0) -> TransferHandle:
+    def get_async(
+        self,
+        peer: str,
+        local: Region,
+        remote: RemoteRegion | str,
+        *,
+        local_desc: Descriptor | None = None,
+        remote_desc: Descriptor | None = None,
+        timeout: float = 30.0,
+    ) -> TransferHandle:
         """Start a get (see :meth:`get`); return its :class:`TransferHandle`."""
-        req = TransferRequest(op="read", local=local, remote=remote, local_desc=local_desc,
-                              remote_desc=remote_desc)
+        req = TransferRequest(
+            op="read", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
+        )
         return self.transfer_async(peer, [req], timeout=timeout)
 
-    def transfer(self, peer: str, requests: Sequence[TransferRequest], *,
-                 notify: str | None = None, notify_message: bytes = b"",
-                 timeout: float = 30.0) -> None:
+    def transfer(
+        self,
+        peer: str,
+        requests: Sequence[TransferRequest],
+        *,
+        notify: str | None = None,
+        notify_message: bytes = b"",
+        timeout: float = 30.0,
+    ) -> None:
         """Run a batch of requests to one peer as one transfer; block until done."""
-        self.transfer_async(peer, requests, notify=notify, notify_message=notify_message,
-                            timeout=timeout).wait()
+        self.transfer_async(
+            peer, requests, notify=notify, notify_message=notify_message, timeout=timeout
+        ).wait()
 
-    def transfer_async(self, peer: str, requests: Sequence[TransferRequest], *,
-                       notify: str | None = None, notify_message: bytes = b"",
-                       timeout: float = 30.0) -> TransferHandle:
+    def transfer_async(
+        self,
+        peer: str,
+        requests: Sequence[TransferRequest],
+        *,
+        notify: str | None = None,
+        notify_message: bytes = b"",
+        timeout: float = 30.0,
+    ) -> TransferHandle:
         """Validate and plan every request, then post them all; return one handle.
 
         Nothing is posted unless every request is valid.  With ``notify``,
@@ -886,13 +1016,16 @@ class Engine:
                 wrs.extend(built)
                 nbytes += n
             handle = TransferHandle(peer, nbytes, len(wrs), time.monotonic() + timeout)
-            chunks = [_Chunk(wrs[i:i + _CHUNK], handle) for i in range(0, len(wrs), _CHUNK)]
+            chunks = [_Chunk(wrs[i : i + _CHUNK], handle) for i in range(0, len(wrs), _CHUNK)]
             if payload is not None:
                 slot = self._take_notify_slot()
                 start = slot * _NOTIFY_SLOT
-                self._notify_buf[start:start + len(payload)] = np.frombuffer(payload, np.uint8)
-                send = _verbs.SendRequest(0, _verbs.WR_SEND, [(
-                    self._notify_mr.addr + start, len(payload), self._notify_mr.lkey)])
+                self._notify_buf[start : start + len(payload)] = np.frombuffer(payload, np.uint8)
+                send = _verbs.SendRequest(
+                    0,
+                    _verbs.WR_SEND,
+                    [(self._notify_mr.addr + start, len(payload), self._notify_mr.lkey)],
+                )
                 chunks.append(_Chunk([send], handle, slot))
             handle._chunks_left = len(chunks)
             for chunk in chunks:
@@ -905,13 +1038,13 @@ class Engine:
             self._pump(conn)
         return handle
 
-    def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0
-               ) -> None:
+    def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0) -> None:
         """Send a notification to ``peer`` alone (after everything posted before it)."""
         self.transfer(peer, [], notify=name, notify_message=message, timeout=timeout)
 
-    def _build(self, conn: Connection, req: TransferRequest, index: int
-               ) -> tuple[list[_verbs.SendRequest], int]:
+    def _build(
+        self, conn: Connection, req: TransferRequest, index: int
+    ) -> tuple[list[_verbs.SendRequest], int]:
         """Check one request against regions and policy, and plan its work requests."""
         where = f"request {index}"
         if req.op not in ("write", "read"):
@@ -919,17 +1052,21 @@ class Engine:
         op = Op.WRITE if req.op == "write" else Op.READ
         local = req.local
         if not isinstance(local, Region) or local._engine is not self or local.closed:
-            raise RegistrationError(f"{where}: local memory is not a region registered with "
-                                    f"this engine: {local!r}")
+            raise RegistrationError(
+                f"{where}: local memory is not a region registered with this engine: {local!r}"
+            )
         if op is Op.READ and not local.access & Access.LOCAL_WRITE:
-            raise RegistrationError(f"{where}: get needs a local region with LOCAL_WRITE "
-                                    f"access; {local!r}")
+            raise RegistrationError(
+                f"{where}: get needs a local region with LOCAL_WRITE access; {local!r}"
+            )
         remote = self._resolve_remote(conn, req.remote, where)
         need = _wire.REMOTE_WRITE if op is Op.WRITE else _wire.REMOTE_READ
         if not remote.access & need:
             verb = "writable" if op is Op.WRITE else "readable"
-            raise RegistrationError(f"{where}: peer region {remote.name or hex(remote.addr)} "
-                                    f"(length={remote.length}) is not remotely {verb}")
+            raise RegistrationError(
+                f"{where}: peer region {remote.name or hex(remote.addr)} "
+                f"(length={remote.length}) is not remotely {verb}"
+            )
         ldesc, rdesc = req.local_desc, req.remote_desc
         if ldesc is None and rdesc is None:
             ldesc = ContiguousDesc(offset=0, nbytes=local.length, alignment=None)
@@ -948,20 +1085,28 @@ class Engine:
         opcode = _verbs.WR_RDMA_WRITE if op is Op.WRITE else _verbs.WR_RDMA_READ
         laddr, lkey, raddr, rkey = local.addr, local._mr.lkey, remote.addr, remote.rkey
         out = [
-            _verbs.SendRequest(0, opcode, [(laddr + o, n, lkey) for o, n in sges],
-                               raddr + roff, rkey, signaled=False)
+            _verbs.SendRequest(
+                0,
+                opcode,
+                [(laddr + o, n, lkey) for o, n in sges],
+                raddr + roff,
+                rkey,
+                signaled=False,
+            )
             for roff, sges in plan.wrs()
         ]
         return out, plan.nbytes
 
-    def _resolve_remote(self, conn: Connection, remote: RemoteRegion | str, where: str
-                        ) -> RemoteRegion:
+    def _resolve_remote(
+        self, conn: Connection, remote: RemoteRegion | str, where: str
+    ) -> RemoteRegion:
         if isinstance(remote, str):
             return conn.remote_region(remote)
         if isinstance(remote, RemoteRegion) and remote in conn._remote:
             return remote
-        raise RegistrationError(f"{where}: remote memory {remote!r} is not a region peer "
-                                f"{conn.peer} exposes")
+        raise RegistrationError(
+            f"{where}: remote memory {remote!r} is not a region peer {conn.peer} exposes"
+        )
 
     def _take_notify_slot(self) -> int:
         if not self._free_notify:
@@ -997,8 +1142,7 @@ class Engine:
             self._notes.clear()
             return out
 
-    def wait_notification(self, name: str, timeout: float, peer: str | None = None
-                          ) -> Notification:
+    def wait_notification(self, name: str, timeout: float, peer: str | None = None) -> Notification:
         """Wait up to ``timeout`` s for a notification called ``name`` (from ``peer``).
 
         The matching notification is taken out of the queue; others stay.
@@ -1015,8 +1159,9 @@ class Engine:
                 if left <= 0 or self._closed:
                     break
                 self._notify_cv.wait(left)
-        raise TransferTimeout(f"no notification {name!r}"
-                              f"{' from ' + peer if peer else ''} within {timeout} s")
+        raise TransferTimeout(
+            f"no notification {name!r}{' from ' + peer if peer else ''} within {timeout} s"
+        )
 
     # -- progress ------------------------------------------------------------------------
     def _progress(self) -> None:
@@ -1088,7 +1233,7 @@ class Engine:
                 continue
             slot = wc.wr_id
             start = slot * _NOTIFY_SLOT
-            raw = bytes(conn._recv_buf[start:start + min(wc.byte_len, _NOTIFY_SLOT)])
+            raw = bytes(conn._recv_buf[start : start + min(wc.byte_len, _NOTIFY_SLOT)])
             note = _parse_notification(conn.peer, raw)
             try:
                 conn._post_recv(slot)
@@ -1106,7 +1251,8 @@ class Engine:
             err = TransferTimeout(
                 f"transfer to {h.peer} did not complete within its deadline "
                 f"({h.nbytes} bytes, {h.num_wrs} work requests); the connection is marked "
-                "failed because its requests cannot be recalled")
+                "failed because its requests cannot be recalled"
+            )
             conn = self._conns.get(h.peer)
             h._finish(err)
             self._handles.discard(h)
@@ -1123,8 +1269,12 @@ class Engine:
             sock.close()  # too many handshakes at once; the peer may retry
             return
         sock.setblocking(True)
-        threading.Thread(target=self._serve_handshake, args=(sock, addr), daemon=True,
-                         name=f"hixl-handshake-{addr[0]}:{addr[1]}").start()
+        threading.Thread(
+            target=self._serve_handshake,
+            args=(sock, addr),
+            daemon=True,
+            name=f"hixl-handshake-{addr[0]}:{addr[1]}",
+        ).start()
 
     def _read_control(self, conn: Connection) -> None:
         assert conn._sock is not None and conn._decoder is not None
@@ -1154,10 +1304,8 @@ class Engine:
             conn._remote = msg.regions
         elif isinstance(msg, _wire.Bye):
             if conn._sock is not None:
-                try:
+                with contextlib.suppress(KeyError, ValueError):
                     self._selector.unregister(conn._sock)
-                except (KeyError, ValueError):
-                    pass
             self._fail(conn, f"peer said goodbye: {msg.reason}")
         elif isinstance(msg, _wire.Notify):
             self._notes.append(Notification(conn.peer, msg.name, msg.message))
@@ -1171,18 +1319,19 @@ class Engine:
 def _completion_error(op: str, wc: _verbs.Completion, peer: str) -> HixlError:
     from hixl._errors import CompletionError
 
-    return CompletionError(f"{op} to {peer}", wc.status, wc.status_name, wc.wr_id,
-                           wc.vendor_err)
+    return CompletionError(f"{op} to {peer}", wc.status, wc.status_name, wc.wr_id, wc.vendor_err)
 
 
 def _notify_payload(name: str, message: bytes) -> bytes:
     if not isinstance(name, str) or not name or len(name) > _MAX_NOTIFY_NAME or "\0" in name:
-        raise ArgumentError(f"notification name must be 1..{_MAX_NOTIFY_NAME} characters "
-                            f"without NUL, got {name!r}")
+        raise ArgumentError(
+            f"notification name must be 1..{_MAX_NOTIFY_NAME} characters without NUL, got {name!r}"
+        )
     raw = name.encode() + b"\0" + bytes(message)
     if len(raw) > _NOTIFY_SLOT:
-        raise ArgumentError(f"notification too large: name+message={len(raw)} bytes, "
-                            f"at most {_NOTIFY_SLOT}")
+        raise ArgumentError(
+            f"notification too large: name+message={len(raw)} bytes, at most {_NOTIFY_SLOT}"
+        )
     return raw
 
 

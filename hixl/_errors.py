@@ -81,10 +81,14 @@ class CompletionError(VerbsError):
     for example ``IBV_WC_REM_ACCESS_ERR``.
     """
 
-    def __init__(self, op: str, status: int, status_name: str, wr_id: int = 0,
-                 vendor_err: int = 0) -> None:
-        super().__init__(op, f"completion status {status_name} ({status}), wr_id={wr_id}, "
-                             f"vendor_err={vendor_err:#x}")
+    def __init__(
+        self, op: str, status: int, status_name: str, wr_id: int = 0, vendor_err: int = 0
+    ) -> None:
+        super().__init__(
+            op,
+            f"completion status {status_name} ({status}), wr_id={wr_id}, "
+            f"vendor_err={vendor_err:#x}",
+        )
         self.status = status
         self.status_name = status_name
         self.wr_id = wr_id

@@ -19,8 +19,14 @@ from typing import Any
 
 
 def _sh(*args: str) -> None:
-    subprocess.run(list(args), check=True, timeout=60, stdin=subprocess.DEVNULL,
-                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    subprocess.run(
+        list(args),
+        check=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _nic_by_mac(mac: str) -> str:
@@ -55,17 +61,29 @@ def main(argv: list[str]) -> int:
         try:
             subprocess.run(["ip", "link", "set", "lo", "up"], check=False, timeout=30)
             up = [sys.executable, "-m", "hixl", "rxe", "up", *_bring_up_network(request["net"])]
-            setup = subprocess.run(up, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, timeout=120, check=False)
+            setup = subprocess.run(
+                up,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                timeout=120,
+                check=False,
+            )
             if setup.returncode != 0:
                 err.write(b"hixl vm: could not bring up a soft-RoCE device in the guest:\n")
                 err.write(setup.stdout)
                 rc = 125
             else:
                 out.flush()
-                rc = subprocess.run(request["command"], cwd=request["cwd"], env=env,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    check=False).returncode
+                rc = subprocess.run(
+                    request["command"],
+                    cwd=request["cwd"],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    check=False,
+                ).returncode
                 if rc < 0:  # killed by a signal: report it the way a shell does
                     rc = 128 - rc
         except FileNotFoundError as exc:

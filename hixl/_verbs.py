@@ -229,8 +229,9 @@ class Device:
         if self._closed:
             raise StateError(f"device {self.name} is closed")
 
-    def register(self, address: int, length: int, access: int, owner: object = None
-                 ) -> MemoryRegion:
+    def register(
+        self, address: int, length: int, access: int, owner: object = None
+    ) -> MemoryRegion:
         """Register ``length`` bytes at ``address`` with ``access`` flags.
 
         ``owner`` is the object that owns the memory; the region keeps it alive.
@@ -252,20 +253,31 @@ class Device:
         self._children.append(wrapped)
         return wrapped
 
-    def create_rc_qp(self, send_cq: CompletionQueue, recv_cq: CompletionQueue,
-                     max_send_wr: int, max_recv_wr: int, max_send_sge: int,
-                     max_recv_sge: int = 1) -> QueuePair:
+    def create_rc_qp(
+        self,
+        send_cq: CompletionQueue,
+        recv_cq: CompletionQueue,
+        max_send_wr: int,
+        max_recv_wr: int,
+        max_send_sge: int,
+        max_recv_sge: int = 1,
+    ) -> QueuePair:
         """Create a reliable-connected QP and move it to INIT.
 
         The QP allows remote READ and WRITE at the QP level; which memory is
         reachable is decided per region by the memory region's access flags.
         """
         self._check_open()
-        cap = _qp.QPCap(max_send_wr=max_send_wr, max_recv_wr=max_recv_wr,
-                        max_send_sge=max_send_sge, max_recv_sge=max_recv_sge)
+        cap = _qp.QPCap(
+            max_send_wr=max_send_wr,
+            max_recv_wr=max_recv_wr,
+            max_send_sge=max_send_sge,
+            max_recv_sge=max_recv_sge,
+        )
         with _translate("create_qp(RC)"):
-            init = _qp.QPInitAttr(qp_type=_e.IBV_QPT_RC, scq=send_cq._cq, rcq=recv_cq._cq,
-                                  cap=cap, sq_sig_all=0)
+            init = _qp.QPInitAttr(
+                qp_type=_e.IBV_QPT_RC, scq=send_cq._cq, rcq=recv_cq._cq, cap=cap, sq_sig_all=0
+            )
             qp = _qp.QP(self._pd, init)
         wrapped = QueuePair(qp, self, max_send_wr, max_send_sge)
         self._children.append(wrapped)
@@ -298,8 +310,9 @@ def _gid_bytes(gid: Any) -> bytes:
     return ipaddress.IPv6Address(text).packed
 
 
-def open_device(name: str | None = None, port: int | None = None,
-                gid_index: int | None = None) -> Device:
+def open_device(
+    name: str | None = None, port: int | None = None, gid_index: int | None = None
+) -> Device:
     """Open a verbs device.
 
     With no arguments, the device, port and GID are the ones ``hixl devices``
@@ -320,8 +333,10 @@ def open_device(name: str | None = None, port: int | None = None,
     elif name is None:
         names = device_names()
         if not names:
-            raise DeviceError("no verbs devices found; create one with 'hixl rxe up' "
-                              "or run under 'hixl vm run -- CMD'")
+            raise DeviceError(
+                "no verbs devices found; create one with 'hixl rxe up' "
+                "or run under 'hixl vm run -- CMD'"
+            )
         name = names[0]
     with _translate(f"open_device({name})"):
         ctx = _device.Context(name=name)
@@ -348,9 +363,11 @@ class MemoryRegion:
         self._closed = False
 
     def __repr__(self) -> str:
-        return (f"<MemoryRegion addr={self.addr:#x} length={self.length} "
-                f"rkey={self.rkey:#x} access={self.access:#x}"
-                f"{' closed' if self._closed else ''}>")
+        return (
+            f"<MemoryRegion addr={self.addr:#x} length={self.length} "
+            f"rkey={self.rkey:#x} access={self.access:#x}"
+            f"{' closed' if self._closed else ''}>"
+        )
 
     @property
     def closed(self) -> bool:
@@ -406,8 +423,17 @@ class CompletionQueue:
         out = []
         for wc in wcs[:n]:
             imm = int(wc.imm_data) if int(wc.wc_flags) & _WC_WITH_IMM else None
-            out.append(Completion(int(wc.wr_id), int(wc.status), int(wc.opcode),
-                                  int(wc.byte_len), imm, int(wc.qp_num), int(wc.vendor_err)))
+            out.append(
+                Completion(
+                    int(wc.wr_id),
+                    int(wc.status),
+                    int(wc.opcode),
+                    int(wc.byte_len),
+                    imm,
+                    int(wc.qp_num),
+                    int(wc.vendor_err),
+                )
+            )
         return out
 
     def close(self) -> None:
@@ -474,14 +500,22 @@ class QueuePair:
         attr.pkey_index = 0
         attr.port_num = self._device.port
         attr.qp_access_flags = ACCESS_REMOTE_WRITE | ACCESS_REMOTE_READ | ACCESS_LOCAL_WRITE
-        mask = (_e.IBV_QP_STATE | _e.IBV_QP_PKEY_INDEX | _e.IBV_QP_PORT
-                | _e.IBV_QP_ACCESS_FLAGS)
+        mask = _e.IBV_QP_STATE | _e.IBV_QP_PKEY_INDEX | _e.IBV_QP_PORT | _e.IBV_QP_ACCESS_FLAGS
         with _translate("modify_qp(INIT)"):
             self._qp.modify(attr, mask)
 
-    def connect(self, remote_qpn: int, remote_psn: int, local_psn: int, remote_gid: bytes,
-                mtu: int, timeout: int = 14, retry_cnt: int = 7, rnr_retry: int = 7,
-                rd_atomic: int = 16) -> None:
+    def connect(
+        self,
+        remote_qpn: int,
+        remote_psn: int,
+        local_psn: int,
+        remote_gid: bytes,
+        mtu: int,
+        timeout: int = 14,
+        retry_cnt: int = 7,
+        rnr_retry: int = 7,
+        rd_atomic: int = 16,
+    ) -> None:
         """Move INIT -> RTR -> RTS towards the remote QP.
 
         ``mtu`` is the path MTU in bytes (256..4096).  ``timeout`` is the ACK
@@ -489,8 +523,7 @@ class QueuePair:
         how long a dead peer takes to surface as ``IBV_WC_RETRY_EXC_ERR``.
         """
         if mtu not in MTU_ENUM:
-            raise VerbsError("modify_qp(RTR)", f"path MTU {mtu} is not one of "
-                             f"{sorted(MTU_ENUM)}")
+            raise VerbsError("modify_qp(RTR)", f"path MTU {mtu} is not one of {sorted(MTU_ENUM)}")
         rd_atomic = max(1, min(rd_atomic, self._device.caps.max_qp_rd_atom or 1))
         with _translate("modify_qp(RTR): address vector"):
             gr = GlobalRoute(dgid=_pyverbs_gid(remote_gid), sgid_index=self._device.gid_index)
@@ -503,8 +536,15 @@ class QueuePair:
         attr.max_dest_rd_atomic = rd_atomic
         attr.min_rnr_timer = 12
         attr.ah_attr = ah
-        mask = (_e.IBV_QP_STATE | _e.IBV_QP_AV | _e.IBV_QP_PATH_MTU | _e.IBV_QP_DEST_QPN
-                | _e.IBV_QP_RQ_PSN | _e.IBV_QP_MAX_DEST_RD_ATOMIC | _e.IBV_QP_MIN_RNR_TIMER)
+        mask = (
+            _e.IBV_QP_STATE
+            | _e.IBV_QP_AV
+            | _e.IBV_QP_PATH_MTU
+            | _e.IBV_QP_DEST_QPN
+            | _e.IBV_QP_RQ_PSN
+            | _e.IBV_QP_MAX_DEST_RD_ATOMIC
+            | _e.IBV_QP_MIN_RNR_TIMER
+        )
         with _translate(f"modify_qp(RTR, dest_qpn={remote_qpn:#x}, mtu={mtu})"):
             self._qp.modify(attr, mask)
         attr = _qp.QPAttr()
@@ -514,8 +554,14 @@ class QueuePair:
         attr.rnr_retry = rnr_retry
         attr.sq_psn = local_psn
         attr.max_rd_atomic = rd_atomic
-        mask = (_e.IBV_QP_STATE | _e.IBV_QP_TIMEOUT | _e.IBV_QP_RETRY_CNT
-                | _e.IBV_QP_RNR_RETRY | _e.IBV_QP_SQ_PSN | _e.IBV_QP_MAX_QP_RD_ATOMIC)
+        mask = (
+            _e.IBV_QP_STATE
+            | _e.IBV_QP_TIMEOUT
+            | _e.IBV_QP_RETRY_CNT
+            | _e.IBV_QP_RNR_RETRY
+            | _e.IBV_QP_SQ_PSN
+            | _e.IBV_QP_MAX_QP_RD_ATOMIC
+        )
         with _translate("modify_qp(RTS)"):
             self._qp.modify(attr, mask)
         log.debug("qp %#x connected to %#x (mtu %d)", self.qpn, remote_qpn, mtu)
@@ -549,8 +595,15 @@ class QueuePair:
                 kwargs: dict[str, Any] = {}
                 if req.imm is not None:
                     kwargs["imm_data"] = req.imm
-                w = _wr.SendWR(wr_id=req.wr_id, opcode=req.opcode, num_sge=len(sges),
-                               sg=sges or None, send_flags=flags, next_wr=nxt, **kwargs)
+                w = _wr.SendWR(
+                    wr_id=req.wr_id,
+                    opcode=req.opcode,
+                    num_sge=len(sges),
+                    sg=sges or None,
+                    send_flags=flags,
+                    next_wr=nxt,
+                    **kwargs,
+                )
                 if req.opcode in (WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, WR_RDMA_READ):
                     w.set_wr_rdma(req.rkey, req.remote_addr)
                 keep.append(w)

@@ -18,6 +18,7 @@ whole process group of the VM is killed and :class:`hixl.VMError` is raised.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -64,8 +65,9 @@ class VMConfig:
         if self.cpus < 1:
             raise VMError(f"cpus must be >= 1, got {self.cpus}")
         if self.boot_timeout <= 0 or self.timeout <= 0:
-            raise VMError(f"timeouts must be > 0: boot_timeout={self.boot_timeout} "
-                          f"timeout={self.timeout}")
+            raise VMError(
+                f"timeouts must be > 0: boot_timeout={self.boot_timeout} timeout={self.timeout}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +84,10 @@ class GuestNet:
     mtu: int = 1500
 
     def qemu_opts(self) -> str:
-        return (f"-netdev socket,id=hx0,{self.role}=127.0.0.1:{self.port} "
-                f"-device virtio-net-pci,netdev=hx0,mac={self.mac}")
+        return (
+            f"-netdev socket,id=hx0,{self.role}=127.0.0.1:{self.port} "
+            f"-device virtio-net-pci,netdev=hx0,mac={self.mac}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,12 +100,13 @@ class GuestSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def rxe_capable_kernels(boot: Path = Path("/boot"), modules: Path = Path("/lib/modules")
-                        ) -> list[Path]:
+def rxe_capable_kernels(
+    boot: Path = Path("/boot"), modules: Path = Path("/lib/modules")
+) -> list[Path]:
     """Kernel images under ``boot`` whose module tree ships ``rdma_rxe``, newest first."""
     found: list[tuple[tuple[int, ...], Path]] = []
     for image in boot.glob("vmlinuz-*"):
-        version = image.name[len("vmlinuz-"):]
+        version = image.name[len("vmlinuz-") :]
         rxe_dir = modules / version / "kernel" / "drivers" / "infiniband" / "sw" / "rxe"
         if rxe_dir.is_dir() and any(_RXE_MODULE.search(p.name) for p in rxe_dir.iterdir()):
             key = tuple(int(x) for x in re.findall(r"\d+", version))
@@ -119,8 +124,10 @@ def find_kernel() -> Path:
         return path
     kernels = rxe_capable_kernels()
     if not kernels:
-        raise VMError("no kernel image in /boot has rdma_rxe in its modules; install one "
-                      "(Debian: apt-get install linux-image-amd64) or run 'make setup'")
+        raise VMError(
+            "no kernel image in /boot has rdma_rxe in its modules; install one "
+            "(Debian: apt-get install linux-image-amd64) or run 'make setup'"
+        )
     return kernels[0]
 
 
@@ -132,8 +139,10 @@ def find_vng() -> str:
     found = shutil.which("vng")
     if found:
         return found
-    raise VMError("virtme-ng ('vng') is not installed; run 'make setup' or "
-                  "'pip install virtme-ng' in hixl's virtual environment")
+    raise VMError(
+        "virtme-ng ('vng') is not installed; run 'make setup' or "
+        "'pip install virtme-ng' in hixl's virtual environment"
+    )
 
 
 def _missing_tools() -> list[str]:
@@ -151,8 +160,7 @@ def _cache_file() -> Path:
 
 
 def _vng_base(vng: str, kernel: Path, cfg: VMConfig, kvm: bool) -> list[str]:
-    cmd = [vng, "--run", str(kernel), "--force-9p", "--memory", cfg.memory,
-           "--cpus", str(cfg.cpus)]
+    cmd = [vng, "--run", str(kernel), "--force-9p", "--memory", cfg.memory, "--cpus", str(cfg.cpus)]
     if not kvm:
         cmd.append("--disable-kvm")
     return cmd
@@ -176,9 +184,14 @@ def kvm_usable(kernel: Path, probe_timeout: float = 25.0) -> bool:
         return bool(known[key])
     cmd = _vng_base(find_vng(), kernel, VMConfig(memory="1G", cpus=1), kvm=True)
     cmd += ["--exec", "true"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True,
-                            env=_host_env())
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=_host_env(),
+    )
     try:
         ok = proc.wait(timeout=probe_timeout) == 0
     except subprocess.TimeoutExpired:
@@ -205,16 +218,15 @@ def _host_env() -> dict[str, str]:
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait()
 
 
 def _guest_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k in PASSED_ENV or k.startswith(PASSED_ENV_PREFIXES)}
+    env = {
+        k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith(PASSED_ENV_PREFIXES)
+    }
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
     env["HIXL_IN_VM"] = "1"
     env["PYTHONDONTWRITEBYTECODE"] = "1"
@@ -268,15 +280,17 @@ class _Running:
     started: float
 
 
-def _launch(spec: GuestSpec, cfg: VMConfig, kernel: Path, vng: str, kvm: bool,
-            xdir: Path, prefix: str) -> _Running:
+def _launch(
+    spec: GuestSpec, cfg: VMConfig, kernel: Path, vng: str, kvm: bool, xdir: Path, prefix: str
+) -> _Running:
     cwd = Path.cwd()
     request = {
         "command": list(spec.command),
         "cwd": str(cwd),
         "env": _guest_env(spec.env),
-        "net": None if spec.net is None else {
-            "address": spec.net.address, "mtu": spec.net.mtu, "mac": spec.net.mac},
+        "net": None
+        if spec.net is None
+        else {"address": spec.net.address, "mtu": spec.net.mtu, "mac": spec.net.mac},
     }
     (xdir / "request.json").write_text(json.dumps(request))
     guest = f"{shlex.quote(sys.executable)} -m hixl._guest {shlex.quote(str(xdir))}"
@@ -292,10 +306,15 @@ def _launch(spec: GuestSpec, cfg: VMConfig, kernel: Path, vng: str, kvm: bool,
     console = xdir / "console.log"
     log.debug("launching %s: %s", spec.name, shlex.join(cmd))
     with console.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                start_new_session=True, env=_host_env())
-    tails = (_Tail(xdir / "stdout", sys.stdout, prefix), _Tail(xdir / "stderr", sys.stderr,
-                                                                  prefix))
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            env=_host_env(),
+        )
+    tails = (_Tail(xdir / "stdout", sys.stdout, prefix), _Tail(xdir / "stderr", sys.stderr, prefix))
     return _Running(spec, proc, xdir, tails, console, time.monotonic())
 
 
@@ -325,9 +344,10 @@ def run_guests(specs: Sequence[GuestSpec], cfg: VMConfig | None = None) -> list[
         raise VMError("the VM path needs: " + ", ".join(missing) + "; run 'make setup'")
     kernel = cfg.kernel or find_kernel()
     vng = find_vng()
-    kvm = {"kvm": True, "tcg": False}.get(
-        os.environ.get("HIXL_VM_ACCEL", cfg.accel)) if os.environ.get(
-        "HIXL_VM_ACCEL", cfg.accel) != "auto" else kvm_usable(kernel)
+    accel = os.environ.get("HIXL_VM_ACCEL", cfg.accel)
+    if accel not in ("auto", "kvm", "tcg"):
+        raise VMError(f"HIXL_VM_ACCEL must be auto, kvm or tcg, not {accel!r}")
+    kvm = kvm_usable(kernel) if accel == "auto" else accel == "kvm"
     log.debug("kernel=%s accel=%s", kernel, "kvm" if kvm else "tcg")
     root = Path(tempfile.mkdtemp(prefix="hixl-vm-"))
     running: list[_Running] = []
@@ -336,7 +356,7 @@ def run_guests(specs: Sequence[GuestSpec], cfg: VMConfig | None = None) -> list[
             xdir = root / f"{i}-{spec.name}"
             xdir.mkdir()
             prefix = f"[{spec.name}] " if len(specs) > 1 else ""
-            running.append(_launch(spec, cfg, kernel, vng, bool(kvm), xdir, prefix))
+            running.append(_launch(spec, cfg, kernel, vng, kvm, xdir, prefix))
         return _supervise(running, cfg)
     finally:
         for r in running:
@@ -365,11 +385,13 @@ def _supervise(running: list[_Running], cfg: VMConfig) -> list[int]:
             if r.proc.poll() is not None:
                 raise VMError(
                     f"guest {r.spec.name} ended (qemu exit {r.proc.returncode}) without "
-                    f"running the command. Last console lines:\n{_console_tail(r.console)}")
+                    f"running the command. Last console lines:\n{_console_tail(r.console)}"
+                )
             if not (r.xdir / "booted").exists() and now - r.started > cfg.boot_timeout:
                 raise VMError(
                     f"guest {r.spec.name} did not boot within {cfg.boot_timeout:.0f} s. "
-                    f"Last console lines:\n{_console_tail(r.console)}")
+                    f"Last console lines:\n{_console_tail(r.console)}"
+                )
         if now - start > cfg.timeout:
             raise VMError(f"VM run exceeded its timeout of {cfg.timeout:.0f} s; killed")
     return [codes[i] for i in range(len(running))]

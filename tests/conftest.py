@@ -39,7 +39,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"RDMA tests were required (HIXL_REQUIRE_RDMA/HIXL_IN_VM) but there is no "
             f"usable device: {problem}"
         )
-    skip = pytest.mark.skip(reason=f"no verbs device ({problem}); run 'make test' or "
-                                   "'hixl vm run -- pytest -m rdma'")
+    skip = pytest.mark.skip(
+        reason=f"no verbs device ({problem}); run 'make test' or 'hixl vm run -- pytest -m rdma'"
+    )
     for item in rdma_items:
         item.add_marker(skip)

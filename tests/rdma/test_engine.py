@@ -71,10 +71,13 @@ def test_strided_put_moves_every_head_in_one_call(pair: tuple[Engine, Engine]) -
     r = client.register(local)
     client.connect(server.id)
     # local: packed rows of head_bytes; remote: rows padded to `pad` bytes
-    client.put(server.id, r, "kv",
-               local_desc=ContiguousDesc(offset=0, nbytes=local.nbytes),
-               remote_desc=StridedDesc(offset=0, count=heads * tokens, size=head_bytes,
-                                       stride=pad))
+    client.put(
+        server.id,
+        r,
+        "kv",
+        local_desc=ContiguousDesc(offset=0, nbytes=local.nbytes),
+        remote_desc=StridedDesc(offset=0, count=heads * tokens, size=head_bytes, stride=pad),
+    )
     got = remote.reshape(-1, pad)[:, :head_bytes].reshape(-1)
     assert np.array_equal(got, local)
     assert not remote.reshape(-1, pad)[:, head_bytes:].any()
@@ -104,18 +107,30 @@ def test_batch_and_many_outstanding(pair: tuple[Engine, Engine]) -> None:
     r = client.register(src)
     client.connect(server.id)
     # 64 transfers of 4 KiB each, one 64-byte-aligned block per request, all outstanding
-    handles = [client.put_async(server.id, r, "dst",
-                                local_desc=ContiguousDesc(offset=i * 4096, nbytes=4096),
-                                remote_desc=ContiguousDesc(offset=i * 4096, nbytes=4096))
-               for i in range(64)]
+    handles = [
+        client.put_async(
+            server.id,
+            r,
+            "dst",
+            local_desc=ContiguousDesc(offset=i * 4096, nbytes=4096),
+            remote_desc=ContiguousDesc(offset=i * 4096, nbytes=4096),
+        )
+        for i in range(64)
+    ]
     for h in handles:
         h.wait(60)
     assert np.array_equal(dst, src)
     dst[:] = 0
-    reqs = [TransferRequest(op="write", local=r, remote="dst",
-                            local_desc=BlockListDesc.from_pairs([(i * 8192, 4096)]),
-                            remote_desc=BlockListDesc.from_pairs([(i * 8192, 4096)]))
-            for i in range(32)]
+    reqs = [
+        TransferRequest(
+            op="write",
+            local=r,
+            remote="dst",
+            local_desc=BlockListDesc.from_pairs([(i * 8192, 4096)]),
+            remote_desc=BlockListDesc.from_pairs([(i * 8192, 4096)]),
+        )
+        for i in range(32)
+    ]
     client.transfer(server.id, reqs, timeout=60)
     view = dst.reshape(-1, 8192)[:, :4096]
     assert np.array_equal(view, src.reshape(-1, 8192)[:, :4096])
@@ -131,19 +146,33 @@ def test_errors_before_posting_name_the_numbers(pair: tuple[Engine, Engine]) -> 
     r = client.register(src)
     client.connect(server.id)
     with pytest.raises(BoundsError, match="offset=4096 nbytes=8192 region_length=8192"):
-        client.put(server.id, r, "dst", local_desc=ContiguousDesc(offset=0, nbytes=8192),
-                   remote_desc=ContiguousDesc(offset=4096, nbytes=8192))
+        client.put(
+            server.id,
+            r,
+            "dst",
+            local_desc=ContiguousDesc(offset=0, nbytes=8192),
+            remote_desc=ContiguousDesc(offset=4096, nbytes=8192),
+        )
     with pytest.raises(BoundsError, match="local"):
-        client.put(server.id, r, "dst", local_desc=ContiguousDesc(offset=12288, nbytes=8192),
-                   remote_desc=ContiguousDesc(offset=0, nbytes=8192))
+        client.put(
+            server.id,
+            r,
+            "dst",
+            local_desc=ContiguousDesc(offset=12288, nbytes=8192),
+            remote_desc=ContiguousDesc(offset=0, nbytes=8192),
+        )
     with pytest.raises(RegistrationError, match="not remotely writable"):
         client.put(server.id, r, "ro", local_desc=ContiguousDesc(offset=0, nbytes=64))
     with pytest.raises(RegistrationError, match="no region named 'nope'"):
         client.put(server.id, r, "nope")
     with pytest.raises(AlignmentError):
-        client.put(server.id, r, "dst",
-                   local_desc=ContiguousDesc(offset=8, nbytes=64, alignment=None),
-                   remote_desc=ContiguousDesc(offset=0, nbytes=64))
+        client.put(
+            server.id,
+            r,
+            "dst",
+            local_desc=ContiguousDesc(offset=8, nbytes=64, alignment=None),
+            remote_desc=ContiguousDesc(offset=0, nbytes=64),
+        )
     unregistered = np.zeros(64, np.uint8)
     other = Engine("127.0.0.1:0")
     try:
@@ -160,8 +189,7 @@ def test_errors_before_posting_name_the_numbers(pair: tuple[Engine, Engine]) -> 
     assert np.array_equal(dst, src[:8192])
 
 
-def test_tampered_rkey_fails_fast_and_only_that_connection(pair: tuple[Engine, Engine]
-                                                           ) -> None:
+def test_tampered_rkey_fails_fast_and_only_that_connection(pair: tuple[Engine, Engine]) -> None:
     client, server = pair
     third = Engine(f"127.0.0.1:{free_port()}")
     try:
@@ -176,6 +204,7 @@ def test_tampered_rkey_fails_fast_and_only_that_connection(pair: tuple[Engine, E
         # Simulate a peer advertising a wrong key: tamper with what the client believes.
         good = conn.remote_region("dst")
         from dataclasses import replace
+
         bad = replace(good, rkey=good.rkey ^ 0x00FF00)
         conn._remote = (bad,)
         t0 = time.monotonic()
@@ -242,8 +271,7 @@ def test_close_with_transfers_in_flight_and_double_close() -> None:
     server.close()
 
 
-def test_peer_closing_fails_pending_and_engine_stays_usable(pair: tuple[Engine, Engine]
-                                                            ) -> None:
+def test_peer_closing_fails_pending_and_engine_stays_usable(pair: tuple[Engine, Engine]) -> None:
     client, server = pair
     third = Engine(f"127.0.0.1:{free_port()}")
     try:

@@ -52,15 +52,25 @@ def test_rdma_write_then_read_moves_exact_bytes(device: _verbs.Device) -> None:
     mdst = device.register(dst.ctypes.data, n, RW, dst)
     mback = device.register(back.ctypes.data, n, _verbs.ACCESS_LOCAL_WRITE, back)
 
-    a.post_send([_verbs.SendRequest(1, _verbs.WR_RDMA_WRITE, [(msrc.addr, n, msrc.lkey)],
-                                    mdst.addr, mdst.rkey)])
+    a.post_send(
+        [
+            _verbs.SendRequest(
+                1, _verbs.WR_RDMA_WRITE, [(msrc.addr, n, msrc.lkey)], mdst.addr, mdst.rkey
+            )
+        ]
+    )
     wc = _wait_one(cq)
     assert wc.ok, wc.status_name
     assert wc.wr_id == 1
     assert np.array_equal(src, dst)
 
-    a.post_send([_verbs.SendRequest(2, _verbs.WR_RDMA_READ, [(mback.addr, n, mback.lkey)],
-                                    mdst.addr, mdst.rkey)])
+    a.post_send(
+        [
+            _verbs.SendRequest(
+                2, _verbs.WR_RDMA_READ, [(mback.addr, n, mback.lkey)], mdst.addr, mdst.rkey
+            )
+        ]
+    )
     wc = _wait_one(cq)
     assert wc.ok, wc.status_name
     assert np.array_equal(back, src)
@@ -73,12 +83,16 @@ def test_gather_write_with_unequal_sges_and_chain(device: _verbs.Device) -> None
     ms = device.register(src.ctypes.data, src.nbytes, _verbs.ACCESS_LOCAL_WRITE, src)
     md = device.register(dst.ctypes.data, dst.nbytes, RW, dst)
     # WR 1 gathers 3 unequal pieces into dst[0:700]; WR 2 moves src[2000:2100] to dst[1000:]
-    sges = [(ms.addr + 0, 100, ms.lkey), (ms.addr + 512, 300, ms.lkey),
-            (ms.addr + 3000, 300, ms.lkey)]
+    sges = [
+        (ms.addr + 0, 100, ms.lkey),
+        (ms.addr + 512, 300, ms.lkey),
+        (ms.addr + 3000, 300, ms.lkey),
+    ]
     reqs = [
         _verbs.SendRequest(10, _verbs.WR_RDMA_WRITE, sges, md.addr, md.rkey, signaled=False),
-        _verbs.SendRequest(11, _verbs.WR_RDMA_WRITE, [(ms.addr + 2000, 100, ms.lkey)],
-                           md.addr + 1000, md.rkey),
+        _verbs.SendRequest(
+            11, _verbs.WR_RDMA_WRITE, [(ms.addr + 2000, 100, ms.lkey)], md.addr + 1000, md.rkey
+        ),
     ]
     a.post_send(reqs)
     wc = _wait_one(cq)
@@ -93,8 +107,13 @@ def test_bad_rkey_completes_with_remote_access_error(device: _verbs.Device) -> N
     a, b, cq = _pair(device)
     buf = np.zeros(4096, dtype=np.uint8)
     m = device.register(buf.ctypes.data, buf.nbytes, RW, buf)
-    a.post_send([_verbs.SendRequest(5, _verbs.WR_RDMA_WRITE, [(m.addr, 64, m.lkey)],
-                                    m.addr, m.rkey ^ 0x5A5A00)])
+    a.post_send(
+        [
+            _verbs.SendRequest(
+                5, _verbs.WR_RDMA_WRITE, [(m.addr, 64, m.lkey)], m.addr, m.rkey ^ 0x5A5A00
+            )
+        ]
+    )
     wc = _wait_one(cq)
     assert not wc.ok
     assert wc.status_name == "IBV_WC_REM_ACCESS_ERR"
