@@ -4,13 +4,11 @@ The package root re-exports the public API; modules whose names start with
 an underscore are private.  ``hixl.compat`` offers the call style of
 Huawei's hixl Python API on top of the same engine.
 
-Importing hixl loads numpy only; pyverbs is imported when an engine opens a
-device, so the descriptor core and planner work on machines without RDMA.
+Importing hixl works without pyverbs (the descriptor core and planner need
+only numpy); opening an engine then raises :class:`DeviceError` saying why.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
 
 from hixl._descriptors import (
     DEFAULT_ALIGNMENT,
@@ -21,6 +19,18 @@ from hixl._descriptors import (
     Segments,
     StridedDesc,
     desc_from_view,
+)
+from hixl._engine import (
+    Access,
+    Connection,
+    ConnState,
+    Engine,
+    Notification,
+    Region,
+    RemoteRegion,
+    TransferHandle,
+    TransferRequest,
+    TransferStatus,
 )
 from hixl._errors import (
     AlignmentError,
@@ -42,47 +52,7 @@ from hixl._errors import (
 from hixl._kv import ContiguousKVLayout, PagedKVLayout, padded_stride
 from hixl._plan import DeviceLimits, Op, Plan, plan_transfer
 
-if TYPE_CHECKING:
-    from hixl._engine import (
-        Access,
-        Connection,
-        ConnState,
-        Engine,
-        Notification,
-        Region,
-        RemoteRegion,
-        TransferHandle,
-        TransferRequest,
-        TransferStatus,
-    )
-
 __version__ = "0.1.0"
-
-_ENGINE_NAMES = frozenset(
-    {
-        "Access",
-        "Connection",
-        "ConnState",
-        "Engine",
-        "Notification",
-        "Region",
-        "RemoteRegion",
-        "TransferHandle",
-        "TransferRequest",
-        "TransferStatus",
-    }
-)
-
-
-def __getattr__(name: str) -> Any:
-    # The engine imports pyverbs; load it on first use so the pure core stays importable
-    # (and fast to import) where pyverbs is missing.
-    if name in _ENGINE_NAMES:
-        from hixl import _engine
-
-        return getattr(_engine, name)
-    raise AttributeError(f"module 'hixl' has no attribute {name!r}")
-
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
