@@ -160,8 +160,10 @@ class Selection:
     gid: Gid
 
     def __str__(self) -> str:
-        return (f"{self.device.name} port {self.port.number} gid {self.gid.index} "
-                f"({self.gid.ipv4} on {self.gid.netdev})")
+        return (
+            f"{self.device.name} port {self.port.number} gid {self.gid.index} "
+            f"({self.gid.ipv4} on {self.gid.netdev})"
+        )
 
 
 def choose_gid(gids: tuple[Gid, ...] | list[Gid]) -> Gid | None:
@@ -226,12 +228,14 @@ def _read_gids(portdir: Path) -> tuple[int, tuple[Gid, ...]]:
                 continue
         except ValueError:
             continue
-        gids.append(Gid(
-            index=i,
-            gid=raw,
-            type=_read(portdir / "gid_attrs" / "types" / str(i)) or "",
-            netdev=_read(portdir / "gid_attrs" / "ndevs" / str(i)) or None,
-        ))
+        gids.append(
+            Gid(
+                index=i,
+                gid=raw,
+                type=_read(portdir / "gid_attrs" / "types" / str(i)) or "",
+                netdev=_read(portdir / "gid_attrs" / "ndevs" / str(i)) or None,
+            )
+        )
     return len(indices), tuple(gids)
 
 
@@ -269,12 +273,19 @@ def _read_device(sysfs: Path, devdir: Path) -> Device:
         netdevs.append(parent)
     with contextlib.suppress(OSError):
         netdevs.extend(sorted(p.name for p in (devdir / "device" / "net").iterdir()))
-    ports = tuple(_read_port(sysfs, devdir / "ports" / str(n), kind, tuple(netdevs))
-                  for n in _numbered(devdir / "ports"))
+    ports = tuple(
+        _read_port(sysfs, devdir / "ports" / str(n), kind, tuple(netdevs))
+        for n in _numbered(devdir / "ports")
+    )
     for port in ports:
         netdevs.extend(g.netdev for g in port.gids if g.netdev)
-    return Device(name=devdir.name, kind=kind, node_type=node_type,
-                  netdevs=tuple(dict.fromkeys(netdevs)), ports=ports)
+    return Device(
+        name=devdir.name,
+        kind=kind,
+        node_type=node_type,
+        netdevs=tuple(dict.fromkeys(netdevs)),
+        ports=ports,
+    )
 
 
 def list_devices(sysfs: Path | str = SYSFS_ROOT) -> list[Device]:
@@ -286,13 +297,14 @@ def list_devices(sysfs: Path | str = SYSFS_ROOT) -> list[Device]:
     root = Path(sysfs)
     cls = root / "class" / "infiniband"
     if not cls.is_dir():
-        raise DeviceError(f"this kernel has no RDMA support loaded: {cls} does not exist "
-                          f"(run `hixl doctor` to see why and what to do)")
+        raise DeviceError(
+            f"this kernel has no RDMA support loaded: {cls} does not exist "
+            f"(run `hixl doctor` to see why and what to do)"
+        )
     return [_read_device(root, d) for d in sorted(cls.iterdir(), key=lambda p: p.name)]
 
 
-def select_device(name: str | None = None, *,
-                  sysfs: Path | str = SYSFS_ROOT) -> Selection:
+def select_device(name: str | None = None, *, sysfs: Path | str = SYSFS_ROOT) -> Selection:
     """Return the device, port and GID hixl would use.
 
     With ``name``, only that device is considered.  The first ACTIVE port (devices by
@@ -322,9 +334,11 @@ def select_from(devices: list[Device], name: str | None = None) -> Selection:
             if not port.active:
                 problems.append(f"{dev.name} port {port.number} is {port.state}")
             else:
-                problems.append(f"{dev.name} port {port.number} has no IPv4 RoCEv2 GID "
-                                f"({len(port.gids)} GIDs; does its netdev have an IPv4 "
-                                f"address?)")
+                problems.append(
+                    f"{dev.name} port {port.number} has no IPv4 RoCEv2 GID "
+                    f"({len(port.gids)} GIDs; does its netdev have an IPv4 "
+                    f"address?)"
+                )
         if not dev.ports:
             problems.append(f"{dev.name} has no ports")
     raise DeviceError("no usable RDMA port: " + "; ".join(problems))
@@ -333,8 +347,10 @@ def select_from(devices: list[Device], name: str | None = None) -> Selection:
 def _gid_row(dev: Device, port: Port, gid: Gid, chosen: Gid | None) -> str:
     mark = "*" if chosen is not None and gid.index == chosen.index else " "
     ver = {"RoCE v2": "v2", "IB/RoCE v1": "v1"}.get(gid.type, gid.type or "-")
-    return (f"  {mark} {dev.name:<8} {port.number:>4} {gid.index:>5}  {gid.gid}  "
-            f"{gid.ipv4 or '-':<15} {ver:<3} {gid.netdev or '-'}")
+    return (
+        f"  {mark} {dev.name:<8} {port.number:>4} {gid.index:>5}  {gid.gid}  "
+        f"{gid.ipv4 or '-':<15} {ver:<3} {gid.netdev or '-'}"
+    )
 
 
 def format_devices(devices: list[Device]) -> str:
@@ -350,14 +366,21 @@ def format_devices(devices: list[Device]) -> str:
         nds = ", ".join(dev.netdevs) or "-"
         lines.append(f"{dev.name}: {dev.kind}, node type {dev.node_type}, netdev {nds}")
         for port in dev.ports:
-            mtu = (f"active_mtu {port.active_mtu} ({port.mtu_source})"
-                   if port.active_mtu is not None else "active_mtu unknown")
-            lines.append(f"  port {port.number}: {port.state} ({port.phys_state}), "
-                         f"{port.link_layer}, {mtu}, "
-                         f"{len(port.gids)} of {port.gid_table_len} GIDs set")
+            mtu = (
+                f"active_mtu {port.active_mtu} ({port.mtu_source})"
+                if port.active_mtu is not None
+                else "active_mtu unknown"
+            )
+            lines.append(
+                f"  port {port.number}: {port.state} ({port.phys_state}), "
+                f"{port.link_layer}, {mtu}, "
+                f"{len(port.gids)} of {port.gid_table_len} GIDs set"
+            )
             if port.gids:
-                lines.append(f"    {'DEV':<8} {'PORT':>4} {'INDEX':>5}  {'GID':<39}  "
-                             f"{'IPv4':<15} {'VER':<3} NETDEV")
+                lines.append(
+                    f"    {'DEV':<8} {'PORT':>4} {'INDEX':>5}  {'GID':<39}  "
+                    f"{'IPv4':<15} {'VER':<3} NETDEV"
+                )
             chosen = port.chosen_gid
             lines.extend(_gid_row(dev, port, g, chosen) for g in port.gids)
     lines.append("")
@@ -381,17 +404,43 @@ def devices_to_json(devices: list[Device]) -> dict[str, Any]:
         for port in dev.ports:
             chosen = port.chosen_gid
             if selected is None and port.active and chosen is not None:
-                selected = {"device": dev.name, "port": port.number,
-                            "gid_index": chosen.index, "gid": chosen.gid,
-                            "ipv4": chosen.ipv4, "netdev": chosen.netdev}
-            ports.append({
-                "port": port.number, "state": port.state, "phys_state": port.phys_state,
-                "link_layer": port.link_layer, "active_mtu": port.active_mtu,
-                "mtu_source": port.mtu_source, "gid_table_len": port.gid_table_len,
-                "chosen_gid_index": None if chosen is None else chosen.index,
-                "gids": [{"index": g.index, "gid": g.gid, "type": g.type,
-                          "netdev": g.netdev, "ipv4": g.ipv4} for g in port.gids],
-            })
-        out.append({"name": dev.name, "kind": dev.kind, "node_type": dev.node_type,
-                    "netdevs": list(dev.netdevs), "ports": ports})
+                selected = {
+                    "device": dev.name,
+                    "port": port.number,
+                    "gid_index": chosen.index,
+                    "gid": chosen.gid,
+                    "ipv4": chosen.ipv4,
+                    "netdev": chosen.netdev,
+                }
+            ports.append(
+                {
+                    "port": port.number,
+                    "state": port.state,
+                    "phys_state": port.phys_state,
+                    "link_layer": port.link_layer,
+                    "active_mtu": port.active_mtu,
+                    "mtu_source": port.mtu_source,
+                    "gid_table_len": port.gid_table_len,
+                    "chosen_gid_index": None if chosen is None else chosen.index,
+                    "gids": [
+                        {
+                            "index": g.index,
+                            "gid": g.gid,
+                            "type": g.type,
+                            "netdev": g.netdev,
+                            "ipv4": g.ipv4,
+                        }
+                        for g in port.gids
+                    ],
+                }
+            )
+        out.append(
+            {
+                "name": dev.name,
+                "kind": dev.kind,
+                "node_type": dev.node_type,
+                "netdevs": list(dev.netdevs),
+                "ports": ports,
+            }
+        )
     return {"devices": out, "selected": selected}

@@ -110,8 +110,9 @@ class Facts:
     python: str = ""
     venv_without_system_site: bool = False
     system_pyverbs: bool = True
-    pyverbs: PyverbsProbe = field(default_factory=lambda: PyverbsProbe(imported=False,
-                                                                       device_count=None))
+    pyverbs: PyverbsProbe = field(
+        default_factory=lambda: PyverbsProbe(imported=False, device_count=None)
+    )
     devices: tuple[Device, ...] = ()
     vm: VmFacts = field(default_factory=lambda: VmFacts(qemu=None, kernels=()))
 
@@ -133,6 +134,7 @@ class Report:
 
 # --- facts -----------------------------------------------------------------------------
 
+
 def parse_kernel_config(text: str) -> dict[str, str]:
     """Parse kernel ``.config`` text into ``{"CONFIG_X": value}``.
 
@@ -142,7 +144,7 @@ def parse_kernel_config(text: str) -> dict[str, str]:
     for line in text.splitlines():
         line = line.strip()
         if line.startswith("# CONFIG_") and line.endswith(" is not set"):
-            out[line[2:-len(" is not set")]] = "n"
+            out[line[2 : -len(" is not set")]] = "n"
         elif line.startswith("CONFIG_") and "=" in line:
             key, _, value = line.partition("=")
             out[key] = value.strip('"')
@@ -184,38 +186,45 @@ def probe_pyverbs(python: str | None = None, timeout: float = 30.0) -> PyverbsPr
     """
     argv = [python or sys.executable, "-c", _PROBE]
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                              check=False)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return PyverbsProbe(imported=False, device_count=None,
-                            error=f"probe did not run: {exc}")
+        return PyverbsProbe(imported=False, device_count=None, error=f"probe did not run: {exc}")
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        how = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
-               else f"exit {proc.returncode}")
+        how = (
+            f"killed by signal {-proc.returncode}"
+            if proc.returncode < 0
+            else f"exit {proc.returncode}"
+        )
         tail = " ".join(proc.stderr.split())[-300:]
-        return PyverbsProbe(imported=False, device_count=None,
-                            error=f"probe process failed ({how}): {tail}")
+        return PyverbsProbe(
+            imported=False, device_count=None, error=f"probe process failed ({how}): {tail}"
+        )
     try:
         data = json.loads(lines[-1])
     except json.JSONDecodeError:
-        return PyverbsProbe(imported=False, device_count=None,
-                            error=f"probe printed no result: {lines[-1][:200]}")
+        return PyverbsProbe(
+            imported=False, device_count=None, error=f"probe printed no result: {lines[-1][:200]}"
+        )
     count = data.get("device_count")
-    return PyverbsProbe(imported=bool(data.get("imported")),
-                        device_count=count if isinstance(count, int) else None,
-                        error=str(data.get("error", "")),
-                        location=str(data.get("location", "")))
+    return PyverbsProbe(
+        imported=bool(data.get("imported")),
+        device_count=count if isinstance(count, int) else None,
+        error=str(data.get("error", "")),
+        location=str(data.get("location", "")),
+    )
 
 
 def _modprobe_dry_run() -> tuple[bool, str] | None:
     exe = shutil.which("modprobe") or next(
-        (p for p in ("/usr/sbin/modprobe", "/sbin/modprobe") if os.access(p, os.X_OK)), None)
+        (p for p in ("/usr/sbin/modprobe", "/sbin/modprobe") if os.access(p, os.X_OK)), None
+    )
     if exe is None:
         return None
     try:
-        proc = subprocess.run([exe, "-n", "-v", "rdma_rxe"], capture_output=True, text=True,
-                              timeout=20, check=False)
+        proc = subprocess.run(
+            [exe, "-n", "-v", "rdma_rxe"], capture_output=True, text=True, timeout=20, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, str(exc)
     text = " ".join((proc.stderr + " " + proc.stdout).split())
@@ -226,7 +235,7 @@ def _vm_facts(boot: Path, modules: Path) -> VmFacts:
     kernels: list[str] = []
     unreadable: list[str] = []
     for image in sorted(boot.glob("vmlinuz-*"), reverse=True):
-        version = image.name[len("vmlinuz-"):]
+        version = image.name[len("vmlinuz-") :]
         rxe_dir = modules / version / "kernel" / "drivers" / "infiniband" / "sw" / "rxe"
         if not any(rxe_dir.glob("rdma_rxe.ko*")):
             continue
@@ -235,10 +244,16 @@ def _vm_facts(boot: Path, modules: Path) -> VmFacts:
     if vng is None:
         beside = Path(sys.executable).parent / "vng"
         vng = str(beside) if os.access(beside, os.X_OK) else None
-    busybox = next((p for p in ("/usr/bin/busybox", "/bin/busybox")
-                    if os.access(p, os.X_OK)), None) or shutil.which("busybox")
-    return VmFacts(qemu=shutil.which("qemu-system-x86_64"), kernels=tuple(kernels),
-                   unreadable_kernels=tuple(unreadable), vng=vng, busybox=busybox)
+    busybox = next(
+        (p for p in ("/usr/bin/busybox", "/bin/busybox") if os.access(p, os.X_OK)), None
+    ) or shutil.which("busybox")
+    return VmFacts(
+        qemu=shutil.which("qemu-system-x86_64"),
+        kernels=tuple(kernels),
+        unreadable_kernels=tuple(unreadable),
+        vng=vng,
+        busybox=busybox,
+    )
 
 
 def _venv_without_system_site() -> bool:
@@ -255,9 +270,14 @@ def _venv_without_system_site() -> bool:
     return True
 
 
-def gather_facts(*, sysfs: Path | str = SYSFS_ROOT, proc: Path | str = "/proc",
-                 boot: Path | str = "/boot", modules: Path | str = "/lib/modules",
-                 python: str | None = None) -> Facts:
+def gather_facts(
+    *,
+    sysfs: Path | str = SYSFS_ROOT,
+    proc: Path | str = "/proc",
+    boot: Path | str = "/boot",
+    modules: Path | str = "/lib/modules",
+    python: str | None = None,
+) -> Facts:
     """Look at this machine and return what :func:`diagnose` needs.  Never raises."""
     root = Path(sysfs)
     release = platform.release()
@@ -290,6 +310,7 @@ def gather_facts(*, sysfs: Path | str = SYSFS_ROOT, proc: Path | str = "/proc",
 
 # --- diagnosis (pure) ------------------------------------------------------------------
 
+
 def _cfg(facts: Facts, key: str) -> str | None:
     return None if facts.config is None else facts.config.get(key, "n")
 
@@ -311,23 +332,31 @@ def _kernel_can_rxe(facts: Facts) -> bool:
 def _check_kernel(facts: Facts) -> Check:
     name = "kernel RDMA"
     if facts.rdma_class:
-        return Check(name=name, status=Status.OK,
-                     finding=f"kernel {facts.kernel_release} has RDMA "
-                             f"(/sys/class/infiniband present)")
+        return Check(
+            name=name,
+            status=Status.OK,
+            finding=f"kernel {facts.kernel_release} has RDMA (/sys/class/infiniband present)",
+        )
     ib = _cfg(facts, "CONFIG_INFINIBAND")
     modules = _cfg(facts, "CONFIG_MODULES")
     if ib == "m" and modules != "n":
-        return Check(name=name, status=Status.WARN,
-                     finding=f"kernel {facts.kernel_release} has RDMA as modules "
-                             f"({_cfg_note(facts, 'CONFIG_INFINIBAND')}), none loaded yet",
-                     fix="sudo hixl rxe up   # loads rdma_rxe and ib_core")
-    why = ("/sys/class/infiniband is missing; "
-           + (_cfg_note(facts, "CONFIG_INFINIBAND") if ib is not None
-              else "kernel config not readable"))
-    return Check(name=name, status=Status.FAIL,
-                 finding=f"kernel {facts.kernel_release} has no RDMA: {why}",
-                 fix=f"use the VM path: {VM_COMMAND}   (or boot a kernel with "
-                     f"CONFIG_INFINIBAND=m CONFIG_RDMA_RXE=m)")
+        return Check(
+            name=name,
+            status=Status.WARN,
+            finding=f"kernel {facts.kernel_release} has RDMA as modules "
+            f"({_cfg_note(facts, 'CONFIG_INFINIBAND')}), none loaded yet",
+            fix="sudo hixl rxe up   # loads rdma_rxe and ib_core",
+        )
+    why = "/sys/class/infiniband is missing; " + (
+        _cfg_note(facts, "CONFIG_INFINIBAND") if ib is not None else "kernel config not readable"
+    )
+    return Check(
+        name=name,
+        status=Status.FAIL,
+        finding=f"kernel {facts.kernel_release} has no RDMA: {why}",
+        fix=f"use the VM path: {VM_COMMAND}   (or boot a kernel with "
+        f"CONFIG_INFINIBAND=m CONFIG_RDMA_RXE=m)",
+    )
 
 
 def _check_rxe_module(facts: Facts) -> Check:
@@ -338,32 +367,42 @@ def _check_rxe_module(facts: Facts) -> Check:
     if _cfg(facts, "CONFIG_RDMA_RXE") == "y":
         return Check(name=name, status=Status.OK, finding="rdma_rxe is built into the kernel")
     if hardware:
-        return Check(name=name, status=Status.OK,
-                     finding=f"not loaded, not needed: hardware device(s) "
-                             f"{', '.join(hardware)}")
+        return Check(
+            name=name,
+            status=Status.OK,
+            finding=f"not loaded, not needed: hardware device(s) {', '.join(hardware)}",
+        )
     if facts.modprobe is not None and facts.modprobe[0]:
-        return Check(name=name, status=Status.OK,
-                     finding=f"rdma_rxe can be loaded (modprobe -n: "
-                             f"{facts.modprobe[1] or 'ok'})",
-                     fix="sudo hixl rxe up   # loads it and creates rxe0")
+        return Check(
+            name=name,
+            status=Status.OK,
+            finding=f"rdma_rxe can be loaded (modprobe -n: {facts.modprobe[1] or 'ok'})",
+            fix="sudo hixl rxe up   # loads it and creates rxe0",
+        )
     if _cfg(facts, "CONFIG_MODULES") == "n":
-        return Check(name=name, status=Status.FAIL,
-                     finding=f"kernel {facts.kernel_release} cannot load modules, so no "
-                             f"rdma_rxe: {_cfg_note(facts, 'CONFIG_MODULES')}",
-                     fix=f"use the VM path: {VM_COMMAND}")
+        return Check(
+            name=name,
+            status=Status.FAIL,
+            finding=f"kernel {facts.kernel_release} cannot load modules, so no "
+            f"rdma_rxe: {_cfg_note(facts, 'CONFIG_MODULES')}",
+            fix=f"use the VM path: {VM_COMMAND}",
+        )
     detail = facts.modprobe[1] if facts.modprobe is not None else "modprobe is not installed"
     rxe_cfg = _cfg(facts, "CONFIG_RDMA_RXE")
     if facts.modprobe is None:
         fix = "sudo apt-get install kmod"
     elif rxe_cfg == "m":
-        fix = ("the module file is missing; install the kernel's extra modules: "
-               "sudo apt-get install linux-modules-extra-$(uname -r)   # Ubuntu")
+        fix = (
+            "the module file is missing; install the kernel's extra modules: "
+            "sudo apt-get install linux-modules-extra-$(uname -r)   # Ubuntu"
+        )
     elif rxe_cfg == "n":
         fix = f"this kernel has no soft-RoCE (CONFIG_RDMA_RXE is not set); use: {VM_COMMAND}"
     else:
         fix = f"install a kernel with CONFIG_RDMA_RXE=m, or use: {VM_COMMAND}"
-    return Check(name=name, status=Status.FAIL,
-                 finding=f"rdma_rxe cannot be loaded: {detail}", fix=fix)
+    return Check(
+        name=name, status=Status.FAIL, finding=f"rdma_rxe cannot be loaded: {detail}", fix=fix
+    )
 
 
 def _select_from(devices: tuple[Device, ...]) -> tuple[Selection | None, str]:
@@ -378,43 +417,66 @@ def _check_root(facts: Facts, selection: Selection | None) -> Check:
     if facts.euid == 0:
         return Check(name=name, status=Status.OK, finding="running as root")
     if selection is not None:
-        return Check(name=name, status=Status.OK,
-                     finding=f"not root (uid {facts.euid}); fine: {selection.device.name} "
-                             f"is already up")
+        return Check(
+            name=name,
+            status=Status.OK,
+            finding=f"not root (uid {facts.euid}); fine: {selection.device.name} is already up",
+        )
     if not _kernel_can_rxe(facts):
-        return Check(name=name, status=Status.OK,
-                     finding=f"not root (uid {facts.euid}); root would not help this kernel, "
-                             f"and the VM path does not need it")
-    return Check(name=name, status=Status.WARN,
-                 finding=f"not root (uid {facts.euid}): creating a soft-RoCE device needs root",
-                 fix="sudo hixl rxe up")
+        return Check(
+            name=name,
+            status=Status.OK,
+            finding=f"not root (uid {facts.euid}); root would not help this kernel, "
+            f"and the VM path does not need it",
+        )
+    return Check(
+        name=name,
+        status=Status.WARN,
+        finding=f"not root (uid {facts.euid}): creating a soft-RoCE device needs root",
+        fix="sudo hixl rxe up",
+    )
 
 
 def _check_memlock(facts: Facts) -> Check:
     name = "locked memory"
     if facts.euid == 0 or facts.memlock is None:
-        return Check(name=name, status=Status.OK,
-                     finding="no limit" if facts.memlock is None else "root: limit does not apply")
+        return Check(
+            name=name,
+            status=Status.OK,
+            finding="no limit" if facts.memlock is None else "root: limit does not apply",
+        )
     if facts.memlock < _MEMLOCK_MIN:
-        return Check(name=name, status=Status.WARN,
-                     finding=f"RLIMIT_MEMLOCK is {facts.memlock // 1024} KiB; registering "
-                             f"more than that fails for non-root users",
-                     fix="ulimit -l unlimited   (to keep it: '* - memlock unlimited' in "
-                         "/etc/security/limits.conf)")
-    return Check(name=name, status=Status.OK,
-                 finding=f"RLIMIT_MEMLOCK is {facts.memlock >> 20} MiB")
+        return Check(
+            name=name,
+            status=Status.WARN,
+            finding=f"RLIMIT_MEMLOCK is {facts.memlock // 1024} KiB; registering "
+            f"more than that fails for non-root users",
+            fix="ulimit -l unlimited   (to keep it: '* - memlock unlimited' in "
+            "/etc/security/limits.conf)",
+        )
+    return Check(
+        name=name, status=Status.OK, finding=f"RLIMIT_MEMLOCK is {facts.memlock >> 20} MiB"
+    )
 
 
 def _pyverbs_fix(facts: Facts) -> str:
     if not facts.system_pyverbs:
-        extra = ("; then recreate this venv with system packages: /usr/bin/python3 -m venv "
-                 "--system-site-packages .venv" if facts.venv_without_system_site else "")
+        extra = (
+            "; then recreate this venv with system packages: /usr/bin/python3 -m venv "
+            "--system-site-packages .venv"
+            if facts.venv_without_system_site
+            else ""
+        )
         return "sudo apt-get install python3-pyverbs" + extra
     if facts.venv_without_system_site:
-        return ("this venv hides system packages; recreate it: /usr/bin/python3 -m venv "
-                "--system-site-packages .venv && .venv/bin/pip install -e .")
-    return ("python3-pyverbs is built for /usr/bin/python3; run hixl with it, e.g. "
-            "/usr/bin/python3 -m venv --system-site-packages .venv")
+        return (
+            "this venv hides system packages; recreate it: /usr/bin/python3 -m venv "
+            "--system-site-packages .venv && .venv/bin/pip install -e ."
+        )
+    return (
+        "python3-pyverbs is built for /usr/bin/python3; run hixl with it, e.g. "
+        "/usr/bin/python3 -m venv --system-site-packages .venv"
+    )
 
 
 def _check_pyverbs(facts: Facts) -> Check:
@@ -423,45 +485,58 @@ def _check_pyverbs(facts: Facts) -> Check:
     where = f"python {facts.python}" if facts.python else "this python"
     if not pv.imported:
         if "IBVERBS_PRIVATE" in pv.error:
-            return Check(name=name, status=Status.FAIL,
-                         finding=f"pyverbs does not match the system's libibverbs (a PyPI "
-                                 f"build?): {pv.error}",
-                         fix="pip uninstall -y pyverbs && sudo apt-get install python3-pyverbs"
-                             " && use a venv made by /usr/bin/python3 -m venv "
-                             "--system-site-packages")
-        return Check(name=name, status=Status.FAIL,
-                     finding=f"pyverbs cannot be imported by {where}: {pv.error}",
-                     fix=_pyverbs_fix(facts))
+            return Check(
+                name=name,
+                status=Status.FAIL,
+                finding=f"pyverbs does not match the system's libibverbs (a PyPI "
+                f"build?): {pv.error}",
+                fix="pip uninstall -y pyverbs && sudo apt-get install python3-pyverbs"
+                " && use a venv made by /usr/bin/python3 -m venv "
+                "--system-site-packages",
+            )
+        return Check(
+            name=name,
+            status=Status.FAIL,
+            finding=f"pyverbs cannot be imported by {where}: {pv.error}",
+            fix=_pyverbs_fix(facts),
+        )
     if pv.device_count is None:
         if not facts.rdma_class:
-            return Check(name=name, status=Status.OK,
-                         finding=f"pyverbs imports ({pv.location}); get_device_list() fails "
-                                 f"here only because the kernel has no RDMA ({pv.error})")
-        return Check(name=name, status=Status.FAIL,
-                     finding=f"pyverbs imports but get_device_list() fails: {pv.error}",
-                     fix="sudo apt-get install --reinstall rdma-core ibverbs-providers "
-                         "python3-pyverbs")
-    return Check(name=name, status=Status.OK,
-                 finding=f"pyverbs imports ({pv.location}); get_device_list() sees "
-                         f"{pv.device_count} device(s)")
+            return Check(
+                name=name,
+                status=Status.OK,
+                finding=f"pyverbs imports ({pv.location}); get_device_list() fails "
+                f"here only because the kernel has no RDMA ({pv.error})",
+            )
+        return Check(
+            name=name,
+            status=Status.FAIL,
+            finding=f"pyverbs imports but get_device_list() fails: {pv.error}",
+            fix="sudo apt-get install --reinstall rdma-core ibverbs-providers python3-pyverbs",
+        )
+    return Check(
+        name=name,
+        status=Status.OK,
+        finding=f"pyverbs imports ({pv.location}); get_device_list() sees "
+        f"{pv.device_count} device(s)",
+    )
 
 
 def _check_devices(facts: Facts) -> Check:
     name = "devices"
     if not facts.devices:
-        fix = ("sudo hixl rxe up" if _kernel_can_rxe(facts)
-               else f"use the VM path: {VM_COMMAND}")
+        fix = "sudo hixl rxe up" if _kernel_can_rxe(facts) else f"use the VM path: {VM_COMMAND}"
         return Check(name=name, status=Status.FAIL, finding="no RDMA devices", fix=fix)
-    listed = ", ".join(f"{d.name} ({d.kind} on {', '.join(d.netdevs) or 'no netdev'})"
-                       for d in facts.devices)
+    listed = ", ".join(
+        f"{d.name} ({d.kind} on {', '.join(d.netdevs) or 'no netdev'})" for d in facts.devices
+    )
     return Check(name=name, status=Status.OK, finding=listed)
 
 
 def _check_port(facts: Facts, selection: Selection | None, why: str) -> Check:
     name = "active port + GID"
     if selection is not None:
-        return Check(name=name, status=Status.OK,
-                     finding=f"{selection}, {selection.gid.type}")
+        return Check(name=name, status=Status.OK, finding=f"{selection}, {selection.gid.type}")
     fix = "sudo hixl rxe down && sudo hixl rxe up"
     for dev in facts.devices:
         for port in dev.ports:
@@ -477,45 +552,85 @@ def _check_port(facts: Facts, selection: Selection | None, why: str) -> Check:
 def _vm_checks(facts: Facts) -> tuple[list[Check], bool]:
     vm = facts.vm
     checks = [
-        Check(name="vm: qemu", status=Status.OK, finding=vm.qemu) if vm.qemu else
-        Check(name="vm: qemu", status=Status.FAIL, finding="qemu-system-x86_64 not found",
-              fix="sudo apt-get install qemu-system-x86"),
+        Check(name="vm: qemu", status=Status.OK, finding=vm.qemu)
+        if vm.qemu
+        else Check(
+            name="vm: qemu",
+            status=Status.FAIL,
+            finding="qemu-system-x86_64 not found",
+            fix="sudo apt-get install qemu-system-x86",
+        ),
     ]
     if vm.kernels:
-        checks.append(Check(name="vm: kernel", status=Status.OK,
-                            finding=f"/boot/vmlinuz-{vm.kernels[0]} with rdma_rxe"))
+        checks.append(
+            Check(
+                name="vm: kernel",
+                status=Status.OK,
+                finding=f"/boot/vmlinuz-{vm.kernels[0]} with rdma_rxe",
+            )
+        )
     elif vm.unreadable_kernels:
         ver = vm.unreadable_kernels[0]
-        checks.append(Check(name="vm: kernel", status=Status.FAIL,
-                            finding=f"/boot/vmlinuz-{ver} has rdma_rxe but this user cannot "
-                                    f"read it", fix=f"sudo chmod 0644 /boot/vmlinuz-{ver}"))
+        checks.append(
+            Check(
+                name="vm: kernel",
+                status=Status.FAIL,
+                finding=f"/boot/vmlinuz-{ver} has rdma_rxe but this user cannot read it",
+                fix=f"sudo chmod 0644 /boot/vmlinuz-{ver}",
+            )
+        )
     else:
-        checks.append(Check(name="vm: kernel", status=Status.FAIL,
-                            finding="no /boot/vmlinuz-* whose /lib/modules/<version> has "
-                                    "rdma_rxe.ko",
-                            fix="sudo apt-get install linux-image-amd64"))
-    checks.append(Check(name="vm: virtme-ng", status=Status.OK, finding=vm.vng) if vm.vng else
-                  Check(name="vm: virtme-ng", status=Status.FAIL,
-                        finding="vng (virtme-ng) not found",
-                        fix="pip install 'hixl[vm]'   # or: pip install virtme-ng"))
-    checks.append(Check(name="vm: busybox", status=Status.OK, finding=vm.busybox)
-                  if vm.busybox else
-                  Check(name="vm: busybox", status=Status.FAIL,
-                        finding="busybox not found (virtme-ng builds its initramfs with it)",
-                        fix="sudo apt-get install busybox-static"))
+        checks.append(
+            Check(
+                name="vm: kernel",
+                status=Status.FAIL,
+                finding="no /boot/vmlinuz-* whose /lib/modules/<version> has rdma_rxe.ko",
+                fix="sudo apt-get install linux-image-amd64",
+            )
+        )
+    checks.append(
+        Check(name="vm: virtme-ng", status=Status.OK, finding=vm.vng)
+        if vm.vng
+        else Check(
+            name="vm: virtme-ng",
+            status=Status.FAIL,
+            finding="vng (virtme-ng) not found",
+            fix="pip install 'hixl[vm]'   # or: pip install virtme-ng",
+        )
+    )
+    checks.append(
+        Check(name="vm: busybox", status=Status.OK, finding=vm.busybox)
+        if vm.busybox
+        else Check(
+            name="vm: busybox",
+            status=Status.FAIL,
+            finding="busybox not found (virtme-ng builds its initramfs with it)",
+            fix="sudo apt-get install busybox-static",
+        )
+    )
     ready = all(c.status is Status.OK for c in checks) and facts.pyverbs.imported
     if ready:
-        checks.append(Check(name="vm path", status=Status.OK,
-                            finding=f"ready: runs CMD in a VM booting {vm.kernels[0]} with "
-                                    f"rxe0 up (about 25 s to boot without KVM)",
-                            fix=VM_COMMAND))
+        checks.append(
+            Check(
+                name="vm path",
+                status=Status.OK,
+                finding=f"ready: runs CMD in a VM booting {vm.kernels[0]} with "
+                f"rxe0 up (about 25 s to boot without KVM)",
+                fix=VM_COMMAND,
+            )
+        )
     else:
         missing = [c.name for c in checks if c.status is not Status.OK]
         if not facts.pyverbs.imported:
             missing.append("pyverbs (the VM uses this machine's Python)")
-        checks.append(Check(name="vm path", status=Status.FAIL,
-                            finding=f"not ready: {', '.join(missing)}",
-                            fix="apply the fixes above, then: " + VM_COMMAND))
+        checks.append(
+            Check(
+                name="vm path",
+                status=Status.FAIL,
+                finding=f"not ready: {', '.join(missing)}",
+                fix="apply the fixes above, then: " + VM_COMMAND,
+            )
+        )
     return checks, ready
 
 
@@ -527,8 +642,13 @@ def diagnose(facts: Facts) -> Report:
     direct path is not ready.
     """
     selection, why = _select_from(facts.devices) if facts.rdma_class else (None, "")
-    checks = [_check_kernel(facts), _check_rxe_module(facts), _check_root(facts, selection),
-              _check_memlock(facts), _check_pyverbs(facts)]
+    checks = [
+        _check_kernel(facts),
+        _check_rxe_module(facts),
+        _check_root(facts, selection),
+        _check_memlock(facts),
+        _check_pyverbs(facts),
+    ]
     if facts.rdma_class:
         checks.append(_check_devices(facts))
         if facts.devices:
@@ -537,18 +657,30 @@ def diagnose(facts: Facts) -> Report:
     direct = selection is not None and pv.imported and bool(pv.device_count)
     if direct:
         assert selection is not None
-        return Report(checks=tuple(checks), mode="direct", selection=selection,
-                      verdict=f"hixl can run RDMA here directly: {selection}")
+        return Report(
+            checks=tuple(checks),
+            mode="direct",
+            selection=selection,
+            verdict=f"hixl can run RDMA here directly: {selection}",
+        )
     vm_checks, vm_ready = _vm_checks(facts)
     checks.extend(vm_checks)
     if vm_ready:
-        where = ("this kernel cannot run soft-RoCE" if not _kernel_can_rxe(facts)
-                 else "no usable device here yet; sudo hixl rxe up would make one")
-        return Report(checks=tuple(checks), mode="vm",
-                      verdict=f"hixl can run RDMA through the VM: {VM_COMMAND}   ({where})")
-    return Report(checks=tuple(checks), mode="none",
-                  verdict="hixl cannot run RDMA here yet: apply the fixes of the [fail] "
-                          "lines above")
+        where = (
+            "this kernel cannot run soft-RoCE"
+            if not _kernel_can_rxe(facts)
+            else "no usable device here yet; sudo hixl rxe up would make one"
+        )
+        return Report(
+            checks=tuple(checks),
+            mode="vm",
+            verdict=f"hixl can run RDMA through the VM: {VM_COMMAND}   ({where})",
+        )
+    return Report(
+        checks=tuple(checks),
+        mode="none",
+        verdict="hixl cannot run RDMA here yet: apply the fixes of the [fail] lines above",
+    )
 
 
 def format_report(report: Report) -> str:
@@ -572,9 +704,18 @@ def report_to_json(report: Report) -> dict[str, Any]:
         "mode": report.mode,
         "exit_code": report.exit_code,
         "verdict": report.verdict,
-        "selected": None if sel is None else {
-            "device": sel.device.name, "port": sel.port.number, "gid_index": sel.gid.index,
-            "gid": sel.gid.gid, "ipv4": sel.gid.ipv4, "netdev": sel.gid.netdev},
-        "checks": [{"name": c.name, "status": c.status.value, "finding": c.finding,
-                    "fix": c.fix} for c in report.checks],
+        "selected": None
+        if sel is None
+        else {
+            "device": sel.device.name,
+            "port": sel.port.number,
+            "gid_index": sel.gid.index,
+            "gid": sel.gid.gid,
+            "ipv4": sel.gid.ipv4,
+            "netdev": sel.gid.netdev,
+        },
+        "checks": [
+            {"name": c.name, "status": c.status.value, "finding": c.finding, "fix": c.fix}
+            for c in report.checks
+        ],
     }

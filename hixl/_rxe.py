@@ -80,12 +80,17 @@ class RxeUp:
         """A one-paragraph human summary."""
         sel = self.selection
         netdev = sel.gid.netdev or "?"
-        head = (f"created {sel.device.name} on {netdev}" if self.created_device
-                else f"{sel.device.name} already exists on {netdev}; nothing to do")
+        head = (
+            f"created {sel.device.name} on {netdev}"
+            if self.created_device
+            else f"{sel.device.name} already exists on {netdev}; nothing to do"
+        )
         if self.created_netdev:
             head = f"created dummy netdev {netdev} ({DUMMY_ADDRESS}); " + head
-        return (f"{head}\n{sel.device.name} port {sel.port.number} {sel.port.state}, "
-                f"GID index {sel.gid.index} {sel.gid.gid} ({sel.gid.ipv4})")
+        return (
+            f"{head}\n{sel.device.name} port {sel.port.number} {sel.port.state}, "
+            f"GID index {sel.gid.index} {sel.gid.gid} ({sel.gid.ipv4})"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,18 +109,21 @@ class RxeDown:
         return "; ".join(parts) if parts else "no soft-RoCE device; nothing to do"
 
 
-def _run(argv: Sequence[str], *, timeout: float = 20.0,
-         hint: str = "") -> subprocess.CompletedProcess[str]:
+def _run(
+    argv: Sequence[str], *, timeout: float = 20.0, hint: str = ""
+) -> subprocess.CompletedProcess[str]:
     """Run a command; raise DeviceError with its stderr unless it exits 0."""
     cmd = " ".join(argv)
     log.debug("run %s", cmd)
     try:
-        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
-                              check=False)
+        proc = subprocess.run(
+            list(argv), capture_output=True, text=True, timeout=timeout, check=False
+        )
     except FileNotFoundError as exc:
         pkg = _TOOL_PACKAGES.get(argv[0], argv[0])
-        raise DeviceError(f"`{argv[0]}` is not installed or not on PATH; install it: "
-                          f"sudo apt-get install {pkg}") from exc
+        raise DeviceError(
+            f"`{argv[0]}` is not installed or not on PATH; install it: sudo apt-get install {pkg}"
+        ) from exc
     except subprocess.TimeoutExpired as exc:
         raise DeviceError(f"`{cmd}` did not finish within {timeout:g} s") from exc
     if proc.returncode != 0:
@@ -141,11 +149,19 @@ def parse_ip_addr_json(text: str) -> list[Netdev]:
         if not isinstance(entry, dict) or "ifname" not in entry:
             continue
         flags = set(entry.get("flags", []))
-        ipv4 = tuple(f"{a['local']}/{a.get('prefixlen', 32)}"
-                     for a in entry.get("addr_info", [])
-                     if isinstance(a, dict) and a.get("family") == "inet" and "local" in a)
-        out.append(Netdev(name=str(entry["ifname"]), up={"UP", "LOWER_UP"} <= flags,
-                          loopback="LOOPBACK" in flags, ipv4=ipv4))
+        ipv4 = tuple(
+            f"{a['local']}/{a.get('prefixlen', 32)}"
+            for a in entry.get("addr_info", [])
+            if isinstance(a, dict) and a.get("family") == "inet" and "local" in a
+        )
+        out.append(
+            Netdev(
+                name=str(entry["ifname"]),
+                up={"UP", "LOWER_UP"} <= flags,
+                loopback="LOOPBACK" in flags,
+                ipv4=ipv4,
+            )
+        )
     return out
 
 
@@ -165,16 +181,19 @@ def pick_netdev(netdevs: Sequence[Netdev]) -> Netdev | None:
 def _check_root(action: str) -> None:
     euid = os.geteuid()
     if euid != 0:
-        raise DeviceError(f"`hixl rxe {action}` needs root (it runs modprobe, ip link and "
-                          f"rdma link; running as uid {euid}); run: sudo hixl rxe {action}")
+        raise DeviceError(
+            f"`hixl rxe {action}` needs root (it runs modprobe, ip link and "
+            f"rdma link; running as uid {euid}); run: sudo hixl rxe {action}"
+        )
 
 
 def _check_tools() -> None:
     missing = [t for t in ("modprobe", "ip", "rdma") if shutil.which(t) is None]
     if missing:
         pkgs = " ".join(sorted({_TOOL_PACKAGES[t] for t in missing}))
-        raise DeviceError(f"missing tools: {', '.join(missing)}; "
-                          f"install them: sudo apt-get install {pkgs}")
+        raise DeviceError(
+            f"missing tools: {', '.join(missing)}; install them: sudo apt-get install {pkgs}"
+        )
 
 
 def _rxe_on(devices: list[Device], netdev: str) -> Device | None:
@@ -195,15 +214,18 @@ def _free_name(devices: list[Device]) -> str:
 def _make_dummy() -> None:
     # rxe needs a netdev with an IPv4 address for its RoCEv2 GID; a dummy netdev is the
     # smallest one and loops packets back inside the kernel, enough for one host.
-    _run(["ip", "link", "add", DUMMY_NETDEV, "type", "dummy"],
-         hint="the kernel needs the `dummy` module (CONFIG_DUMMY)")
+    _run(
+        ["ip", "link", "add", DUMMY_NETDEV, "type", "dummy"],
+        hint="the kernel needs the `dummy` module (CONFIG_DUMMY)",
+    )
     _run(["ip", "link", "set", "dev", DUMMY_NETDEV, "alias", HIXL_ALIAS])
     _run(["ip", "link", "set", "dev", DUMMY_NETDEV, "up"])
     _run(["ip", "addr", "add", DUMMY_ADDRESS, "dev", DUMMY_NETDEV])
 
 
-def _wait_ready(name: str, deadline_s: float, sysfs: Path,
-                clock: Callable[[], float] = time.monotonic) -> Selection:
+def _wait_ready(
+    name: str, deadline_s: float, sysfs: Path, clock: Callable[[], float] = time.monotonic
+) -> Selection:
     end = clock() + deadline_s
     while True:
         try:
@@ -214,8 +236,13 @@ def _wait_ready(name: str, deadline_s: float, sysfs: Path,
         time.sleep(0.1)
 
 
-def rxe_up(netdev: str | None = None, *, name: str | None = None, timeout: float = 15.0,
-           sysfs: Path | str = SYSFS_ROOT) -> RxeUp:
+def rxe_up(
+    netdev: str | None = None,
+    *,
+    name: str | None = None,
+    timeout: float = 15.0,
+    sysfs: Path | str = SYSFS_ROOT,
+) -> RxeUp:
     """Create a soft-RoCE device and wait until it is usable.
 
     ``netdev`` defaults to the first UP non-loopback interface with an IPv4 address; if
@@ -233,14 +260,16 @@ def rxe_up(netdev: str | None = None, *, name: str | None = None, timeout: float
             have = ", ".join(sorted(p.name for p in (root / "class" / "net").iterdir()))
         except OSError:
             have = "none"
-        raise DeviceError(f"unknown netdev {netdev!r}: not in {root}/class/net "
-                          f"(netdevs: {have})")
+        raise DeviceError(f"unknown netdev {netdev!r}: not in {root}/class/net (netdevs: {have})")
     _check_root("up")
     _check_tools()
     if not (root / "module" / "rdma_rxe").exists():
-        _run(["modprobe", "rdma_rxe"], timeout=30,
-             hint="this kernel cannot load soft-RoCE; run `hixl doctor`, "
-                  "or use the VM: hixl vm run -- CMD")
+        _run(
+            ["modprobe", "rdma_rxe"],
+            timeout=30,
+            hint="this kernel cannot load soft-RoCE; run `hixl doctor`, "
+            "or use the VM: hixl vm run -- CMD",
+        )
 
     created_netdev = False
     if netdev is None and name is None:
@@ -265,20 +294,26 @@ def rxe_up(netdev: str | None = None, *, name: str | None = None, timeout: float
     else:
         nd = next((n for n in list_netdevs() if n.name == netdev), None)
         if nd is not None and not nd.up:
-            raise DeviceError(f"netdev {netdev!r} is not up (needs flags UP and LOWER_UP); "
-                              f"run: sudo ip link set dev {netdev} up")
+            raise DeviceError(
+                f"netdev {netdev!r} is not up (needs flags UP and LOWER_UP); "
+                f"run: sudo ip link set dev {netdev} up"
+            )
         if nd is not None and not nd.ipv4:
-            raise DeviceError(f"netdev {netdev!r} has no IPv4 address, so rxe would get no "
-                              f"IPv4 RoCEv2 GID; add one, e.g.: "
-                              f"sudo ip addr add {DUMMY_ADDRESS} dev {netdev}")
+            raise DeviceError(
+                f"netdev {netdev!r} has no IPv4 address, so rxe would get no "
+                f"IPv4 RoCEv2 GID; add one, e.g.: "
+                f"sudo ip addr add {DUMMY_ADDRESS} dev {netdev}"
+            )
 
     devices = list_devices(root)
     existing = _rxe_on(devices, netdev)
     if existing is not None:
         if name is not None and name != existing.name:
-            raise DeviceError(f"netdev {netdev!r} already has soft-RoCE device "
-                              f"{existing.name!r}; a netdev takes one rxe device "
-                              f"(remove it first: sudo hixl rxe down {existing.name})")
+            raise DeviceError(
+                f"netdev {netdev!r} already has soft-RoCE device "
+                f"{existing.name!r}; a netdev takes one rxe device "
+                f"(remove it first: sudo hixl rxe down {existing.name})"
+            )
         log.debug("%s already exists on %s", existing.name, netdev)
         sel = _wait_ready(existing.name, timeout, root)
         return RxeUp(selection=sel, created_device=False, created_netdev=created_netdev)
@@ -287,11 +322,15 @@ def rxe_up(netdev: str | None = None, *, name: str | None = None, timeout: float
         name = _free_name(devices)
     elif any(d.name == name for d in devices):
         other = next(d for d in devices if d.name == name)
-        raise DeviceError(f"an RDMA device named {name!r} already exists "
-                          f"(on {', '.join(other.netdevs) or 'no netdev'}); pick another "
-                          f"--name")
-    _run(["rdma", "link", "add", name, "type", "rxe", "netdev", netdev],
-         hint=f"check `rdma link` and `ip addr show dev {netdev}`")
+        raise DeviceError(
+            f"an RDMA device named {name!r} already exists "
+            f"(on {', '.join(other.netdevs) or 'no netdev'}); pick another "
+            f"--name"
+        )
+    _run(
+        ["rdma", "link", "add", name, "type", "rxe", "netdev", netdev],
+        hint=f"check `rdma link` and `ip addr show dev {netdev}`",
+    )
     sel = _wait_ready(name, timeout, root)
     return RxeUp(selection=sel, created_device=True, created_netdev=created_netdev)
 
@@ -322,13 +361,17 @@ def rxe_down(name: str | None = None, *, sysfs: Path | str = SYSFS_ROOT) -> RxeD
             have = ", ".join(d.name for d in devices) or "none"
             raise DeviceError(f"no RDMA device named {name!r} (devices: {have})")
         if dev.kind != "rxe":
-            raise DeviceError(f"{name!r} is a {dev.kind} device, not soft-RoCE (rxe); "
-                              f"hixl only removes rxe devices")
+            raise DeviceError(
+                f"{name!r} is a {dev.kind} device, not soft-RoCE (rxe); "
+                f"hixl only removes rxe devices"
+            )
         targets = [dev]
     elif len(rxes) > 1:
-        raise DeviceError(f"{len(rxes)} soft-RoCE devices exist "
-                          f"({', '.join(d.name for d in rxes)}); name one: "
-                          f"sudo hixl rxe down NAME")
+        raise DeviceError(
+            f"{len(rxes)} soft-RoCE devices exist "
+            f"({', '.join(d.name for d in rxes)}); name one: "
+            f"sudo hixl rxe down NAME"
+        )
     else:
         targets = rxes
     for dev in targets:
@@ -338,9 +381,11 @@ def rxe_down(name: str | None = None, *, sysfs: Path | str = SYSFS_ROOT) -> RxeD
     in_use = {n for d in remaining for n in d.netdevs}
     # The dummy goes when hixl made it, no remaining rxe uses it, and either no device
     # was named or the named one sat on it.
-    if (_hixl_dummy(root, DUMMY_NETDEV) and DUMMY_NETDEV not in in_use
-            and (name is None or any(DUMMY_NETDEV in d.netdevs for d in targets))):
+    if (
+        _hixl_dummy(root, DUMMY_NETDEV)
+        and DUMMY_NETDEV not in in_use
+        and (name is None or any(DUMMY_NETDEV in d.netdevs for d in targets))
+    ):
         _run(["ip", "link", "delete", DUMMY_NETDEV])
         removed_netdev = DUMMY_NETDEV
-    return RxeDown(removed_devices=tuple(d.name for d in targets),
-                   removed_netdev=removed_netdev)
+    return RxeDown(removed_devices=tuple(d.name for d in targets), removed_netdev=removed_netdev)

@@ -44,15 +44,17 @@ def test_devices_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert data["selected"]["device"] == "rxe0" and data["selected"]["gid_index"] == 0
 
 
-def test_devices_exit_1_when_nothing_is_usable(tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_devices_exit_1_when_nothing_is_usable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     fake_rxe0(tmp_path, state="1: DOWN")
     assert _cli.main(["devices", "--sysfs", str(tmp_path)]) == 1
     assert "hixl uses: none: no usable RDMA port: rxe0 port 1 is DOWN" in capsys.readouterr().out
 
 
 def test_devices_without_kernel_rdma_is_a_clean_error(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _cli.main(["devices", "--sysfs", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hixl: error: this kernel has no RDMA support loaded")
@@ -67,8 +69,9 @@ def test_rxe_up_unknown_netdev(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize("argv", [["rxe", "up"], ["rxe", "down"], ["rxe", "down", "rxe0"]])
-def test_rxe_needs_root(argv: list[str], monkeypatch: pytest.MonkeyPatch,
-                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_rxe_needs_root(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     assert _cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -85,9 +88,13 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_python_dash_m_hixl_has_no_traceback() -> None:
-    proc = subprocess.run([sys.executable, "-m", "hixl", "rxe", "up", "--netdev",
-                           "hixl-no-such0"], capture_output=True, text=True, timeout=60,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hixl", "rxe", "up", "--netdev", "hixl-no-such0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith("hixl: error: unknown netdev")
     assert "Traceback" not in proc.stderr

@@ -33,10 +33,17 @@ MAPPED_10_1 = "0000:0000:0000:0000:0000:ffff:0a00:0001"  # ::ffff:10.0.0.1
 ZERO = "0000:0000:0000:0000:0000:0000:0000:0000"
 
 
-def make_device(sysfs: Path, name: str = "rxe0", *, netdev: str = "d0",
-                state: str = "4: ACTIVE", table_len: int = 8, netdev_mtu: int = 1500,
-                gids: list[tuple[int, str, str, str | None]] | None = None,
-                driver: str | None = None) -> Path:
+def make_device(
+    sysfs: Path,
+    name: str = "rxe0",
+    *,
+    netdev: str = "d0",
+    state: str = "4: ACTIVE",
+    table_len: int = 8,
+    netdev_mtu: int = 1500,
+    gids: list[tuple[int, str, str, str | None]] | None = None,
+    driver: str | None = None,
+) -> Path:
     """Write a device like kernel 6.1's sysfs: rxe has ``parent``, hardware ``device/``."""
     if gids is None:
         gids = [(0, LINK_LOCAL, "RoCE v2", netdev), (1, MAPPED_77_1, "RoCE v2", netdev)]
@@ -73,6 +80,7 @@ def make_device(sysfs: Path, name: str = "rxe0", *, netdev: str = "d0",
 
 
 # --- parsing ---------------------------------------------------------------------------
+
 
 def test_rxe_device_is_parsed_like_the_kernel_shows_it(tmp_path: Path) -> None:
     make_device(tmp_path)
@@ -114,6 +122,7 @@ def test_empty_class_lists_nothing(tmp_path: Path) -> None:
 
 # --- GID choice ------------------------------------------------------------------------
 
+
 def test_gid_ipv4() -> None:
     assert gid_ipv4(MAPPED_77_1) == "192.168.77.1"
     assert gid_ipv4(LINK_LOCAL) is None
@@ -146,14 +155,16 @@ def _perftest_choice(gids: list[Gid]) -> Gid:
     return best
 
 
-_gid_values = st.sampled_from([LINK_LOCAL, MAPPED_77_1, MAPPED_10_1,
-                               "fe80:0000:0000:0000:0000:0000:0000:0002"])
+_gid_values = st.sampled_from(
+    [LINK_LOCAL, MAPPED_77_1, MAPPED_10_1, "fe80:0000:0000:0000:0000:0000:0000:0002"]
+)
 _types = st.sampled_from(["RoCE v2", "IB/RoCE v1"])
 
 
 @given(st.lists(st.tuples(_gid_values, _types), min_size=1, max_size=12))
 def test_choice_matches_perftest_when_an_ipv4_roce_v2_gid_exists(
-        entries: list[tuple[str, str]]) -> None:
+    entries: list[tuple[str, str]],
+) -> None:
     gids = [Gid(index=i, gid=g, type=t, netdev="d0") for i, (g, t) in enumerate(entries)]
     chosen = choose_gid(gids)
     if any(g.usable for g in gids):
@@ -163,6 +174,7 @@ def test_choice_matches_perftest_when_an_ipv4_roce_v2_gid_exists(
 
 
 # --- selection and output --------------------------------------------------------------
+
 
 def test_select_device_reports_what_is_wrong(tmp_path: Path) -> None:
     (tmp_path / "class" / "infiniband").mkdir(parents=True)
@@ -194,32 +206,65 @@ def test_format_marks_the_chosen_gid(tmp_path: Path) -> None:
 def test_json_names_the_selection(tmp_path: Path) -> None:
     make_device(tmp_path)
     data = json.loads(json.dumps(devices_to_json(list_devices(tmp_path))))
-    assert data["selected"] == {"device": "rxe0", "port": 1, "gid_index": 1,
-                                "gid": MAPPED_77_1, "ipv4": "192.168.77.1", "netdev": "d0"}
+    assert data["selected"] == {
+        "device": "rxe0",
+        "port": 1,
+        "gid_index": 1,
+        "gid": MAPPED_77_1,
+        "ipv4": "192.168.77.1",
+        "netdev": "d0",
+    }
     assert data["devices"][0]["ports"][0]["chosen_gid_index"] == 1
 
 
-@pytest.mark.parametrize(("netdev_mtu", "rxe", "expected"), [
-    (1500, True, 1024), (1500, False, 1024), (9000, True, 4096), (4176, True, 4096),
-    (4175, True, 2048), (4191, False, 2048), (4192, False, 4096), (576, True, 256),
-    (100, True, 256),
-])
+@pytest.mark.parametrize(
+    ("netdev_mtu", "rxe", "expected"),
+    [
+        (1500, True, 1024),
+        (1500, False, 1024),
+        (9000, True, 4096),
+        (4176, True, 4096),
+        (4175, True, 2048),
+        (4191, False, 2048),
+        (4192, False, 4096),
+        (576, True, 256),
+        (100, True, 256),
+    ],
+)
 def test_roce_active_mtu(netdev_mtu: int, rxe: bool, expected: int) -> None:
     assert roce_active_mtu(netdev_mtu, rxe=rxe) == expected
 
 
 # --- netdev choice for `hixl rxe up` ---------------------------------------------------
 
-IP_ADDR_JSON = json.dumps([
-    {"ifindex": 1, "ifname": "lo", "flags": ["LOOPBACK", "UP", "LOWER_UP"],
-     "addr_info": [{"family": "inet", "local": "127.0.0.1", "prefixlen": 8}]},
-    {"ifindex": 2, "ifname": "docker0", "flags": ["NO-CARRIER", "BROADCAST", "UP"],
-     "addr_info": [{"family": "inet", "local": "172.17.0.1", "prefixlen": 16}]},
-    {"ifindex": 3, "ifname": "eth1", "flags": ["BROADCAST", "UP", "LOWER_UP"],
-     "addr_info": [{"family": "inet6", "local": "fe80::1", "prefixlen": 64}]},
-    {"ifindex": 4, "ifname": "eth0", "flags": ["BROADCAST", "MULTICAST", "UP", "LOWER_UP"],
-     "addr_info": [{"family": "inet", "local": "192.0.2.2", "prefixlen": 24}]},
-])
+IP_ADDR_JSON = json.dumps(
+    [
+        {
+            "ifindex": 1,
+            "ifname": "lo",
+            "flags": ["LOOPBACK", "UP", "LOWER_UP"],
+            "addr_info": [{"family": "inet", "local": "127.0.0.1", "prefixlen": 8}],
+        },
+        {
+            "ifindex": 2,
+            "ifname": "docker0",
+            "flags": ["NO-CARRIER", "BROADCAST", "UP"],
+            "addr_info": [{"family": "inet", "local": "172.17.0.1", "prefixlen": 16}],
+        },
+        {
+            "ifindex": 3,
+            "ifname": "eth1",
+            "flags": ["BROADCAST", "UP", "LOWER_UP"],
+            "addr_info": [{"family": "inet6", "local": "fe80::1", "prefixlen": 64}],
+        },
+        {
+            "ifindex": 4,
+            "ifname": "eth0",
+            "flags": ["BROADCAST", "MULTICAST", "UP", "LOWER_UP"],
+            "addr_info": [{"family": "inet", "local": "192.0.2.2", "prefixlen": 24}],
+        },
+    ]
+)
 
 
 def test_parse_ip_addr_json_and_pick() -> None:
@@ -234,13 +279,14 @@ def test_parse_ip_addr_json_and_pick() -> None:
 
 def test_parse_ip_addr_json_rejects_garbage() -> None:
     with pytest.raises(DeviceError, match="cannot parse"):
-        parse_ip_addr_json("Object \"addr\" is unknown")
+        parse_ip_addr_json('Object "addr" is unknown')
     with pytest.raises(DeviceError, match="printed a dict, not a list"):
         parse_ip_addr_json("{}")
 
 
 def test_rxe_up_reuses_a_usable_device_without_running_anything(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import hixl._rxe as rxe
 
     def no_commands(argv: list[str], **_: object) -> None:

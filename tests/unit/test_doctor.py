@@ -30,39 +30,67 @@ from hixl._doctor import (
 MAPPED = "0000:0000:0000:0000:0000:ffff:c0a8:4d01"
 LINK_LOCAL = "fe80:0000:0000:0000:001a:feff:fe39:e25a"
 
-VM_READY = VmFacts(qemu="/usr/bin/qemu-system-x86_64", kernels=("6.1.0-56-amd64",),
-                   vng="/venv/bin/vng", busybox="/usr/bin/busybox")
-PYVERBS_NO_KERNEL = PyverbsProbe(imported=True, device_count=None,
-                                 error="PyverbsRDMAError: Failed to get devices list",
-                                 location="/usr/lib/python3/dist-packages/pyverbs/__init__.py")
+VM_READY = VmFacts(
+    qemu="/usr/bin/qemu-system-x86_64",
+    kernels=("6.1.0-56-amd64",),
+    vng="/venv/bin/vng",
+    busybox="/usr/bin/busybox",
+)
+PYVERBS_NO_KERNEL = PyverbsProbe(
+    imported=True,
+    device_count=None,
+    error="PyverbsRDMAError: Failed to get devices list",
+    location="/usr/lib/python3/dist-packages/pyverbs/__init__.py",
+)
 NO_MODULES_CONFIG = {"CONFIG_INFINIBAND": "n", "CONFIG_MODULES": "n", "CONFIG_RDMA_RXE": "n"}
 
 # This project's CI/dev host: a kernel without RDMA or modules, VM tools installed.
 HOST = Facts(
-    kernel_release="6.18.44-fc-v669", rdma_class=False, config=NO_MODULES_CONFIG,
+    kernel_release="6.18.44-fc-v669",
+    rdma_class=False,
+    config=NO_MODULES_CONFIG,
     config_source="/proc/config.gz",
-    modprobe=(False, "modprobe: FATAL: Module rdma_rxe not found in directory "
-                     "/lib/modules/6.18.44-fc-v669"),
-    euid=0, python="/tmp/tv/bin/python (3.11.2)", pyverbs=PYVERBS_NO_KERNEL, vm=VM_READY,
+    modprobe=(
+        False,
+        "modprobe: FATAL: Module rdma_rxe not found in directory /lib/modules/6.18.44-fc-v669",
+    ),
+    euid=0,
+    python="/tmp/tv/bin/python (3.11.2)",
+    pyverbs=PYVERBS_NO_KERNEL,
+    vm=VM_READY,
 )
 
 
 def rxe0(state: str = "ACTIVE", gids: tuple[Gid, ...] | None = None) -> Device:
     if gids is None:
-        gids = (Gid(index=0, gid=LINK_LOCAL, type="RoCE v2", netdev="d0"),
-                Gid(index=1, gid=MAPPED, type="RoCE v2", netdev="d0"))
-    port = Port(number=1, state=state, phys_state="LinkUp", link_layer="Ethernet",
-                active_mtu=1024, mtu_source="netdev d0 mtu 1500", gid_table_len=1024,
-                gids=gids)
+        gids = (
+            Gid(index=0, gid=LINK_LOCAL, type="RoCE v2", netdev="d0"),
+            Gid(index=1, gid=MAPPED, type="RoCE v2", netdev="d0"),
+        )
+    port = Port(
+        number=1,
+        state=state,
+        phys_state="LinkUp",
+        link_layer="Ethernet",
+        active_mtu=1024,
+        mtu_source="netdev d0 mtu 1500",
+        gid_table_len=1024,
+        gids=gids,
+    )
     return Device(name="rxe0", kind="rxe", node_type="CA", netdevs=("d0",), ports=(port,))
 
 
 # A machine with rxe0 up: the guest of the hixl VM.
 GUEST = dataclasses.replace(
-    HOST, kernel_release="6.1.0-56-amd64", rdma_class=True,
+    HOST,
+    kernel_release="6.1.0-56-amd64",
+    rdma_class=True,
     config={"CONFIG_INFINIBAND": "m", "CONFIG_MODULES": "y", "CONFIG_RDMA_RXE": "m"},
-    config_source="/boot/config-6.1.0-56-amd64", rxe_loaded=True, modprobe=(True, ""),
-    pyverbs=PyverbsProbe(imported=True, device_count=1), devices=(rxe0(),),
+    config_source="/boot/config-6.1.0-56-amd64",
+    rxe_loaded=True,
+    modprobe=(True, ""),
+    pyverbs=PyverbsProbe(imported=True, device_count=1),
+    devices=(rxe0(),),
 )
 
 
@@ -79,16 +107,19 @@ def test_host_without_rdma_points_to_the_vm() -> None:
     report = diagnose(HOST)
     status, finding, fix = check(report, "kernel RDMA")
     assert status is Status.FAIL
-    assert finding == ("kernel 6.18.44-fc-v669 has no RDMA: /sys/class/infiniband is missing; "
-                       "CONFIG_INFINIBAND is not set (/proc/config.gz)")
+    assert finding == (
+        "kernel 6.18.44-fc-v669 has no RDMA: /sys/class/infiniband is missing; "
+        "CONFIG_INFINIBAND is not set (/proc/config.gz)"
+    )
     assert "hixl vm run -- CMD" in fix
     status, finding, _ = check(report, "rdma_rxe module")
     assert status is Status.FAIL and "cannot load modules" in finding
     assert check(report, "pyverbs")[0] is Status.OK  # the import works; the kernel is at fault
     assert check(report, "vm path")[0] is Status.OK
     assert report.mode == "vm" and report.exit_code == 0
-    assert report.verdict == ("hixl can run RDMA through the VM: hixl vm run -- CMD   "
-                              "(this kernel cannot run soft-RoCE)")
+    assert report.verdict == (
+        "hixl can run RDMA through the VM: hixl vm run -- CMD   (this kernel cannot run soft-RoCE)"
+    )
     text = format_report(report)
     assert "[fail] kernel RDMA" in text and "use: hixl vm run -- CMD" in text
 
@@ -107,16 +138,19 @@ def test_host_without_rdma_or_vm_tools_fails_with_fixes() -> None:
 
 
 def test_unreadable_vm_kernel_gets_a_chmod_fix() -> None:
-    facts = dataclasses.replace(HOST, vm=dataclasses.replace(
-        VM_READY, kernels=(), unreadable_kernels=("6.8.0-45-generic",)))
+    facts = dataclasses.replace(
+        HOST, vm=dataclasses.replace(VM_READY, kernels=(), unreadable_kernels=("6.8.0-45-generic",))
+    )
     status, _, fix = check(diagnose(facts), "vm: kernel")
     assert status is Status.FAIL and fix == "sudo chmod 0644 /boot/vmlinuz-6.8.0-45-generic"
 
 
 def test_module_missing_although_configured() -> None:
     facts = dataclasses.replace(
-        HOST, config={"CONFIG_INFINIBAND": "m", "CONFIG_MODULES": "y", "CONFIG_RDMA_RXE": "m"},
-        modprobe=(False, "modprobe: FATAL: Module rdma_rxe not found"))
+        HOST,
+        config={"CONFIG_INFINIBAND": "m", "CONFIG_MODULES": "y", "CONFIG_RDMA_RXE": "m"},
+        modprobe=(False, "modprobe: FATAL: Module rdma_rxe not found"),
+    )
     report = diagnose(facts)
     assert check(report, "kernel RDMA")[0] is Status.WARN
     status, finding, fix = check(report, "rdma_rxe module")
@@ -127,15 +161,16 @@ def test_module_missing_although_configured() -> None:
 
 def test_module_not_in_kernel_config() -> None:
     facts = dataclasses.replace(
-        HOST, config={"CONFIG_INFINIBAND": "m", "CONFIG_MODULES": "y", "CONFIG_RDMA_RXE": "n"})
+        HOST, config={"CONFIG_INFINIBAND": "m", "CONFIG_MODULES": "y", "CONFIG_RDMA_RXE": "n"}
+    )
     _, _, fix = check(diagnose(facts), "rdma_rxe module")
     assert "CONFIG_RDMA_RXE is not set" in fix and "hixl vm run" in fix
 
 
 def test_module_loadable_but_no_device_yet() -> None:
     facts = dataclasses.replace(
-        GUEST, rxe_loaded=False, devices=(), pyverbs=PyverbsProbe(imported=True,
-                                                                  device_count=0))
+        GUEST, rxe_loaded=False, devices=(), pyverbs=PyverbsProbe(imported=True, device_count=0)
+    )
     report = diagnose(facts)
     assert check(report, "rdma_rxe module")[0] is Status.OK
     status, finding, fix = check(report, "devices")
@@ -146,9 +181,14 @@ def test_module_loadable_but_no_device_yet() -> None:
 
 def test_pyverbs_missing() -> None:
     facts = dataclasses.replace(
-        HOST, system_pyverbs=False,
-        pyverbs=PyverbsProbe(imported=False, device_count=None,
-                             error="ModuleNotFoundError: No module named 'pyverbs'"))
+        HOST,
+        system_pyverbs=False,
+        pyverbs=PyverbsProbe(
+            imported=False,
+            device_count=None,
+            error="ModuleNotFoundError: No module named 'pyverbs'",
+        ),
+    )
     report = diagnose(facts)
     status, finding, fix = check(report, "pyverbs")
     assert status is Status.FAIL and "No module named 'pyverbs'" in finding
@@ -160,18 +200,27 @@ def test_pyverbs_missing() -> None:
 
 def test_pyverbs_hidden_by_a_venv() -> None:
     facts = dataclasses.replace(
-        HOST, venv_without_system_site=True, system_pyverbs=True,
-        pyverbs=PyverbsProbe(imported=False, device_count=None,
-                             error="ModuleNotFoundError: No module named 'pyverbs'"))
+        HOST,
+        venv_without_system_site=True,
+        system_pyverbs=True,
+        pyverbs=PyverbsProbe(
+            imported=False,
+            device_count=None,
+            error="ModuleNotFoundError: No module named 'pyverbs'",
+        ),
+    )
     fix = check(diagnose(facts), "pyverbs")[2]
     assert "/usr/bin/python3 -m venv --system-site-packages .venv" in fix
 
 
 def test_pyverbs_from_pypi_does_not_match_libibverbs() -> None:
-    err = ("ImportError: /lib/x86_64-linux-gnu/libibverbs.so.1: version `IBVERBS_PRIVATE_59' "
-           "not found (required by /venv/lib/python3.11/site-packages/pyverbs/device.so)")
+    err = (
+        "ImportError: /lib/x86_64-linux-gnu/libibverbs.so.1: version `IBVERBS_PRIVATE_59' "
+        "not found (required by /venv/lib/python3.11/site-packages/pyverbs/device.so)"
+    )
     facts = dataclasses.replace(
-        HOST, pyverbs=PyverbsProbe(imported=False, device_count=None, error=err))
+        HOST, pyverbs=PyverbsProbe(imported=False, device_count=None, error=err)
+    )
     status, finding, fix = check(diagnose(facts), "pyverbs")
     assert status is Status.FAIL and "does not match the system's libibverbs" in finding
     assert fix.startswith("pip uninstall -y pyverbs && sudo apt-get install python3-pyverbs")
@@ -206,8 +255,10 @@ def test_not_root_without_a_device_warns() -> None:
     facts = dataclasses.replace(GUEST, euid=1000, devices=(), memlock=8 << 20)
     report = diagnose(facts)
     assert check(report, "root") == (
-        Status.WARN, "not root (uid 1000): creating a soft-RoCE device needs root",
-        "sudo hixl rxe up")
+        Status.WARN,
+        "not root (uid 1000): creating a soft-RoCE device needs root",
+        "sudo hixl rxe up",
+    )
     status, finding, _ = check(report, "locked memory")
     assert status is Status.WARN and "8192 KiB" in finding
 
@@ -231,16 +282,20 @@ def test_direct_path_has_no_vm_checks() -> None:
     assert report.mode == "direct" and report.exit_code == 0
     assert all(c.status is Status.OK for c in report.checks)
     assert not [n for n in names(report) if n.startswith("vm")]
-    assert report.verdict == "hixl can run RDMA here directly: rxe0 port 1 gid 1 " \
-                             "(192.168.77.1 on d0)"
+    assert (
+        report.verdict == "hixl can run RDMA here directly: rxe0 port 1 gid 1 (192.168.77.1 on d0)"
+    )
     data = report_to_json(report)
     assert data["selected"]["gid_index"] == 1 and data["exit_code"] == 0
 
 
 def test_parse_kernel_config() -> None:
-    text = "# comment\nCONFIG_RDMA_RXE=m\n# CONFIG_INFINIBAND is not set\nCONFIG_X=\"a b\"\n"
-    assert parse_kernel_config(text) == {"CONFIG_RDMA_RXE": "m", "CONFIG_INFINIBAND": "n",
-                                         "CONFIG_X": "a b"}
+    text = '# comment\nCONFIG_RDMA_RXE=m\n# CONFIG_INFINIBAND is not set\nCONFIG_X="a b"\n'
+    assert parse_kernel_config(text) == {
+        "CONFIG_RDMA_RXE": "m",
+        "CONFIG_INFINIBAND": "n",
+        "CONFIG_X": "a b",
+    }
 
 
 def test_probe_reports_a_child_that_cannot_start() -> None:
