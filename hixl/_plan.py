@@ -373,6 +373,24 @@ def _pack(q: I64Array, run_first: I64Array, sge: int, msg: int) -> I64Array:
     return parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts))
 
 
+def _plan_one_range(loc: Segments, rem: Segments, op: Op, limits: DeviceLimits) -> Plan:
+    """Fast path for one contiguous range on each side: cut every ``max_msg_sz`` bytes."""
+    msg, total = limits.max_msg_sz, loc.nbytes
+    n = -(-total // msg)
+    step = np.arange(n, dtype=np.int64) * np.int64(msg)
+    length = np.full(n, msg, dtype=np.int64)
+    length[-1] = total - (n - 1) * msg
+    return Plan(
+        op=op,
+        limits=limits,
+        wr_remote_offset=step + rem.offsets[0],
+        wr_length=length,
+        wr_sge_start=np.arange(n + 1, dtype=np.int64),
+        sge_local_offset=step + loc.offsets[0],
+        sge_length=length,
+    )
+
+
 def plan_transfer(
     local: Descriptor,
     remote: Descriptor,
@@ -406,6 +424,8 @@ def plan_transfer(
             f"segments, remote nbytes={rem0.nbytes} in {rem0.count} segments"
         )
     loc, rem = (loc0.merged(), rem0.merged()) if merge else (loc0, rem0)
+    if loc.count == 1 and rem.count == 1:
+        return _plan_one_range(loc, rem, op, limits)
     if op is Op.READ and loc.first_overlap() is not None:
         loc0.check_disjoint("local (the READ destination)")
 
