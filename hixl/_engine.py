@@ -869,7 +869,7 @@ class Engine:
         """Close ``conn`` for good and forget it (caller holds the lock)."""
         if send_bye and conn._sock is not None and conn.state is ConnState.READY:
             with contextlib.suppress(OSError):
-                conn._sock.sendall(_wire.encode(_wire.Bye(reason=reason[:1000])))
+                conn._sock.sendall(_wire.encode(_wire.Bye(reason=_printable(reason, 1000))))
         if conn.state is ConnState.READY:
             with contextlib.suppress(HixlError):
                 conn._qp.to_error()
@@ -1316,6 +1316,11 @@ class Engine:
             self._fail(conn, f"unexpected {type(msg).__name__} on the control channel")
 
 
+def _printable(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters with anything the wire refuses replaced."""
+    return "".join(c if c.isprintable() or c in "\t\n" else "?" for c in text[:limit])
+
+
 def _completion_error(op: str, wc: _verbs.Completion, peer: str) -> HixlError:
     from hixl._errors import CompletionError
 
@@ -1387,6 +1392,8 @@ class _Channel:
     def refuse(self, code: Any, message: str) -> None:
         try:
             self.sock.settimeout(1.0)
-            self.sock.sendall(_wire.encode(_wire.Error(code=code, message=message[:1000])))
+            self.sock.sendall(
+                _wire.encode(_wire.Error(code=code, message=_printable(message, 1000)))
+            )
         except (OSError, HixlError):
             pass
