@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -85,7 +86,7 @@ def test_merge_keeps_stream_order() -> None:
         ([2**70], [1], "offsets must be int64 integers"),
     ],
 )
-def test_segments_reject(offsets: list[object], lengths: list[object], message: str) -> None:
+def test_segments_reject(offsets: list[Any], lengths: list[Any], message: str) -> None:
     with pytest.raises(DescriptorError, match=message):
         Segments(offsets, lengths)
 
@@ -155,7 +156,7 @@ def test_strided() -> None:
         StridedDesc(offset=0, count=2.0, size=64, stride=64)  # type: ignore[arg-type]
     with pytest.raises(DescriptorError, match="got bool"):
         StridedDesc(offset=0, count=True, size=64, stride=64)
-    assert StridedDesc(offset=np.int64(0), count=np.uint8(2), size=64, stride=64).count == 2
+    assert StridedDesc(offset=np.int64(0), count=np.uint8(2), size=64, stride=64).count == 2  # type: ignore[arg-type]
     with pytest.raises(DescriptorError, match="StridedDesc overflows int64"):
         StridedDesc(offset=0, count=3, size=64, stride=2**62)
 

@@ -25,8 +25,8 @@ def stream_of(buf: bytes, seg: Segments) -> bytes:
 
 
 def apply_plan(plan: Plan, local: npt.NDArray[np.generic], remote: npt.NDArray[np.generic]) -> None:
-    lv = memoryview(local.reshape(-1).view(np.uint8))
-    rv = memoryview(remote.reshape(-1).view(np.uint8))
+    lv = local.reshape(-1).view(np.uint8).data
+    rv = remote.reshape(-1).view(np.uint8).data
     for r, sges in plan.wrs():
         pos = r
         for lo, n in sges:
@@ -179,20 +179,20 @@ def paged_array(seed: int) -> npt.NDArray[np.float16]:
 
 
 def test_paged_geometry() -> None:
-    lay = PagedKVLayout(**PAGED)  # type: ignore[arg-type]
+    lay = PagedKVLayout(**PAGED)
     assert (lay.token_bytes, lay.block_bytes) == (128, 512)
     assert (lay.kv_stride, lay.layer_stride, lay.nbytes) == (5120, 10240, 30720)
     assert lay.nbytes == paged_array(0).nbytes
-    spread = PagedKVLayout(**PAGED, kv_stride=8192, layer_stride=65536)  # type: ignore[arg-type]
+    spread = PagedKVLayout(**PAGED, kv_stride=8192, layer_stride=65536)
     assert spread.nbytes == 2 * 65536 + 8192 + 5120
     with pytest.raises(DescriptorError, match="kv_stride=100 is shorter than one plane"):
-        PagedKVLayout(**PAGED, kv_stride=100)  # type: ignore[arg-type]
+        PagedKVLayout(**PAGED, kv_stride=100)
     with pytest.raises(DescriptorError, match="layer_stride=6000 is shorter than kv_stride"):
-        PagedKVLayout(**PAGED, layer_stride=6000)  # type: ignore[arg-type]
+        PagedKVLayout(**PAGED, layer_stride=6000)
 
 
 def test_paged_to_paged_with_block_lists() -> None:
-    lay = PagedKVLayout(**PAGED)  # type: ignore[arg-type]
+    lay = PagedKVLayout(**PAGED)
     src_ids, dst_ids = [7, 2, 5, 0], [1, 3, 8, 9]
     src, dst = paged_array(3), np.zeros((3, 2, 10, 4, 2, 32), np.float16)
     local = lay.descriptor(src_ids)
@@ -207,7 +207,7 @@ def test_paged_to_paged_with_block_lists() -> None:
 
 
 def test_paged_new_tokens_only_and_read() -> None:
-    lay = PagedKVLayout(**PAGED)  # type: ignore[arg-type]
+    lay = PagedKVLayout(**PAGED)
     src_ids, dst_ids = [7, 2, 5, 0], [1, 3, 8, 9]
     remote_arr = paged_array(4)  # the decode side pulls from prefill with READ
     local_arr = np.zeros_like(remote_arr)
@@ -224,7 +224,7 @@ def test_paged_new_tokens_only_and_read() -> None:
 
 
 def test_paged_head_slice_and_v_only() -> None:
-    lay = PagedKVLayout(**PAGED)  # type: ignore[arg-type]
+    lay = PagedKVLayout(**PAGED)
     ids = [4, 6]
     desc = lay.descriptor(ids, heads=range(1, 2), kv="v", layers=range(1, 3))
     arr = paged_array(5)
@@ -239,7 +239,7 @@ def test_contiguous_token_order_to_paged() -> None:
     pre = ContiguousKVLayout(
         num_layers=layers, num_heads=heads, num_tokens=tokens, head_dim=head_dim
     )
-    dec = PagedKVLayout(**PAGED)  # type: ignore[arg-type]
+    dec = PagedKVLayout(**PAGED)
     src = filled((layers, 2, heads, tokens, head_dim), seed=6)
     dst = np.zeros((3, 2, 10, 4, 2, 32), np.float16)
     ids = [9, 0, 4, 2]
@@ -259,7 +259,7 @@ def test_contiguous_token_order_to_paged() -> None:
 
 
 def test_paged_rejects_bad_input() -> None:
-    lay = PagedKVLayout(**PAGED)  # type: ignore[arg-type]
+    lay = PagedKVLayout(**PAGED)
     with pytest.raises(DescriptorError, match=r"block_ids\[1\]=10 is outside \[0, num_blocks=10\)"):
         lay.descriptor([0, 10])
     with pytest.raises(DescriptorError, match="non-empty 1-D integer array"):

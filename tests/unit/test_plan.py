@@ -211,7 +211,7 @@ def test_device_limits_defaults_are_rxe() -> None:
     limits = DeviceLimits()
     assert (limits.max_sge, limits.max_sge_rd, limits.max_msg_sz) == (32, 32, 8 * MiB)
     assert limits.sge_limit(Op.WRITE) == 32 and DeviceLimits(max_sge_rd=2).sge_limit(Op.READ) == 2
-    assert DeviceLimits(max_sge=np.int32(4)).max_sge == 4
+    assert DeviceLimits(max_sge=np.int32(4)).max_sge == 4  # type: ignore[arg-type]
     with pytest.raises(dataclasses.FrozenInstanceError):
         limits.max_sge = 1  # type: ignore[misc]
 
@@ -232,11 +232,11 @@ def test_plan_value() -> None:
     same = Plan(
         op=Op.WRITE,
         limits=DEFAULT_LIMITS,
-        wr_remote_offset=[0],
-        wr_length=[192],
-        wr_sge_start=[0, 3],
-        sge_local_offset=[0, 128, 256],
-        sge_length=[64, 64, 64],
+        wr_remote_offset=np.array([0]),
+        wr_length=np.array([192]),
+        wr_sge_start=np.array([0, 3]),
+        sge_local_offset=np.array([0, 128, 256]),
+        sge_length=np.array([64, 64, 64]),
     )
     assert same == plan and same != plan_transfer(
         ContiguousDesc(offset=0, nbytes=192), ContiguousDesc(offset=0, nbytes=192), Op.WRITE

@@ -8,6 +8,7 @@ per-segment reference planner of ``benchmarks/bench_plan.py``.
 from __future__ import annotations
 
 import importlib.util
+import random
 from pathlib import Path
 from types import ModuleType
 
@@ -195,8 +196,8 @@ def end_of(seg: Segments) -> int:
 @PROPS
 @given(transfer(), limits_st, st.randoms(use_true_random=False))
 def test_plan_equals_direct_copy(
-    t: tuple[Segments, Segments, Op], limits: DeviceLimits, rnd
-) -> None:  # type: ignore[no-untyped-def]
+    t: tuple[Segments, Segments, Op], limits: DeviceLimits, rnd: random.Random
+) -> None:
     local, remote, op = t
     plan = plan_transfer(local, remote, op, limits)
     lbuf = bytearray(rnd.randbytes(end_of(local) + 3))
@@ -315,7 +316,7 @@ def test_strided_against_contiguous(
     extra: int,
     limits: DeviceLimits,
     op: Op,
-    rnd,  # type: ignore[no-untyped-def]
+    rnd: random.Random,
 ) -> None:
     strided = StridedDesc(offset=0, count=count, size=size, stride=size + extra, alignment=None)
     packed = Segments([5], [count * size])
