@@ -282,13 +282,11 @@ def status_of(exc: BaseException) -> Status:
         return exc.code
     if isinstance(exc, TransferTimeout | TimeoutError):
         return Status.TIMEOUT
-    if isinstance(exc, ArgumentError | DescriptorError | RegistrationError):
-        return Status.PARAM_INVALID  # BoundsError and AlignmentError are in this family too
-    if isinstance(exc, HixlError):
-        return Status.FAILED  # CompletionError, VerbsError, PeerError, StateError, DeviceError
     if isinstance(exc, ValueError | TypeError | OverflowError):
+        # hixl's ValueError family: ArgumentError, DescriptorError, AlignmentError,
+        # BoundsError, RegistrationError.
         return Status.PARAM_INVALID
-    return Status.FAILED
+    return Status.FAILED  # CompletionError, VerbsError, PeerError, StateError, DeviceError...
 
 
 # ------------------------------------------------------------------ pure core: options
