@@ -1,0 +1,418 @@
+"""hixl.compat on a real verbs device: two Hixl instances, links, transfers, notifies, codes.
+
+Every wait has a deadline.  Buffers are numpy arrays registered by address, as
+hixl callers register ``data_ptr()`` of their tensors.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import pytest
+
+from hixl import compat as hixl
+from hixl.compat import (
+    ALREADY_CONNECTED,
+    FAILED,
+    NOT_CONNECTED,
+    PARAM_INVALID,
+    SUCCESS,
+    Hixl,
+    MemDesc,
+    MemType,
+    NotifyDesc,
+    TransferOp,
+    TransferOpDesc,
+    TransferStatus,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "hixl_style_script.py"
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pattern(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def addr_of(arr: np.ndarray) -> int:
+    return int(arr.ctypes.data)
+
+
+def register(h: Hixl, arr: np.ndarray, mem_type: MemType = MemType.MEM_HOST) -> int:
+    ret, handle = h.register_mem(MemDesc(addr_of(arr), arr.nbytes), mem_type)
+    assert ret == SUCCESS, h.last_error
+    assert handle != 0
+    return handle
+
+
+def eventually(fn: Callable[[], T], want: T, timeout: float = 10.0) -> T:
+    """Call ``fn`` until it returns ``want`` or ``timeout`` s pass; return the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = fn()
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def server() -> Iterator[Hixl]:
+    h = Hixl()
+    assert h.initialize(f"127.0.0.1:{free_port()}", {}) == SUCCESS, h.last_error
+    try:
+        yield h
+    finally:
+        h.finalize()
+
+
+@pytest.fixture
+def client() -> Iterator[Hixl]:
+    h = Hixl()
+    assert h.initialize("127.0.0.1", {}) == SUCCESS, h.last_error
+    try:
+        yield h
+    finally:
+        h.finalize()
+
+
+def server_id(h: Hixl) -> str:
+    assert h.engine_id is not None
+    return h.engine_id
+
+
+def test_sync_write_then_read_many_descs_byte_exact(server: Hixl, client: Hixl) -> None:
+    remote = np.zeros(64 * 1024, np.uint8)
+    register(server, remote)
+    src_a, src_b = pattern(20_000, 1), pattern(9_000, 2)
+    register(client, src_a)
+    register(client, src_b)
+    peer = server_id(server)
+    assert client.connect(peer, timeout_in_millis=10_000) == SUCCESS, client.last_error
+
+    # Odd addresses and lengths, two local regions interleaved: two engine requests, one batch.
+    pieces = [
+        (src_a, 3, 1, 1000),
+        (src_b, 0, 5_001, 4_097),
+        (src_a, 1_500, 20_000, 18_000),
+        (src_b, 8_000, 40_123, 1_000),
+        (src_a, 19_999, 63 * 1024, 1),
+    ]
+    expected = np.zeros_like(remote)
+    descs = []
+    for src, soff, roff, n in pieces:
+        descs.append(TransferOpDesc(addr_of(src) + soff, addr_of(remote) + roff, n))
+        expected[roff : roff + n] = src[soff : soff + n]
+    ret = client.transfer_sync(peer, TransferOp.WRITE, descs, timeout_in_millis=30_000)
+    assert ret == SUCCESS, client.last_error
+    assert np.array_equal(remote, expected)
+
+    remote[:] = pattern(remote.nbytes, 3)
+    back = np.zeros(30_000, np.uint8)
+    register(client, back)
+    reads = [(0, 7, 3_333), (3_333, 50_001, 10_000), (20_000, 17, 9_999)]
+    ret = client.transfer_sync(
+        peer,
+        TransferOp.READ,
+        [TransferOpDesc(addr_of(back) + lo, addr_of(remote) + ro, n) for lo, ro, n in reads],
+        timeout_in_millis=30_000,
+    )
+    assert ret == SUCCESS, client.last_error
+    for lo, ro, n in reads:
+        assert np.array_equal(back[lo : lo + n], remote[ro : ro + n])
+    assert not back[29_999:].any()  # untouched past the last desc
+
+
+def test_async_write_polls_to_completion(server: Hixl, client: Hixl) -> None:
+    remote = np.zeros(256 * 1024, np.uint8)
+    register(server, remote)
+    src = pattern(remote.nbytes, 4)
+    register(client, src)
+    peer = server_id(server)
+    assert client.connect(peer, 10_000) == SUCCESS, client.last_error
+    block = 8 * 1024 + 8
+    descs = [
+        TransferOpDesc(addr_of(src) + o, addr_of(remote) + o, min(block, src.nbytes - o))
+        for o in range(0, src.nbytes, block)
+    ]
+    args = hixl.TransferArgs()
+    args.user_data = 77  # only reported by get_all_transfer_status
+    ret, req = client.transfer_async(peer, TransferOp.WRITE, descs, args)
+    assert ret == SUCCESS and req != 0, client.last_error
+
+    deadline = time.monotonic() + 30
+    states = []
+    while time.monotonic() < deadline:
+        ret, status = client.get_transfer_status(req)
+        states.append(status)
+        if status != TransferStatus.WAITING:
+            break
+        time.sleep(0.001)
+    assert (ret, states[-1]) == (SUCCESS, TransferStatus.COMPLETED), client.last_error
+    assert set(states[:-1]) <= {TransferStatus.WAITING}
+    assert np.array_equal(remote, src)
+    # a finished request is released
+    assert client.get_transfer_status(req) == (PARAM_INVALID, TransferStatus.FAILED)
+    assert client.get_transfer_status(123456) == (PARAM_INVALID, TransferStatus.FAILED)
+
+
+def test_async_read_reported_by_get_all_transfer_status(server: Hixl, client: Hixl) -> None:
+    remote = pattern(32 * 1024, 5)
+    register(server, remote)
+    dst = np.zeros_like(remote)
+    register(client, dst)
+    peer = server_id(server)
+    assert client.connect(peer, 10_000) == SUCCESS
+    half = remote.nbytes // 2
+    reqs = []
+    for k in range(2):
+        desc = TransferOpDesc(addr_of(dst) + k * half, addr_of(remote) + k * half, half)
+        ret, req = client.transfer_async(peer, TransferOp.READ, [desc], hixl.TransferArgs(k))
+        assert ret == SUCCESS, client.last_error
+        reqs.append(req)
+    done: dict[int, tuple[int, TransferStatus]] = {}
+    deadline = time.monotonic() + 30
+    while len(done) < 2 and time.monotonic() < deadline:
+        ret, results = client.get_all_transfer_status(hixl.GetTransferStatusArgs(skip_waiting=True))
+        assert ret == SUCCESS
+        for r in results:
+            assert r.status != TransferStatus.WAITING
+            done[r.req] = (r.user_data, r.status)
+        time.sleep(0.001)
+    assert done == {
+        reqs[0]: (0, TransferStatus.COMPLETED),
+        reqs[1]: (1, TransferStatus.COMPLETED),
+    }
+    assert np.array_equal(dst, remote)
+
+
+def test_notifies_arrive_after_the_data(server: Hixl, client: Hixl) -> None:
+    remote = np.zeros(4096, np.uint8)
+    register(server, remote)
+    src = pattern(4096, 6)
+    register(client, src)
+    peer = server_id(server)
+    assert client.connect(peer, 10_000) == SUCCESS
+    desc = TransferOpDesc(addr_of(src), addr_of(remote), src.nbytes)
+    ret, _req = client.transfer_async(peer, TransferOp.WRITE, [desc])
+    assert ret == SUCCESS
+    note = NotifyDesc(name="kv_ready", notify_msg="layer 3 \u2713")
+    assert client.send_notify(peer, note, timeout_in_millis=10_000) == SUCCESS, client.last_error
+    assert client.send_notify(peer, NotifyDesc("second", ""), 10_000) == SUCCESS
+
+    got: list[NotifyDesc] = []
+    deadline = time.monotonic() + 10
+    while len(got) < 2 and time.monotonic() < deadline:
+        ret, notes = server.get_notifies()
+        assert ret == SUCCESS
+        if notes and not got:
+            assert np.array_equal(remote, src)  # the notify came after the async write landed
+        got.extend(notes)
+        time.sleep(0.01)
+    assert [(n.name, n.notify_msg) for n in got] == [("kv_ready", "layer 3 \u2713"), ("second", "")]
+    assert server.get_notifies() == (SUCCESS, [])  # drained
+
+    assert client.send_notify(peer, NotifyDesc("", "x"), 1000) == PARAM_INVALID
+    assert client.send_notify(peer, NotifyDesc("n", "m" * 2000), 1000) == PARAM_INVALID
+    assert client.send_notify(peer, note, 0) == PARAM_INVALID
+
+
+def test_link_status_codes(server: Hixl, client: Hixl) -> None:
+    peer = server_id(server)
+    nobody = f"127.0.0.1:{free_port()}"
+    desc = [TransferOpDesc(0x1000, 0x2000, 8)]
+    assert client.transfer_sync(nobody, TransferOp.READ, desc) == NOT_CONNECTED
+    assert client.transfer_async(nobody, TransferOp.WRITE, desc) == (NOT_CONNECTED, 0)
+    assert client.send_notify(nobody, NotifyDesc("a", "b")) == NOT_CONNECTED
+    assert client.disconnect(nobody) == NOT_CONNECTED
+    assert client.connect(nobody, 2000) == FAILED  # nothing listens there
+    assert client.connect("127.0.0.1", 1000) == PARAM_INVALID  # a client id: no port
+    assert client.connect(peer, 0) == PARAM_INVALID
+
+    assert client.connect(peer, 10_000) == SUCCESS, client.last_error
+    assert client.connect(peer, 10_000) == ALREADY_CONNECTED
+    assert client.disconnect(peer) == SUCCESS
+    assert client.disconnect(peer) == NOT_CONNECTED
+    assert client.transfer_sync(peer, TransferOp.READ, desc) == NOT_CONNECTED
+    # Reconnecting right away: the server may not have seen the goodbye yet, retry briefly.
+    assert eventually(lambda: client.connect(peer, 10_000), SUCCESS) == SUCCESS, client.last_error
+
+    # The server sees the client under the client's own id and may drop the link.
+    client_id = client.engine_id
+    assert client_id is not None and client_id.startswith("127.0.0.1:0~")
+    assert eventually(lambda: server.disconnect(client_id), SUCCESS) == SUCCESS
+    # The client's link is now broken: FAILED until it disconnects and connects again.
+    remote = np.zeros(64, np.uint8)
+    register(server, remote)
+    local = np.zeros(64, np.uint8)
+    register(client, local)
+    desc = [TransferOpDesc(addr_of(local), addr_of(remote), 64)]
+    assert eventually(lambda: client.transfer_sync(peer, TransferOp.READ, desc), FAILED) == FAILED
+    assert client.connect(peer, 10_000) == SUCCESS, client.last_error  # replaces the broken link
+    ret = eventually(lambda: client.transfer_sync(peer, TransferOp.READ, desc, 10_000), SUCCESS)
+    assert ret == SUCCESS, client.last_error
+
+
+def test_bad_descs_are_param_invalid_and_move_nothing(server: Hixl, client: Hixl) -> None:
+    remote = np.zeros(8192, np.uint8)
+    register(server, remote)
+    src = pattern(8192, 7)
+    register(client, src)
+    stray = pattern(64, 8)  # never registered
+    peer = server_id(server)
+    assert client.connect(peer, 10_000) == SUCCESS
+    good = TransferOpDesc(addr_of(src), addr_of(remote), 4096)
+    cases = {
+        "unregistered local": TransferOpDesc(addr_of(stray), addr_of(remote), 64),
+        "unregistered remote": TransferOpDesc(addr_of(src), addr_of(remote) + (1 << 30), 64),
+        "local out of bounds": TransferOpDesc(addr_of(src) + 8000, addr_of(remote), 500),
+        "remote out of bounds": TransferOpDesc(addr_of(src), addr_of(remote) + 8000, 500),
+        "zero length": TransferOpDesc(addr_of(src), addr_of(remote), 0),
+        "overlapping destinations": TransferOpDesc(addr_of(src) + 4096, addr_of(remote) + 8, 64),
+    }
+    for what, bad in cases.items():
+        for op in (TransferOp.WRITE, TransferOp.READ):
+            if what == "overlapping destinations" and op is TransferOp.READ:
+                continue  # on READ the overlap is on the source side, which is allowed
+            ret = client.transfer_sync(peer, op, [good, bad], 10_000)
+            assert ret == PARAM_INVALID, (what, op, client.last_error)
+            assert client.transfer_async(peer, op, [good, bad]) == (PARAM_INVALID, 0), what
+    assert not remote.any()  # the valid desc was not posted either
+    assert client.transfer_sync(peer, TransferOp.WRITE, [], 1000) == PARAM_INVALID
+    assert client.transfer_sync(peer, 7, [good], 1000) == PARAM_INVALID  # type: ignore[arg-type]
+    assert client.transfer_sync(peer, TransferOp.WRITE, [good], -5) == PARAM_INVALID
+    # and the link still works
+    assert client.transfer_sync(peer, TransferOp.WRITE, [good], 10_000) == SUCCESS
+    assert np.array_equal(remote[:4096], src[:4096])
+
+
+def test_register_and_deregister(server: Hixl, client: Hixl) -> None:
+    remote = np.zeros(4096, np.uint8)
+    handle = register(server, remote)
+    assert register(server, remote) == handle  # same range, same handle
+    src = pattern(4096, 9)
+    register(client, src)
+    peer = server_id(server)
+    assert client.connect(peer, 10_000) == SUCCESS
+    desc = [TransferOpDesc(addr_of(src), addr_of(remote), 4096)]
+    assert client.transfer_sync(peer, TransferOp.WRITE, desc, 10_000) == SUCCESS
+
+    assert server.deregister_mem(handle) == SUCCESS
+    assert server.deregister_mem(handle) == SUCCESS  # again: nothing to do
+    assert server.deregister_mem(987654) == SUCCESS  # unknown non-zero handle: nothing to do
+    assert server.deregister_mem(0) == PARAM_INVALID
+    # the peer learns the memory is gone (asynchronously) and refuses to touch it
+    got = eventually(lambda: client.transfer_sync(peer, TransferOp.WRITE, desc, 10_000), 103900)
+    assert got == PARAM_INVALID, client.last_error
+
+    # registered after the link exists: announced to the peer too (hixl wants it before connect)
+    again = register(server, remote)
+    assert again != handle
+    ret = eventually(lambda: client.transfer_sync(peer, TransferOp.READ, desc, 10_000), SUCCESS)
+    assert ret == SUCCESS, client.last_error
+
+
+def test_memory_kinds(server: Hixl, client: Hixl) -> None:
+    buf = np.zeros(4096, np.uint8)
+    assert server.register_mem(MemDesc(addr_of(buf), 4096), MemType.MEM_DEVICE) == (
+        PARAM_INVALID,
+        0,
+    )
+    assert "MEM_DEVICE" in server.last_error
+    assert server.register_mem(MemDesc(0, 4096), MemType.MEM_HOST) == (PARAM_INVALID, 0)
+    assert server.register_mem(MemDesc(addr_of(buf), 0), MemType.MEM_HOST) == (PARAM_INVALID, 0)
+    bad_type: object = 5
+    assert server.register_mem(MemDesc(addr_of(buf), 4096), bad_type) == (PARAM_INVALID, 0)  # type: ignore[arg-type]
+
+    # local_only memory is not exposed to peers
+    private = np.zeros(4096, np.uint8)
+    ret, _ = server.register_mem(MemDesc(addr_of(private), 4096, local_only=True), MemType.MEM_HOST)
+    assert ret == SUCCESS
+    src = pattern(64, 10)
+    register(client, src)
+    peer = server_id(server)
+    assert client.connect(peer, 10_000) == SUCCESS
+    desc = [TransferOpDesc(addr_of(src), addr_of(private), 64)]
+    assert client.transfer_sync(peer, TransferOp.WRITE, desc, 10_000) == PARAM_INVALID
+    assert not private.any()
+
+    dev = Hixl()
+    try:
+        ret = dev.initialize("127.0.0.1", {hixl.OPTION_DEVICE_MEM_AS_HOST: "1"})
+        assert ret == SUCCESS, dev.last_error
+        assert dev.register_mem(MemDesc(addr_of(buf), 4096), MemType.MEM_DEVICE)[0] == SUCCESS
+    finally:
+        dev.finalize()
+
+
+def test_auto_connect_option(server: Hixl) -> None:
+    remote = np.zeros(1024, np.uint8)
+    register(server, remote)
+    auto = Hixl()
+    try:
+        assert auto.initialize("127.0.0.1", {hixl.OPTION_AUTO_CONNECT: "1"}) == SUCCESS
+        src = pattern(1024, 11)
+        register(auto, src)
+        peer = server_id(server)
+        desc = [TransferOpDesc(addr_of(src), addr_of(remote), 1024)]
+        assert auto.transfer_sync(peer, TransferOp.WRITE, desc, 10_000) == SUCCESS, auto.last_error
+        assert np.array_equal(remote, src)
+        assert auto.connect(peer, 10_000) == ALREADY_CONNECTED
+    finally:
+        auto.finalize()
+
+
+def test_initialize_twice_and_finalize_twice() -> None:
+    h = Hixl()
+    try:
+        assert h.initialize("127.0.0.1", {}) == SUCCESS
+        first = h.engine_id
+        assert h.initialize("127.0.0.1", {}) == SUCCESS  # ignored, as in hixl
+        assert h.engine_id == first
+    finally:
+        h.finalize()
+        h.finalize()
+    assert h.engine is None
+    port = free_port()
+    with socket.create_server(("127.0.0.1", port)):  # the port is taken
+        assert h.initialize(f"127.0.0.1:{port}", {}) == FAILED
+        assert h.engine is None
+
+
+def test_hixl_style_script_in_two_processes() -> None:
+    engine_port, side_port = free_port(), free_port()
+    common = [sys.executable, str(SCRIPT), "--side-port", str(side_port)]
+    server = subprocess.Popen(
+        [*common, "--role", "server", "--local-engine", f"127.0.0.1:{engine_port}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        client = subprocess.run(
+            [*common, "--role", "client", "--remote-engine", f"127.0.0.1:{engine_port}"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        server_out, _ = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=10)
+    assert client.returncode == 0, client.stdout + client.stderr
+    assert server.returncode == 0, server_out
+    assert "client read" in client.stderr and "verify ok" in server_out
