@@ -54,6 +54,7 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -533,8 +534,14 @@ class Engine:
             self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._stop = threading.Event()
         self._closed = False
+        self._next_expiry_check = 0.0
+        # The thread holds the engine only weakly between rounds, so an engine the
+        # application forgets to close is still collected (and warns, and closes).
         self._thread = threading.Thread(
-            target=self._progress, name=f"hixl-progress-{self.id}", daemon=True
+            target=_progress_loop,
+            args=(weakref.ref(self), self._stop),
+            name=f"hixl-progress-{self.id}",
+            daemon=True,
         )
         self._thread.start()
         log.debug("engine %s up on %r", self.id, self._dev)
@@ -549,6 +556,7 @@ class Engine:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2)
+            self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -838,13 +846,28 @@ class Engine:
         with self._lock:
             return list(self._conns)
 
-    def _fail(self, conn: Connection, reason: str, error: HixlError | None = None) -> None:
-        """Mark ``conn`` failed: flush its queue pair and fail its pending transfers."""
+    def _fail(
+        self,
+        conn: Connection,
+        reason: str,
+        error: HixlError | None = None,
+        *,
+        expected: bool = False,
+    ) -> None:
+        """Mark ``conn`` failed: flush its queue pair and fail its pending transfers.
+
+        ``expected`` (a peer's orderly goodbye) logs at INFO instead of WARNING.
+        """
         if conn.state in (ConnState.FAILED, ConnState.CLOSED):
             return
         conn._transition("fail")
         conn.failure = reason
-        log.warning("connection to %s failed: %s", conn.peer, reason)
+        log.log(
+            logging.INFO if expected else logging.WARNING,
+            "connection to %s failed: %s",
+            conn.peer,
+            reason,
+        )
         try:
             conn._qp.to_error()
         except HixlError as exc:
@@ -1164,35 +1187,32 @@ class Engine:
         )
 
     # -- progress ------------------------------------------------------------------------
-    def _progress(self) -> None:
-        idle = 0.0
-        next_deadline_check = 0.0
-        while not self._stop.is_set():
-            busy = False
-            try:
-                with self._lock:
-                    if self._closed:
-                        break
-                    busy |= self._poll_send()
-                    busy |= self._poll_recv()
-                    now = time.monotonic()
-                    if now >= next_deadline_check:
-                        self._expire(now)
-                        next_deadline_check = now + 0.01
-                events = self._selector.select(timeout=0 if busy else idle)
-                for key, _ in events:
-                    if key.data is None:
-                        self._accept()
-                    else:
-                        self._read_control(key.data)
-                        busy = True
-            except (OSError, ValueError, KeyError) as exc:
-                if self._stop.is_set():
-                    break
+    def _progress_step(self, idle: float) -> bool:
+        """One round of the progress thread; True when there was work to do."""
+        busy = False
+        try:
+            with self._lock:
+                if self._closed:
+                    return False
+                busy |= self._poll_send()
+                busy |= self._poll_recv()
+                now = time.monotonic()
+                if now >= self._next_expiry_check:
+                    self._expire(now)
+                    self._next_expiry_check = now + 0.01
+            events = self._selector.select(timeout=0 if busy else idle)
+            for key, _ in events:
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._read_control(key.data)
+                    busy = True
+        except (OSError, ValueError, KeyError) as exc:
+            if not self._stop.is_set():
                 log.debug("progress loop: %s", exc)
-            except HixlError as exc:
-                log.warning("progress loop: %s", exc)
-            idle = 0.0 if busy else min(_IDLE_MAX, idle * 2 + 0.00005)
+        except HixlError as exc:
+            log.warning("progress loop: %s", exc)
+        return busy
 
     def _poll_send(self) -> bool:
         wcs = self._send_cq.poll(64)
@@ -1306,7 +1326,7 @@ class Engine:
             if conn._sock is not None:
                 with contextlib.suppress(KeyError, ValueError):
                     self._selector.unregister(conn._sock)
-            self._fail(conn, f"peer said goodbye: {msg.reason}")
+            self._fail(conn, f"peer said goodbye: {msg.reason}", expected=True)
         elif isinstance(msg, _wire.Notify):
             self._notes.append(Notification(conn.peer, msg.name, msg.message))
             self._notify_cv.notify_all()
@@ -1314,6 +1334,18 @@ class Engine:
             self._fail(conn, f"peer reported {msg.code}: {msg.message}")
         else:
             self._fail(conn, f"unexpected {type(msg).__name__} on the control channel")
+
+
+def _progress_loop(engine_ref: weakref.ref[Engine], stop: threading.Event) -> None:
+    """Body of an engine's progress thread: rounds with an idle back-off of up to 2 ms."""
+    idle = 0.0
+    while not stop.is_set():
+        engine = engine_ref()
+        if engine is None:
+            return
+        busy = engine._progress_step(idle)
+        del engine
+        idle = 0.0 if busy else min(_IDLE_MAX, idle * 2 + 0.00005)
 
 
 def _printable(text: str, limit: int) -> str:

@@ -293,3 +293,21 @@ def test_peer_closing_fails_pending_and_engine_stays_usable(pair: tuple[Engine, 
         assert np.array_equal(dst3, src[:4096])
     finally:
         third.close()
+
+
+def test_unclosed_engine_warns_and_is_closed_when_collected() -> None:
+    import gc
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        e = Engine("127.0.0.1:0")
+        thread = e._thread
+        del e
+        deadline = time.monotonic() + 10
+        while not any(issubclass(w.category, ResourceWarning) for w in caught):
+            assert time.monotonic() < deadline, "no ResourceWarning for an unclosed engine"
+            gc.collect()
+            time.sleep(0.05)
+    thread.join(10)
+    assert not thread.is_alive()

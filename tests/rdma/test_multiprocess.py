@@ -1,0 +1,142 @@
+"""Prefill and decode in separate processes: 8 peers, strided puts and gets, notifications."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from hixl import Access, ConnState, ContiguousDesc, Engine, StridedDesc
+from hixl._errors import ConnectionFailed, TransferTimeout
+
+from .peerproc import PeerProcess
+from .test_engine import free_port
+
+PEERS = 8
+HEADS, TOKENS, HEAD_BYTES, STRIDE = 16, 32, 192, 256  # fp16 head_dim 96, padded to 256
+SIZE = HEADS * TOKENS * STRIDE
+
+
+@pytest.fixture
+def decoders() -> Iterator[list[PeerProcess]]:
+    procs = [PeerProcess(f"127.0.0.1:{free_port()}", SIZE) for _ in range(PEERS)]
+    try:
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.close()
+
+
+def test_prefill_to_eight_decode_processes(decoders: list[PeerProcess]) -> None:
+    with Engine(f"127.0.0.1:{free_port()}") as prefill:
+        layers = [
+            np.random.default_rng(i).integers(0, 256, HEADS * TOKENS * HEAD_BYTES, dtype=np.uint8)
+            for i in range(PEERS)
+        ]
+        regions = [
+            prefill.register(layer, access=Access.REMOTE_READ, name=f"layer{i}")
+            for i, layer in enumerate(layers)
+        ]
+        for d in decoders:
+            prefill.connect(d.id, timeout=30)
+        # One strided put per decoder: packed rows into 256-byte padded rows, then notify.
+        handles = [
+            prefill.put_async(
+                d.id,
+                regions[i],
+                "buf",
+                remote_desc=StridedDesc(
+                    offset=0, count=HEADS * TOKENS, size=HEAD_BYTES, stride=STRIDE
+                ),
+                notify=f"req1/layer{i}",
+                notify_message=bytes([i]),
+            )
+            for i, d in enumerate(decoders)
+        ]
+        for i, d in enumerate(decoders):
+            expect = np.zeros(SIZE, np.uint8)
+            expect.reshape(-1, STRIDE)[:, :HEAD_BYTES] = layers[i].reshape(-1, HEAD_BYTES)
+            got = d.call(cmd="wait", name=f"req1/layer{i}", timeout=60)
+            assert got["ok"], got
+            assert got["peer"] == prefill.id and got["message"] == f"{i:02x}"
+            # The bytes are checked inside the decode process the moment it saw the notice.
+            assert got["sha"] == hashlib.sha256(expect.tobytes()).hexdigest()
+        for h in handles:
+            h.wait(60)
+        # Reverse direction on the same connections: each decoder reads head 3 of every
+        # token of its layer straight out of the prefill process (strided get).
+        for i, d in enumerate(decoders):
+            got = d.call(
+                cmd="get",
+                peer=prefill.id,
+                remote=f"layer{i}",
+                offset=3 * 64,
+                count=TOKENS,
+                size=64,
+                stride=HEADS * HEAD_BYTES,
+                timeout=60,
+            )
+            assert got["ok"], got
+            rows = layers[i].reshape(TOKENS, HEADS * HEAD_BYTES)[:, 3 * 64 : 4 * 64]
+            assert got["sha"] == hashlib.sha256(rows.tobytes()).hexdigest()
+
+
+def test_engine_accepts_eight_incoming_peers() -> None:
+    with Engine(f"127.0.0.1:{free_port()}") as server:
+        dst = np.zeros(PEERS * 4096, np.uint8)
+        server.register(dst, access=Access.REMOTE_WRITE, name="dst")
+        clients = [Engine("127.0.0.1:0") for _ in range(PEERS)]
+        try:
+            for i, c in enumerate(clients):
+                src = np.full(4096, i + 1, np.uint8)
+                r = c.register(src, access=Access.NONE)
+                c.connect(server.id)
+                c.put(server.id, r, "dst", remote_desc=ContiguousDesc(offset=i * 4096, nbytes=4096))
+            assert sorted(server.peers) == sorted(c.id for c in clients)
+            assert np.array_equal(dst.reshape(PEERS, 4096)[:, 0], np.arange(1, PEERS + 1))
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_peer_killed_mid_transfer() -> None:
+    victim = PeerProcess(f"127.0.0.1:{free_port()}", 8 << 20)
+    survivor = PeerProcess(f"127.0.0.1:{free_port()}", 4096)
+    try:
+        victim.wait_ready()
+        survivor.wait_ready()
+        with Engine("127.0.0.1:0") as prefill:
+            big = np.ones(8 << 20, np.uint8)
+            r = prefill.register(big, access=Access.NONE)
+            prefill.connect(victim.id, timeout=30)
+            prefill.connect(survivor.id, timeout=30)
+            handles = [prefill.put_async(victim.id, r, "buf", timeout=20) for _ in range(4)]
+            time.sleep(0.2)
+            victim.kill()
+            t0 = time.monotonic()
+            for h in handles:
+                try:
+                    h.wait(30)
+                except (ConnectionFailed, TransferTimeout) as exc:
+                    assert victim.id in str(exc)  # the error names the peer that went away
+            assert time.monotonic() - t0 < 25
+            assert any(h.error is not None for h in handles)
+            assert prefill.connection(victim.id).state is ConnState.FAILED
+            with pytest.raises(ConnectionFailed):
+                prefill.put(victim.id, r, "buf", timeout=5)
+            # the engine still serves the other peer
+            prefill.put(
+                survivor.id, r, "buf", local_desc=ContiguousDesc(offset=0, nbytes=4096), timeout=30
+            )
+            assert (
+                survivor.call(cmd="sha")["sha"]
+                == hashlib.sha256(np.ones(4096, np.uint8).tobytes()).hexdigest()
+            )
+    finally:
+        victim.close()
+        survivor.close()
