@@ -314,9 +314,15 @@ def test_register_and_deregister(server: Hixl, client: Hixl) -> None:
     assert server.deregister_mem(handle) == SUCCESS  # again: nothing to do
     assert server.deregister_mem(987654) == SUCCESS  # unknown non-zero handle: nothing to do
     assert server.deregister_mem(0) == PARAM_INVALID
-    # the peer learns the memory is gone (asynchronously) and refuses to touch it
-    got = eventually(lambda: client.transfer_sync(peer, TransferOp.WRITE, desc, 10_000), 103900)
+    # The peer learns the memory is gone asynchronously; a transfer before that would reach
+    # the closed MR and break the link (hixl says: disconnect before deregistering).  After
+    # it, the transfer is refused before anything is posted.
+    assert client.engine is not None
+    conn = client.engine.connection(peer)
+    assert eventually(lambda: len(conn.remote_regions), 0) == 0
+    got = client.transfer_sync(peer, TransferOp.WRITE, desc, 10_000)
     assert got == PARAM_INVALID, client.last_error
+    assert "remote memory not registered" in client.last_error
 
     # registered after the link exists: announced to the peer too (hixl wants it before connect)
     again = register(server, remote)
