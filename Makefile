@@ -26,3 +26,9 @@ check:
 	$(BIN)/ruff format --check hixl tests benchmarks
 	$(BIN)/ruff check hixl tests benchmarks
 	$(BIN)/mypy
+
+## bench: hixl vs perftest, layer-sending methods, overheads, on rxe (host or VM); writes
+## results/bench/<date_time>/ (JSON, results.md, bench.png) and refreshes docs/benchmarks.md.
+## BENCH_ARGS=--quick for a short smoke run.
+bench:
+	$(HIXL) bench $(BENCH_ARGS)

@@ -181,10 +181,58 @@ def _add_run(sub: _Subparsers) -> None:
     p.set_defaults(handler=_cmd_run)
 
 
+# --- bench -----------------------------------------------------------------------------
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import dataclasses
+    import datetime
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    from hixl._vm import run_with_rdma
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "run_all.py"
+    if not script.is_file():
+        raise HixlError(f"{script} not found; 'hixl bench' runs from a source checkout")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d_%H%M%S")
+    run_dir = Path(args.out).resolve() / stamp
+    run_dir.mkdir(parents=True, exist_ok=True)
+    extra = list(args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd)
+    flags = ["--quick"] if args.quick else []
+    flags += ["--sections", args.sections] if args.sections else []
+    invocation = shlex.join(["hixl", "bench", *flags, *(["--", *extra] if extra else [])])
+    base = [sys.executable, str(script), "--run-dir", str(run_dir), "--invocation", invocation]
+    # Measure where rxe is (the VM writes only into the run directory), report on this host.
+    cfg = _vm_config(args)
+    cfg = dataclasses.replace(cfg, rw_dirs=(*cfg.rw_dirs, run_dir))
+    rc = run_with_rdma([*base, "--measure-only", *flags, *extra], cfg)
+    report = subprocess.run([*base, "--report", *(["--no-docs"] if args.no_docs else [])],
+                            check=False).returncode
+    return rc or report
+
+
+def _add_bench(sub: _Subparsers) -> None:
+    p = sub.add_parser("bench", help="run the benchmarks on rxe and write the report",
+                       description="Run benchmarks/run_all.py where a soft-RoCE device is "
+                                   "(this host, else the hixl VM): hixl put/get/latency "
+                                   "against perftest, four ways to send a KV layer, and "
+                                   "overheads. Writes JSON, results.md and a plot into "
+                                   "OUT/<date_time>/ and refreshes docs/benchmarks.md. "
+                                   "Arguments after '--' go to run_all.py.")
+    p.add_argument("--quick", action="store_true", help="a short smoke run")
+    p.add_argument("--sections", metavar="LIST", help="of transfer,layer,overhead (default all)")
+    p.add_argument("--out", default="results/bench", metavar="DIR",
+                   help="parent of the run directories (default results/bench)")
+    p.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
+    _vm_options(p)
+    p.set_defaults(handler=_cmd_bench)
+
+
 # --- entry point -----------------------------------------------------------------------
 
 _COMMANDS: list[Callable[[_Subparsers], None]] = [
-    _add_devices, _add_rxe, _add_doctor, _add_vm, _add_run,
+    _add_devices, _add_rxe, _add_doctor, _add_vm, _add_run, _add_bench,
 ]
 
 
