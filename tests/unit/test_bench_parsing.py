@@ -1,0 +1,238 @@
+"""The benchmarks' pure helpers: perftest output parsing, statistics, tables, targets."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def common() -> ModuleType:
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("_common")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+# Output of perftest 6.06 on rxe0 in the hixl VM (kernel 6.1, TCG), trimmed of addresses.
+WRITE_BW = """\
+---------------------------------------------------------------------------------------
+                    RDMA_Write BW Test
+ Dual-port       : OFF\t\tDevice         : rxe0
+ Number of qps   : 1\t\tTransport type : IB
+ Connection type : RC\t\tUsing SRQ      : OFF
+ TX depth        : 128
+ Mtu             : 1024[B]
+ Link type       : Ethernet
+ GID index       : 1
+---------------------------------------------------------------------------------------
+ #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]
+ 65536      200              42.35              14.64  \t\t   0.000234
+---------------------------------------------------------------------------------------
+"""
+
+WRITE_BW_GBITS = """\
+ #bytes     #iterations    BW peak[Gb/sec]    BW average[Gb/sec]   MsgRate[Mpps]
+ 8388608    5           0.089634            0.089634            0.000001
+---------------------------------------------------------------------------------------
+"""
+
+READ_BW = """\
+Device not recognized to implement inline feature. Disabling it
+---------------------------------------------------------------------------------------
+                    RDMA_Read BW Test
+ Outstand reads  : 16
+---------------------------------------------------------------------------------------
+ #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]
+ 65536      200              31.30              15.25  \t\t   0.000244
+---------------------------------------------------------------------------------------
+"""
+
+WRITE_LAT = """\
+Correlation coefficient r^2: 0.539636 < 0.9
+---------------------------------------------------------------------------------------
+                    RDMA_Write Latency Test
+---------------------------------------------------------------------------------------
+ #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    \
+t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]\x20
+ 4096    200          94.18          75691.22      323.29   \t       2483.74     \t3233.41\
+\t\t20711.80 \t\t75691.22
+---------------------------------------------------------------------------------------
+"""
+
+
+def test_parse_bw_reads_mib_per_second(common: ModuleType) -> None:
+    r = common.parse_bw(WRITE_BW)
+    assert (r.size, r.iterations) == (65536, 200)
+    assert r.avg_Bps == pytest.approx(14.64 * 2**20)
+    assert r.peak_Bps == pytest.approx(42.35 * 2**20)
+    assert r.msg_rate_mpps == pytest.approx(0.000234)
+
+
+def test_parse_bw_reads_gbits_as_decimal_bits(common: ModuleType) -> None:
+    r = common.parse_bw(WRITE_BW_GBITS)
+    assert r.size == 8388608 and r.iterations == 5
+    assert r.avg_Bps == pytest.approx(0.089634e9 / 8)
+
+
+def test_parse_bw_skips_warnings_before_the_table(common: ModuleType) -> None:
+    assert common.parse_bw(READ_BW).avg_Bps == pytest.approx(15.25 * 2**20)
+
+
+def test_parse_lat_takes_t_typical_and_percentiles(common: ModuleType) -> None:
+    r = common.parse_lat(WRITE_LAT)
+    assert (r.size, r.iterations) == (4096, 200)
+    assert r.t_typical_us == pytest.approx(323.29)
+    assert r.t_min_us == pytest.approx(94.18)
+    assert r.p99_us == pytest.approx(20711.80)
+    assert r.p999_us == pytest.approx(75691.22)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "Couldn't connect to 127.0.0.1:18515\nUnable to open file descriptor for socket",
+        " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]\n---\n",
+    ],
+)
+def test_parse_bw_without_a_result_row_says_so(common: ModuleType, text: str) -> None:
+    with pytest.raises(common.BenchError, match="perftest"):
+        common.parse_bw(text)
+
+
+def test_parse_lat_refuses_bw_output(common: ModuleType) -> None:
+    with pytest.raises(common.BenchError):
+        common.parse_lat(WRITE_BW)
+
+
+def test_parse_version(common: ModuleType) -> None:
+    assert common.parse_perftest_version("Version: 6.06\n") == "6.06"
+    assert common.parse_perftest_version("nothing") is None
+
+
+def test_listening_ports_reads_proc_net_tcp(common: ModuleType) -> None:
+    tcp = (
+        "  sl  local_address rem_address   st tx_queue rx_queue\n"
+        "   0: 00000000:4894 00000000:0000 0A 00000000:00000000 00:00000000 00000000\n"
+        "   1: 0100007F:48AB 0100007F:8480 06 00000000:00000000 03:0000109A 00000000\n"
+    )
+    tcp6 = (
+        "  sl  local_address                         remote_address  st\n"
+        "   0: 00000000000000000000000000000000:48A8 00000000000000000000000000000000:0000 0A\n"
+    )
+    assert common.listening_ports([tcp, tcp6]) == {0x4894, 0x48A8}
+
+
+def test_sizes_parse_and_format(common: ModuleType) -> None:
+    assert common.parse_sizes("4K,64KiB,1M, 8M,100") == [4096, 65536, 1 << 20, 8 << 20, 100]
+    assert [common.fmt_size(n) for n in (4096, 8 << 20, 100, 1536)] == [
+        "4 KiB",
+        "8 MiB",
+        "100 B",
+        "1.5 KiB",
+    ]
+    with pytest.raises(ValueError, match="not a size"):
+        common.parse_size("lots")
+    with pytest.raises(ValueError):
+        common.parse_size("0")
+
+
+def test_iterations_are_clamped(common: ModuleType) -> None:
+    assert common.iterations_for(4096, 8 << 20, 5, 4096) == 2048
+    assert common.iterations_for(8 << 20, 8 << 20, 5, 4096) == 5
+    assert common.iterations_for(64, 8 << 20, 5, 4096) == 4096
+
+
+def test_median_ratio_and_spread(common: ModuleType) -> None:
+    assert common.median([3.0, 1.0, 2.0]) == 2.0
+    assert common.median([1.0, 2.0, 3.0, 10.0]) == 2.5
+    assert common.median([]) is None
+    assert common.ratio(9.0, 10.0) == pytest.approx(0.9)
+    assert common.ratio(None, 1.0) is None and common.ratio(1.0, 0.0) is None
+    assert common.spread([2.0, 1.0, 3.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert common.spread([])["n"] == 0
+
+
+def test_markdown_table_aligns_and_escapes(common: ModuleType) -> None:
+    text = common.markdown_table(["size", "ratio"], [["4 KiB", "0.93×"], ["a|b", "1×"]], "lr")
+    assert text.splitlines() == [
+        "| size | ratio |",
+        "|:--|--:|",
+        "| 4 KiB | 0.93× |",
+        "| a\\|b | 1× |",
+    ]
+    with pytest.raises(ValueError):
+        common.markdown_table(["a", "b"], [["only one"]])
+
+
+def test_formatters(common: ModuleType) -> None:
+    assert common.fmt_ratio(0.9349) == "0.93×"
+    assert common.fmt_ratio(None) == "n/a"
+    assert common.fmt_rate(15.6e6) == "15.6 MB/s"
+    assert common.fmt_us(34.25) == "34.2 µs"
+    assert common.fmt_us(323.3) == "323 µs"
+    assert common.fmt_us(25_000.0) == "25.0 ms"
+
+
+def _transfer() -> ModuleType:
+    pytest.importorskip("numpy")
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("bench_transfer")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_transfer_summary_ratios_and_target() -> None:
+    bt = _transfer()
+    ms = []
+    for rep, (p, h) in enumerate([(10.0, 9.5), (12.0, 9.0), (11.0, 10.5)]):
+        ms.append(
+            {
+                "repeat": rep,
+                "size": 65536,
+                "kind": "write",
+                "impl": "perftest",
+                "iters": 100,
+                "value": p,
+            }
+        )
+        ms.append(
+            {
+                "repeat": rep,
+                "size": 65536,
+                "kind": "write",
+                "impl": "hixl",
+                "iters": 100,
+                "value": h,
+            }
+        )
+    ms.append(
+        {"repeat": 0, "size": 4096, "kind": "write", "impl": "hixl", "iters": 5, "error": "boom"}
+    )
+    rows = bt.summarize(ms, [4096, 65536])
+    assert "write" not in rows[0]
+    w = rows[1]["write"]
+    assert w["perftest"]["median"] == 11.0 and w["hixl"]["median"] == 9.5
+    assert w["ratio"] == pytest.approx(9.5 / 11.0)
+    t = bt.check_targets(rows)["put_vs_ib_write_bw"]
+    assert not t["met"] and t["misses"][0]["size"] == 65536
+
+
+def test_transfer_steps_alternate_the_order() -> None:
+    bt = _transfer()
+    steps = bt.build_steps([4096, 65536], ["write", "lat"], 2)
+    assert len(steps) == 2 * 2 * 2 * 2
+    firsts = [steps[i][3] for i in range(0, len(steps), 2)]
+    assert firsts[:4] == ["perftest", "hixl", "perftest", "hixl"]
+    assert all(
+        {steps[i][3], steps[i + 1][3]} == {"perftest", "hixl"} for i in range(0, len(steps), 2)
+    )
