@@ -32,3 +32,7 @@ check:
 ## BENCH_ARGS=--quick for a short smoke run.
 bench:
 	$(HIXL) bench $(BENCH_ARGS)
+
+## demo: prefill -> decode KV cache transfer of a small transformer, verified (host or VM)
+demo:
+	$(HIXL) demo $(DEMO_ARGS)

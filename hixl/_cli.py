@@ -229,10 +229,26 @@ def _add_bench(sub: _Subparsers) -> None:
     p.set_defaults(handler=_cmd_bench)
 
 
+# --- demo ------------------------------------------------------------------------------
+
+def _add_demo(sub: _Subparsers) -> None:
+    from hixl._demo import add_demo_options, cmd_demo
+
+    p = sub.add_parser("demo", help="prefill -> decode KV cache transfer demo on rxe",
+                       description="Run a small transformer's prefill in one process and "
+                                   "push each layer's K/V with one strided put to a decode "
+                                   "process as soon as it is computed; decode verifies every "
+                                   "layer bit for bit and generates from the received cache. "
+                                   "Runs on this host's rxe, else in the hixl VM. Exit 0 "
+                                   "when verified, 1 when a check failed, 2 on an error.")
+    add_demo_options(p)
+    p.set_defaults(handler=cmd_demo)
+
+
 # --- entry point -----------------------------------------------------------------------
 
 _COMMANDS: list[Callable[[_Subparsers], None]] = [
-    _add_devices, _add_rxe, _add_doctor, _add_vm, _add_run, _add_bench,
+    _add_devices, _add_rxe, _add_doctor, _add_vm, _add_run, _add_bench, _add_demo,
 ]
 
 
