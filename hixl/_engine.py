@@ -817,7 +817,7 @@ class Engine:
             if isinstance(exc, HandshakeError) and chan.decoder.error_code is not None:
                 chan.refuse(chan.decoder.error_code, str(exc))
             with self._lock:
-                if conn is not None and conn.state is ConnState.CONNECTING:
+                if conn is not None and self._conns.get(conn.peer) is not conn:
                     self._by_qpn.pop(conn.qpn, None)
                     conn._destroy()
             sock.close()
@@ -1246,7 +1246,10 @@ class Engine:
         wcs = self._recv_cq.poll(64)
         for wc in wcs:
             conn = self._by_qpn.get(wc.qp_num)
-            if conn is None or conn.state is not ConnState.READY:
+            # A server-side connection is still CONNECTING until the handshake thread has
+            # read the client's READY, but the client may already have sent data and a
+            # notification: those count.  Flushed receives of failed connections do not.
+            if conn is None or conn.state not in (ConnState.READY, ConnState.CONNECTING):
                 continue
             if not wc.ok:
                 self._fail(conn, f"receive completion error {wc.status_name}")
