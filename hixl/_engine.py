@@ -795,6 +795,10 @@ class Engine:
             with self._lock:
                 self._check_open()
                 old = self._conns.get(hello.engine_id)
+                if old is not None and old.state is ConnState.READY and old._sock is not None:
+                    # A peer that disconnects and reconnects at once: its goodbye (or EOF)
+                    # may be waiting unread on the old control socket.  Read it first.
+                    self._read_control(old)
                 if old is not None and old.state is ConnState.READY:
                     chan.refuse(
                         _wire.ErrorCode.ALREADY_CONNECTED,
