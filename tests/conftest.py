@@ -1,8 +1,8 @@
 """Test tiers: pure tests run everywhere; tests marked ``rdma`` need a verbs device.
 
 RDMA tests skip only when no device exists *and* the run is not one that
-promised a device.  ``make test``, the hixl VM and CI set ``HIXL_REQUIRE_RDMA=1``;
-there a missing device fails the run instead of skipping it.
+promised a device: ``make test`` (``HIXL_REQUIRE_RDMA=1``), the hixl VM
+(``HIXL_IN_VM=1``) and CI (``CI=true``) turn a missing device into a failure.
 """
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ import pytest
 
 
 def _rdma_required() -> bool:
-    return os.environ.get("HIXL_REQUIRE_RDMA") == "1" or os.environ.get("HIXL_IN_VM") == "1"
+    env = os.environ
+    return (
+        env.get("HIXL_REQUIRE_RDMA") == "1"
+        or env.get("HIXL_IN_VM") == "1"
+        or env.get("CI", "").lower() == "true"
+    )
 
 
 def _device_problem() -> str | None:
@@ -36,7 +41,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     if _rdma_required():
         raise pytest.UsageError(
-            f"RDMA tests were required (HIXL_REQUIRE_RDMA/HIXL_IN_VM) but there is no "
+            f"RDMA tests were required (HIXL_REQUIRE_RDMA, HIXL_IN_VM or CI) but there is no "
             f"usable device: {problem}"
         )
     skip = pytest.mark.skip(
