@@ -136,7 +136,38 @@ def _command_after_dashes(args: argparse.Namespace) -> list[str]:
 def _cmd_vm_run(args: argparse.Namespace) -> int:
     from hixl._vm import run
 
+    if args.hosts > 1:
+        from hixl._hosts import run_hosts
+
+        cmd = _command_after_dashes(args)
+        return run_hosts([cmd] * args.hosts, _hosts_config(args), mtus=args.mtu)
     return run(_command_after_dashes(args), _vm_config(args))
+
+
+def _hosts_config(args: argparse.Namespace) -> Any:
+    import dataclasses
+    from pathlib import Path
+
+    logs = Path(args.logs).resolve() if args.logs else None
+    return dataclasses.replace(_vm_config(args), log_dir=logs)
+
+
+def _cmd_vm_hosts(args: argparse.Namespace) -> int:
+    import shlex
+
+    from hixl._hosts import run_hosts
+
+    if args.cmd:
+        raise HixlError("give each host's command with --host 'CMD', not after '--'")
+    commands = [shlex.split(c) for c in args.host]
+    return run_hosts(commands, _hosts_config(args), mtus=args.mtu)
+
+
+def _hosts_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mtu", type=int, action="append", default=[], metavar="BYTES",
+                   help="NIC MTU: once for all hosts or once per host (default 1500)")
+    p.add_argument("--logs", metavar="DIR",
+                   help="also keep each host's stdout, stderr and console in DIR/hostN/")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -165,10 +196,26 @@ def _add_vm(sub: _Subparsers) -> None:
                        description="Boot a kernel that has rdma_rxe (virtme-ng over this "
                                    "machine's root filesystem), bring up rxe0 and run a "
                                    "command inside. Output and exit status pass through.")
-    vm = p.add_subparsers(dest="vm_command", metavar="{run}", required=True)
+    vm = p.add_subparsers(dest="vm_command", metavar="{run,hosts}", required=True)
     run = vm.add_parser("run", help="run CMD inside the VM: hixl vm run -- CMD ...")
     _vm_options(run)
+    run.add_argument("--hosts", type=int, default=1, metavar="N",
+                     help="boot N VMs on one virtual network (10.88.0.1, .2, ...), each "
+                          "with its own rxe, and run CMD on each; it sees HIXL_HOST_INDEX, "
+                          "HIXL_HOST_ADDR and HIXL_PEER_ADDRS (default 1)")
+    _hosts_options(run)
     run.set_defaults(handler=_cmd_vm_run)
+    hosts = vm.add_parser("hosts", help="one VM per --host CMD, joined by a virtual wire",
+                          description="Boot one VM per --host on a private network: host i "
+                                      "gets 10.88.0.<i+1>/24 on a virtio NIC, rxe0 on it, and "
+                                      "runs its own command. Output is prefixed per host; "
+                                      "the run fails if any host fails; all VMs are killed "
+                                      "at the end or at --timeout.")
+    hosts.add_argument("--host", action="append", required=True, metavar="'CMD'",
+                       help="one host's command line (repeat per host, at least 2)")
+    _hosts_options(hosts)
+    _vm_options(hosts)
+    hosts.set_defaults(handler=_cmd_vm_hosts, cpus=1, memory="2G", timeout=900.0)
 
 
 def _add_run(sub: _Subparsers) -> None:

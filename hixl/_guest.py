@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -29,14 +30,19 @@ def _sh(*args: str) -> None:
     )
 
 
-def _nic_by_mac(mac: str) -> str:
-    for dev in Path("/sys/class/net").iterdir():
-        try:
-            if (dev / "address").read_text().strip().lower() == mac.lower():
-                return dev.name
-        except OSError:
-            continue
-    raise RuntimeError(f"no network interface with MAC {mac} in the guest")
+def _nic_by_mac(mac: str, wait: float = 10.0) -> str:
+    deadline = time.monotonic() + wait  # the driver may still be probing the device
+    while True:
+        for dev in Path("/sys/class/net").iterdir():
+            try:
+                if (dev / "address").read_text().strip().lower() == mac.lower():
+                    return dev.name
+            except OSError:
+                continue
+        if time.monotonic() > deadline:
+            seen = sorted(d.name for d in Path("/sys/class/net").iterdir())
+            raise RuntimeError(f"no network interface with MAC {mac} in the guest: {seen}")
+        time.sleep(0.1)
 
 
 def _bring_up_network(net: dict[str, Any] | None) -> list[str]:
@@ -56,11 +62,15 @@ def main(argv: list[str]) -> int:
     (xdir / "booted").write_text("1")
     request = json.loads((xdir / "request.json").read_text())
     env = {str(k): str(v) for k, v in request["env"].items()}
+    env["HIXL_VM_XDIR"] = str(xdir)  # where a command may leave a VANISHED note
     rc = 1
     with (xdir / "stdout").open("wb") as out, (xdir / "stderr").open("wb") as err:
         try:
             subprocess.run(["ip", "link", "set", "lo", "up"], check=False, timeout=30)
-            up = [sys.executable, "-m", "hixl", "rxe", "up", *_bring_up_network(request["net"])]
+            netdev = _bring_up_network(request["net"])
+            if netdev:
+                env["HIXL_HOST_NETDEV"] = netdev[-1]
+            up = [sys.executable, "-m", "hixl", "rxe", "up", *netdev]
             setup = subprocess.run(
                 up,
                 env=env,

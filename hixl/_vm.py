@@ -58,6 +58,10 @@ class VMConfig:
     timeout: float = 3600.0
     rw_dirs: tuple[Path, ...] = ()
     extra_qemu_opts: tuple[str, ...] = ()
+    log_dir: Path | None = None
+    """If set, each guest's stdout, stderr and console are copied to ``log_dir/<name>/``."""
+    failure_grace: float = 20.0
+    """After one guest fails, how long the others may still run before they are stopped."""
 
     def __post_init__(self) -> None:
         if self.accel not in ("auto", "kvm", "tcg"):
@@ -75,6 +79,7 @@ class GuestNet:
     """A virtual NIC joining guests over a QEMU socket on loopback.
 
     ``role`` is ``listen`` or ``connect``; ``address`` is the guest's IPv4/prefix.
+    A ``connect`` guest is only started once the ``listen`` side's QEMU accepts.
     """
 
     role: str
@@ -82,6 +87,16 @@ class GuestNet:
     mac: str
     address: str
     mtu: int = 1500
+
+    def __post_init__(self) -> None:
+        if self.role not in ("listen", "connect"):
+            raise VMError(f"GuestNet role must be listen or connect, not {self.role!r}")
+        if not 0 < self.port < 65536:
+            raise VMError(f"GuestNet port out of range: {self.port}")
+        if not 68 <= self.mtu <= 65535:
+            raise VMError(f"GuestNet mtu out of range: {self.mtu} (68..65535)")
+        if not re.fullmatch(r"([0-9a-f]{2}:){5}[0-9a-f]{2}", self.mac):
+            raise VMError(f"GuestNet mac must be lower-case aa:bb:cc:dd:ee:ff, not {self.mac!r}")
 
     def qemu_opts(self) -> str:
         return (
@@ -98,6 +113,36 @@ class GuestSpec:
     name: str = "vm"
     net: GuestNet | None = None
     env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise VMError(f"guest {self.name!r} has no command")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,32}", self.name):
+            raise VMError(f"guest name must be 1-32 of [A-Za-z0-9_.-], not {self.name!r}")
+
+
+#: Exit status reported for a guest the runner stopped because another guest failed.
+STOPPED = 143
+#: The file a guest command writes (via ``HIXL_VM_XDIR``) before it powers its VM off on
+#: purpose; the runner then reports the guest as having exited 0.
+VANISHED = "vanished"
+
+
+def listening_ports(proc_net_tcp: str) -> set[int]:
+    """Local ports in LISTEN state on 127.0.0.1 or any address, from ``/proc/net/tcp`` text.
+
+    Used to start a ``connect`` guest only after its peer's QEMU listens, without
+    connecting to that socket (QEMU takes the first connection as its peer).
+    """
+    ports = set()
+    for line in proc_net_tcp.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 4 or fields[3] != "0A":  # 0A = TCP_LISTEN
+            continue
+        addr, _, port = fields[1].partition(":")
+        if addr in ("0100007F", "00000000"):
+            ports.add(int(port, 16))
+    return ports
 
 
 def rxe_capable_kernels(
@@ -301,7 +346,7 @@ def _launch(
     if spec.net is not None:
         qemu_opts.append(spec.net.qemu_opts())
     if qemu_opts:
-        cmd += ["--qemu-opts", " ".join(qemu_opts)]
+        cmd.append("--qemu-opts=" + " ".join(qemu_opts))  # "=": the value starts with "-"
     cmd += ["--exec", guest]
     console = xdir / "console.log"
     log.debug("launching %s: %s", spec.name, shlex.join(cmd))
@@ -316,6 +361,42 @@ def _launch(
         )
     tails = (_Tail(xdir / "stdout", sys.stdout, prefix), _Tail(xdir / "stderr", sys.stderr, prefix))
     return _Running(spec, proc, xdir, tails, console, time.monotonic())
+
+
+def _connects(spec: GuestSpec) -> bool:
+    return spec.net is not None and spec.net.role == "connect"
+
+
+def _wait_listening(port: int, listener: _Running, deadline: float) -> None:
+    """Wait until a QEMU listens on ``port`` (the ``listen`` side of a socket pair)."""
+    while True:
+        try:
+            text = Path("/proc/net/tcp").read_text()
+        except OSError as exc:
+            raise VMError(f"cannot read /proc/net/tcp to see QEMU listen: {exc}") from exc
+        if port in listening_ports(text):
+            return
+        if listener.proc.poll() is not None:
+            raise VMError(
+                f"guest {listener.spec.name} ended (qemu exit {listener.proc.returncode}) "
+                f"before listening on 127.0.0.1:{port}. Last console lines:\n"
+                f"{_console_tail(listener.console)}"
+            )
+        if time.monotonic() > deadline:
+            raise VMError(
+                f"guest {listener.spec.name}'s QEMU did not listen on 127.0.0.1:{port} in time"
+            )
+        time.sleep(0.1)
+
+
+def _save_logs(r: _Running, log_dir: Path) -> None:
+    dest = log_dir / r.spec.name
+    with contextlib.suppress(OSError):
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in ("stdout", "stderr", "console.log", VANISHED):
+            src = r.xdir / name
+            if src.exists():
+                shutil.copyfile(src, dest / name)
 
 
 def _console_tail(path: Path, lines: int = 15) -> str:
@@ -349,25 +430,55 @@ def run_guests(specs: Sequence[GuestSpec], cfg: VMConfig | None = None) -> list[
         raise VMError(f"HIXL_VM_ACCEL must be auto, kvm or tcg, not {accel!r}")
     kvm = kvm_usable(kernel) if accel == "auto" else accel == "kvm"
     log.debug("kernel=%s accel=%s", kernel, "kvm" if kvm else "tcg")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise VMError(f"guest names must be unique: {names}")
     root = Path(tempfile.mkdtemp(prefix="hixl-vm-"))
     running: list[_Running] = []
+    width = max(len(n) for n in names)
+    # Listeners first: a QEMU socket netdev in connect mode fails at once when nothing
+    # listens yet, so each connect guest starts after its listener's QEMU is up.
+    order = sorted(range(len(specs)), key=lambda i: _connects(specs[i]))
+    by_index: dict[int, _Running] = {}
+    listeners: dict[int, _Running] = {}
+    start = time.monotonic()
     try:
-        for i, spec in enumerate(specs):
+        for i in order:
+            spec = specs[i]
+            if spec.net is not None and _connects(spec):
+                listener = listeners.get(spec.net.port)
+                if listener is not None:
+                    _wait_listening(spec.net.port, listener, start + cfg.boot_timeout)
             xdir = root / f"{i}-{spec.name}"
             xdir.mkdir()
-            prefix = f"[{spec.name}] " if len(specs) > 1 else ""
-            running.append(_launch(spec, cfg, kernel, vng, kvm, xdir, prefix))
-        return _supervise(running, cfg)
+            prefix = f"[{spec.name:<{width}}] " if len(specs) > 1 else ""
+            by_index[i] = _launch(spec, cfg, kernel, vng, kvm, xdir, prefix)
+            running.append(by_index[i])
+            if spec.net is not None and spec.net.role == "listen":
+                listeners[spec.net.port] = by_index[i]
+        return _supervise([by_index[i] for i in range(len(specs))], cfg, start)
     finally:
         for r in running:
             _kill_group(r.proc)
+        if cfg.log_dir is not None:
+            for r in running:
+                _save_logs(r, cfg.log_dir)
         if os.environ.get("HIXL_VM_KEEP") != "1":
             shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"hixl vm: kept exchange directories under {root}", file=sys.stderr)
 
 
-def _supervise(running: list[_Running], cfg: VMConfig) -> list[int]:
-    start = time.monotonic()
+def _supervise(running: list[_Running], cfg: VMConfig, start: float) -> list[int]:
+    """Wait for every guest's exit status, enforcing the boot and overall deadlines.
+
+    A guest that powered itself off after writing :data:`VANISHED` counts as exit 0.
+    Once one guest fails, the others get ``cfg.failure_grace`` seconds to finish and are
+    then stopped and reported as :data:`STOPPED`.
+    """
     codes: dict[int, int] = {}
+    failed_at: float | None = None
+    many = len(running) > 1
     while len(codes) < len(running):
         time.sleep(0.2)
         now = time.monotonic()
@@ -376,25 +487,63 @@ def _supervise(running: list[_Running], cfg: VMConfig) -> list[int]:
                 t.pump()
             if i in codes:
                 continue
-            rc_file = r.xdir / "rc"
-            if rc_file.exists() or (r.proc.poll() is not None and _wait_for(rc_file, 2.0)):
-                for t in r.tails:
-                    t.flush()
-                codes[i] = int(rc_file.read_text().strip() or "1")
+            code = _exit_status(r)
+            if code is not None:
+                codes[i] = code
+                if code != 0 and failed_at is None:
+                    failed_at = now
+                    if many and len(codes) < len(running):
+                        print(
+                            f"hixl vm: {r.spec.name} failed (exit {code}); stopping the "
+                            f"others in {cfg.failure_grace:.0f} s unless they finish",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                 continue
-            if r.proc.poll() is not None:
-                raise VMError(
-                    f"guest {r.spec.name} ended (qemu exit {r.proc.returncode}) without "
-                    f"running the command. Last console lines:\n{_console_tail(r.console)}"
-                )
             if not (r.xdir / "booted").exists() and now - r.started > cfg.boot_timeout:
                 raise VMError(
                     f"guest {r.spec.name} did not boot within {cfg.boot_timeout:.0f} s. "
                     f"Last console lines:\n{_console_tail(r.console)}"
                 )
+        if failed_at is not None and now - failed_at > cfg.failure_grace:
+            for i, r in enumerate(running):
+                if i not in codes:
+                    _kill_group(r.proc)
+                    for t in r.tails:
+                        t.flush()
+                    codes[i] = STOPPED
+                    print(f"hixl vm: stopped {r.spec.name}", file=sys.stderr, flush=True)
         if now - start > cfg.timeout:
-            raise VMError(f"VM run exceeded its timeout of {cfg.timeout:.0f} s; killed")
+            late = [r.spec.name for i, r in enumerate(running) if i not in codes]
+            raise VMError(
+                f"VM run exceeded its timeout of {cfg.timeout:.0f} s; killed {', '.join(late)}"
+            )
     return [codes[i] for i in range(len(running))]
+
+
+def _exit_status(r: _Running) -> int | None:
+    """The guest's exit status once it has one; raises if its VM ended without one."""
+    rc_file = r.xdir / "rc"
+    if rc_file.exists() or (r.proc.poll() is not None and _wait_for(rc_file, 2.0)):
+        for t in r.tails:
+            t.flush()
+        try:
+            return int(rc_file.read_text().strip() or "1")
+        except ValueError:
+            return 1
+    if r.proc.poll() is None:
+        return None
+    for t in r.tails:
+        t.flush()
+    marker = r.xdir / VANISHED
+    if marker.exists():
+        reason = marker.read_text(errors="replace").strip() or "no reason given"
+        print(f"hixl vm: {r.spec.name} powered off on purpose: {reason}", flush=True)
+        return 0
+    raise VMError(
+        f"guest {r.spec.name} ended (qemu exit {r.proc.returncode}) without "
+        f"reporting an exit status. Last console lines:\n{_console_tail(r.console)}"
+    )
 
 
 def _wait_for(path: Path, seconds: float) -> bool:

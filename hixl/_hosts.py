@@ -1,0 +1,339 @@
+"""Several hosts: one VM per host, each with its own kernel, NIC and rxe, on one wire.
+
+Theory of operation
+-------------------
+:func:`plan_hosts` turns N commands into N :class:`~hixl._vm.GuestSpec` values (pure: no
+I/O). Host ``i`` is named ``host<i>``, gets the NIC ``52:54:00:88:00:<i+1>`` with
+``10.88.0.<i+1>/24`` and the MTU asked for, and its command sees
+
+* ``HIXL_HOST_INDEX`` (``i``), ``HIXL_HOSTS`` (N), ``HIXL_HOST_ADDR`` (its IPv4),
+* ``HIXL_PEER_ADDRS`` (the other hosts' IPv4s, comma separated, in index order),
+* ``HIXL_HOST_NETDEV`` (the guest's interface name, set by the guest agent).
+
+Two hosts are joined by a QEMU socket pair on 127.0.0.1: host0's QEMU listens, host1's
+connects (the runner starts host1 once host0's QEMU listens). Every frame one guest
+sends is delivered to the other as is, so the RoCEv2 packets cross a real (virtual)
+Ethernet between two kernels: MTU, ARP, GIDs and routing are the real ones, and a guest
+that powers off is gone without a TCP FIN, as a crashed machine would be.
+
+:func:`run_hosts` boots them all with :func:`hixl._vm.run_guests` (same deadlines,
+output prefixed per host, all VMs killed at the end); the run fails when any host's
+command fails. A host that is *meant* to disappear calls :func:`vanish`, which leaves a
+note for the runner and powers the guest off at once; the runner reports it as exit 0.
+
+Inside a host, :class:`HostEnv` reads the variables above and :class:`Control` is a
+small JSON-lines channel over TCP for one host to drive another (tests, benchmarks),
+with a deadline on every wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hixl._errors import ArgumentError, HixlError, TransferTimeout, VMError
+from hixl._vm import VANISHED, GuestNet, GuestSpec, VMConfig, run_guests
+
+__all__ = [
+    "SUBNET",
+    "Control",
+    "HostEnv",
+    "host_address",
+    "host_mac",
+    "plan_hosts",
+    "run_hosts",
+    "set_link",
+    "vanish",
+]
+
+SUBNET = "10.88.0"
+PREFIX_LEN = 24
+MAX_HOSTS = 2  # a socket pair; more hosts would need a frame hub on the host side
+
+
+def host_address(index: int) -> str:
+    """The IPv4 address of host ``index`` (0-based): ``10.88.0.<index+1>``."""
+    if not 0 <= index < 254:
+        raise ArgumentError(f"host index out of range: {index} (0..253)")
+    return f"{SUBNET}.{index + 1}"
+
+
+def host_mac(index: int) -> str:
+    """The MAC of host ``index``'s NIC (locally administered QEMU range)."""
+    if not 0 <= index < 254:
+        raise ArgumentError(f"host index out of range: {index} (0..253)")
+    return f"52:54:00:88:00:{index + 1:02x}"
+
+
+def _mtus(count: int, mtus: Sequence[int]) -> list[int]:
+    if not mtus:
+        return [1500] * count
+    if len(mtus) == 1:
+        return [mtus[0]] * count
+    if len(mtus) != count:
+        raise ArgumentError(
+            f"give one MTU for all hosts or one per host: {count} hosts, "
+            f"{len(mtus)} MTUs {list(mtus)}"
+        )
+    return list(mtus)
+
+
+def plan_hosts(
+    commands: Sequence[Sequence[str]],
+    *,
+    port: int,
+    mtus: Sequence[int] = (),
+    env: Mapping[str, str] | None = None,
+) -> list[GuestSpec]:
+    """The guests for a multi-host run: ``commands[i]`` runs on host ``i``.
+
+    ``port`` is the 127.0.0.1 TCP port of the QEMU socket pair; ``mtus`` is empty (1500),
+    one MTU for all hosts, or one per host; ``env`` is added to every command's
+    environment. Raises :class:`ArgumentError` for a bad count, command or MTU.
+    """
+    count = len(commands)
+    if not 2 <= count <= MAX_HOSTS:
+        raise ArgumentError(f"a multi-host run needs 2..{MAX_HOSTS} hosts, got {count}")
+    for i, cmd in enumerate(commands):
+        if not cmd:
+            raise ArgumentError(f"host {i} has an empty command")
+    mtu = _mtus(count, mtus)
+    for i, m in enumerate(mtu):
+        if not 576 <= m <= 9000:
+            raise ArgumentError(f"host {i} MTU {m} out of range (576..9000)")
+    specs = []
+    addrs = [host_address(i) for i in range(count)]
+    for i, cmd in enumerate(commands):
+        host_env = dict(env or {})
+        host_env.update(
+            HIXL_HOST_INDEX=str(i),
+            HIXL_HOSTS=str(count),
+            HIXL_HOST_ADDR=addrs[i],
+            HIXL_PEER_ADDRS=",".join(a for j, a in enumerate(addrs) if j != i),
+        )
+        net = GuestNet(
+            role="listen" if i == 0 else "connect",
+            port=port,
+            mac=host_mac(i),
+            address=f"{addrs[i]}/{PREFIX_LEN}",
+            mtu=mtu[i],
+        )
+        specs.append(GuestSpec(command=tuple(cmd), name=f"host{i}", net=net, env=host_env))
+    return specs
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_hosts(
+    commands: Sequence[Sequence[str]],
+    cfg: VMConfig | None = None,
+    *,
+    mtus: Sequence[int] = (),
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Boot one VM per command on a private network, run them, return the run's status.
+
+    0 when every host's command exited 0 (a host that :func:`vanish`-ed counts as 0),
+    otherwise the first non-zero status in host order. Prints one line per host at the
+    end. Raises :class:`VMError` on a boot failure or when ``cfg.timeout`` passes (all
+    VMs are killed either way).
+    """
+    specs = plan_hosts(commands, port=free_port(), mtus=mtus, env=env)
+    t0 = time.monotonic()
+    codes = run_guests(specs, cfg)
+    took = time.monotonic() - t0
+    for spec, code in zip(specs, codes, strict=True):
+        assert spec.net is not None
+        print(
+            f"hixl vm hosts: {spec.name} {spec.net.address} mtu {spec.net.mtu}: exit {code}",
+            file=sys.stderr,
+        )
+    print(f"hixl vm hosts: {len(specs)} hosts ran in {took:.0f} s", file=sys.stderr, flush=True)
+    return next((c for c in codes if c != 0), 0)
+
+
+# --- inside a host ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostEnv:
+    """Where this process runs in a multi-host run (from the runner's variables)."""
+
+    index: int
+    count: int
+    address: str
+    peers: tuple[str, ...]
+    netdev: str
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> HostEnv:
+        """Read ``HIXL_HOST_*``; raises :class:`HixlError` outside a multi-host run."""
+        e = os.environ if environ is None else environ
+        missing = [
+            k
+            for k in ("HIXL_HOST_INDEX", "HIXL_HOSTS", "HIXL_HOST_ADDR", "HIXL_PEER_ADDRS")
+            if k not in e
+        ]
+        if missing:
+            raise HixlError(
+                f"not in a multi-host run ({', '.join(missing)} unset); "
+                "start it with 'hixl vm hosts' or 'hixl vm run --hosts 2'"
+            )
+        return cls(
+            index=int(e["HIXL_HOST_INDEX"]),
+            count=int(e["HIXL_HOSTS"]),
+            address=e["HIXL_HOST_ADDR"],
+            peers=tuple(p for p in e["HIXL_PEER_ADDRS"].split(",") if p),
+            netdev=e.get("HIXL_HOST_NETDEV", ""),
+        )
+
+
+def set_link(netdev: str, up: bool) -> None:
+    """``ip link set NETDEV up|down`` (needs root); raises :class:`HixlError` on failure."""
+    proc = subprocess.run(
+        ["ip", "link", "set", netdev, "up" if up else "down"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise HixlError(f"ip link set {netdev} {'up' if up else 'down'}: {proc.stderr.strip()}")
+
+
+def vanish(reason: str, wait: float = 30.0) -> NoReturn:
+    """Power this guest off at once, as a crashed host would (no FIN, no goodbye).
+
+    Leaves ``reason`` where the runner finds it (``$HIXL_VM_XDIR/vanished``) so the run
+    reports this host as having exited 0. Only meaningful inside a hixl VM; raises
+    :class:`HixlError` elsewhere rather than powering off a real machine.
+    """
+    xdir = os.environ.get("HIXL_VM_XDIR")
+    if os.environ.get("HIXL_IN_VM") != "1" or not xdir:
+        raise HixlError("vanish() only powers off a hixl VM guest (HIXL_IN_VM/HIXL_VM_XDIR unset)")
+    note = Path(xdir) / VANISHED
+    with note.open("w") as fh:
+        fh.write(reason + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open("/proc/sysrq-trigger", "w") as trig:  # 'o': power off now, no shutdown
+        trig.write("o")
+    time.sleep(wait)
+    os._exit(1)  # still alive: the runner sees no rc and no power-off, and fails the run
+
+
+class Control:
+    """A JSON-lines channel between two hosts; every wait has a deadline.
+
+    One side :meth:`serve`\\ s, the other :meth:`connect`\\ s (retrying until its
+    deadline, since the server may still be starting). Messages are JSON objects, one
+    per line. :meth:`call` sends a request and returns the reply, raising
+    :class:`HixlError` when the reply carries ``"error"``.
+    """
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self._buf = b""
+
+    @classmethod
+    def serve(cls, address: str, port: int, timeout: float) -> Control:
+        """Accept one connection on ``address:port`` within ``timeout`` s."""
+        with socket.create_server((address, port)) as srv:
+            srv.settimeout(timeout)
+            try:
+                sock, (host, peer_port) = srv.accept()
+            except TimeoutError:
+                raise TransferTimeout(
+                    f"control: nobody connected to {address}:{port} within {timeout:.0f} s"
+                ) from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(sock, f"{host}:{peer_port}")
+
+    @classmethod
+    def connect(cls, address: str, port: int, timeout: float) -> Control:
+        """Connect to ``address:port``, retrying until ``timeout`` s have passed."""
+        deadline = time.monotonic() + timeout
+        last: OSError | None = None
+        while time.monotonic() < deadline:
+            try:
+                sock = socket.create_connection((address, port), timeout=2.0)
+            except OSError as exc:
+                last = exc
+                time.sleep(0.2)
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return cls(sock, f"{address}:{port}")
+        raise TransferTimeout(
+            f"control: could not connect to {address}:{port} within {timeout:.0f} s: {last}"
+        )
+
+    def send(self, message: Mapping[str, Any], timeout: float = 30.0) -> None:
+        """Send one message; :class:`TransferTimeout` if it cannot go out in time."""
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.sendall(json.dumps(message).encode() + b"\n")
+        except TimeoutError:
+            raise TransferTimeout(f"control: send to {self.peer} blocked {timeout:.0f} s") from None
+
+    def recv(self, timeout: float) -> dict[str, Any]:
+        """The next message; :class:`TransferTimeout` after ``timeout`` s,
+        :class:`HixlError` when the peer closed the channel."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"control: no message from {self.peer} in {timeout:.0f} s")
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            if not data:
+                raise HixlError(f"control: {self.peer} closed the channel")
+            self._buf += data
+        line, _, self._buf = self._buf.partition(b"\n")
+        obj = json.loads(line)
+        if not isinstance(obj, dict):
+            raise HixlError(f"control: {self.peer} sent {type(obj).__name__}, not an object")
+        return obj
+
+    def call(self, op: str, timeout: float = 60.0, **args: Any) -> dict[str, Any]:
+        """Send ``{"op": op, **args}`` and return the reply (raises on ``"error"``)."""
+        self.send({"op": op, **args}, timeout)
+        reply = self.recv(timeout)
+        if "error" in reply:
+            raise HixlError(f"control: {self.peer} failed {op!r}: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        """Close the channel; safe to call twice."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def __enter__(self) -> Control:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _require_vm_path() -> None:
+    if os.environ.get("HIXL_IN_VM") == "1":
+        raise VMError("a multi-host run cannot start inside a hixl VM")
