@@ -87,7 +87,7 @@ u32 = st.integers(0, (1 << 32) - 1)
 @st.composite
 def remote_regions(draw: st.DrawFn) -> RemoteRegion:
     addr = draw(st.integers(0, (1 << 64) - 1))
-    length = draw(st.integers(1, (1 << 64) - addr))
+    length = draw(st.integers(1, min((1 << 64) - 1, (1 << 64) - addr)))
     return RemoteRegion(
         addr=addr,
         length=length,
