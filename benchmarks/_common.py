@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -278,6 +278,15 @@ def _read_proc_net() -> list[str]:
     return out
 
 
+#: perftest prints this when its cycles-per-microsecond regression is too noisy to use
+#: (common under CPU emulation on a busy host); it then computes with a bad clock rate.
+CALIBRATION_FAILED = "Correlation coefficient r^2"
+
+
+def _grep(text: str, needle: str) -> str:
+    return next((line.strip() for line in text.splitlines() if needle in line), "")
+
+
 class Perftest:
     """Runs perftest pairs on one device, on fresh TCP ports.
 
@@ -310,19 +319,35 @@ class Perftest:
             return self._port
         raise BenchError("no free TCP port for perftest in 18600..20599")
 
-    def run(self, tool: str, args: Sequence[str], retries: int = 1) -> PerftestRun:
+    def run(
+        self,
+        tool: str,
+        args: Sequence[str],
+        check: Callable[[PerftestRun], None] | None = None,
+        retries: int = 2,
+    ) -> PerftestRun:
         """Run ``tool`` as server and client with ``args``; return their output.
 
-        Retries once on a new port when the client fails (a busy VM can be slow to accept).
-        Raises :class:`BenchError` when it still fails.
+        A run is retried (on a new port) when the client fails, when perftest says its CPU
+        clock calibration failed, or when ``check`` raises :class:`BenchError`. Raises
+        :class:`BenchError` with the last reason when every try failed.
         """
         last = ""
         for _ in range(retries + 1):
             try:
-                return self._run_once(tool, list(args))
+                run = self._run_once(tool, list(args))
+                if CALIBRATION_FAILED in run.client_output:
+                    # get_cpu_mhz() then returns 0 or a noisy estimate: figures are wrong.
+                    raise BenchError(
+                        f"{tool}: perftest's CPU clock calibration failed "
+                        f"({_grep(run.client_output, CALIBRATION_FAILED)})"
+                    )
+                if check is not None:
+                    check(run)
+                return run
             except BenchError as exc:
                 last = str(exc)
-        raise BenchError(last)
+        raise BenchError(f"{last} (after {retries + 1} tries)")
 
     def _run_once(self, tool: str, args: list[str]) -> PerftestRun:
         port = self._next_port()
@@ -379,6 +404,23 @@ class Perftest:
         except (OSError, subprocess.TimeoutExpired):
             return None
         return parse_perftest_version(out.stdout + out.stderr)
+
+
+def bw_wall_check(size: int, iters: int) -> Callable[[PerftestRun], None]:
+    """A ``check`` for :meth:`Perftest.run` of a BW test: its figure must not be below the
+    wall-clock bound ``size * iters / wall`` (set-up included), else perftest's cycle
+    clock rate is wrong (a risk under emulation)."""
+
+    def check(run: PerftestRun) -> None:
+        bound = size * iters / run.wall_s
+        avg = parse_bw(run.client_output).avg_Bps
+        if avg < bound / 1.05:
+            raise BenchError(
+                f"{run.tool} reported {avg / 1e6:.2f} MB/s, below the wall-clock bound "
+                f"{bound / 1e6:.2f} MB/s: its clock is off"
+            )
+
+    return check
 
 
 # --------------------------------------------------------------------------- setup header

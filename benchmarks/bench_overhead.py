@@ -35,6 +35,7 @@ from _common import (
     BenchError,
     Perftest,
     Progress,
+    bw_wall_check,
     command_line,
     fmt_ratio,
     fmt_size,
@@ -353,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run = perftest.run(
                     "ib_write_bw",
-                    ["-s", str(size), "-n", str(iters), "-t", "128", "--perform_warm_up"],
+                    ["-s", str(size), "-n", str(iters), "-t", "128"],
+                    check=bw_wall_check(size, iters),
                 )
                 bw = parse_bw(run.client_output)
                 # From the average bandwidth: MsgRate is printed with too few digits.
