@@ -387,3 +387,14 @@ def test_demo_rejects_a_json_path_in_a_missing_directory(
 
     assert _cli.main(["demo", "--json", str(tmp_path / "no" / "s.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_worker_reports_errors_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = tmp_path / "r.json"
+    assert _demo.main(["decode", "--result", str(result)]) == 1
+    assert capsys.readouterr().out == "error: ArgumentError: decode needs --listen\n"
+    assert _demo.main(["prefill", "--peer", "x:1", "--result", str(result), "--heads", "0"]) == 1
+    assert "error: ArgumentError: heads=0 is outside [1, 256]" in capsys.readouterr().out
+    assert not result.exists()
