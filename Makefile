@@ -4,7 +4,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 PY := $(BIN)/python
 HIXL := $(BIN)/hixl
 
-.PHONY: setup test test-unit test-rdma check demo bench
+.PHONY: setup test test-unit test-rdma test-hosts check demo bench
 
 ## setup: system packages (and the VM path if the kernel lacks rdma_rxe), then .venv
 setup:
@@ -20,6 +20,14 @@ test-unit:
 # HIXL_REQUIRE_RDMA=1 turns a missing device into a failure, never a skip.
 test-rdma:
 	HIXL_REQUIRE_RDMA=1 $(HIXL) run -- $(PY) -m pytest -p no:cacheprovider tests/rdma -q
+
+## test-hosts: two VMs, each with its own kernel and rxe, on one virtual wire (MTU 1500 and
+## 9000): strided put/get, notifications, MTU negotiation, link flap, a peer host killed.
+## host0 runs tests/hosts, host1 the agent they drive. About 5 min under emulation.
+test-hosts:
+	$(HIXL) vm hosts --mtu 1500 --mtu 9000 --cpus 1 --memory 2G --timeout 900 \
+		--host '$(PY) -m pytest -p no:cacheprovider tests/hosts -v -rA --durations=0' \
+		--host '$(PY) tests/hosts/agent.py'
 
 ## check: format, lint and types
 check:

@@ -1,0 +1,168 @@
+"""The far end of the two-host tests: a hixl engine on host1, driven from host0.
+
+Run on host1 of a two-host run (``make test-hosts`` starts it). It serves one control
+channel (JSON lines, :class:`hixl._hosts.Control`) on ``HIXL_HOST_ADDR:CONTROL_PORT``
+and answers requests ``{"op": ..., ...}`` with ``{"ok": true, ...}`` or
+``{"error": "..."}``. Every wait has a deadline; an agent nobody talks to for
+``IDLE_S`` seconds exits 1, so a driver that dies never leaves it hanging.
+
+Ops: ``engine`` (open a listening engine), ``register`` (a buffer, zeros or seeded
+random bytes), ``sha`` (of a buffer), ``wait_note``, ``notify``, ``conn`` (state and MTU
+of the connection to a peer), ``port`` (this host's rxe port), ``link_flap`` (NIC down
+for a while, then up, in the background), ``wait_active``, ``vanish_when_written``
+(power the host off as soon as a transfer starts landing), ``bye``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from hixl import Access, Engine, HixlError
+from hixl._devices import select_device
+from hixl._hosts import Control, HostEnv, set_link, vanish
+
+CONTROL_PORT = 7100
+ENGINE_PORT = 5000
+IDLE_S = 400.0
+ACCEPT_S = 400.0
+
+
+def pattern(seed: int, nbytes: int) -> npt.NDArray[np.uint8]:
+    """The seeded bytes both hosts can compute (same numpy on both: shared root fs)."""
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def sha(buf: npt.NDArray[np.uint8]) -> str:
+    return hashlib.sha256(buf.tobytes()).hexdigest()
+
+
+def port_state() -> dict[str, Any]:
+    """This host's rxe port as hixl would pick it (raises DeviceError if none)."""
+    sel = select_device()
+    return {
+        "device": sel.device.name,
+        "state": sel.port.state,
+        "active_mtu": sel.port.active_mtu,
+        "gid_index": sel.gid.index,
+        "ipv4": sel.gid.ipv4,
+    }
+
+
+class Agent:
+    def __init__(self, host: HostEnv) -> None:
+        self.host = host
+        self.engine: Engine | None = None
+        self.buffers: dict[str, npt.NDArray[np.uint8]] = {}
+        self.flap: threading.Thread | None = None
+
+    def eng(self) -> Engine:
+        if self.engine is None:
+            raise HixlError("no engine yet: send 'engine' first")
+        return self.engine
+
+    def handle(self, req: dict[str, Any], ctl: Control) -> dict[str, Any]:
+        op = req["op"]
+        if op == "engine":
+            if self.engine is not None:
+                self.engine.close()
+            self.buffers.clear()
+            self.engine = Engine(
+                f"{self.host.address}:{req.get('port', ENGINE_PORT)}",
+                qp_timeout=int(req.get("qp_timeout", 14)),
+            )
+            return {"id": self.engine.id}
+        if op == "register":
+            n = int(req["nbytes"])
+            seed = req.get("seed")
+            buf = pattern(int(seed), n) if seed is not None else np.zeros(n, np.uint8)
+            self.buffers[req["name"]] = buf
+            self.eng().register(
+                buf, access=Access.REMOTE_WRITE | Access.REMOTE_READ, name=req["name"]
+            )
+            return {"sha": sha(buf)}
+        if op == "sha":
+            return {"sha": sha(self.buffers[req["name"]])}
+        if op == "wait_note":
+            note = self.eng().wait_notification(req["name"], timeout=float(req["seconds"]))
+            return {"peer": note.peer, "message": note.message.hex()}
+        if op == "notify":
+            self.eng().notify(req["peer"], req["name"], bytes.fromhex(req.get("message", "")))
+            return {}
+        if op == "conn":
+            conn = self.eng().connection(req["peer"])
+            return {"state": conn.state.name, "mtu": conn.mtu}
+        if op == "port":
+            return port_state()
+        if op == "link_flap":
+            down_s = float(req["down_s"])
+
+            def flap() -> None:
+                set_link(self.host.netdev, up=False)
+                time.sleep(down_s)
+                set_link(self.host.netdev, up=True)
+
+            self.flap = threading.Thread(target=flap, name="link-flap", daemon=True)
+            self.flap.start()
+            return {"netdev": self.host.netdev}
+        if op == "wait_active":
+            deadline = time.monotonic() + float(req["seconds"])
+            if self.flap is not None:
+                self.flap.join(timeout=float(req["seconds"]))
+            last: Exception | None = None
+            while time.monotonic() < deadline:
+                try:
+                    state = port_state()
+                    if state["state"] == "ACTIVE":
+                        return state
+                except HixlError as exc:
+                    last = exc
+                time.sleep(0.2)
+            raise HixlError(f"port not ACTIVE with a GID in {req['seconds']} s: {last}")
+        if op == "vanish_when_written":
+            buf = self.buffers[req["name"]]
+            deadline = time.monotonic() + float(req["seconds"])
+            ctl.send({"ok": True})
+            while buf[0] == 0:  # the first bytes of the put landed
+                if time.monotonic() > deadline:
+                    print("agent: no data arrived before the vanish deadline", flush=True)
+                    sys.exit(1)
+                time.sleep(0.001)
+            landed_all = bool(buf[-1] != 0)
+            print(f"agent: data is landing (all landed: {landed_all}); powering off", flush=True)
+            vanish(f"asked to vanish mid-transfer; the last byte had landed: {landed_all}")
+        raise HixlError(f"unknown op {op!r}")
+
+
+def main() -> int:
+    host = HostEnv.from_environ()
+    agent = Agent(host)
+    print(f"agent: host{host.index} {host.address}, control on :{CONTROL_PORT}", flush=True)
+    with Control.serve(host.address, CONTROL_PORT, timeout=ACCEPT_S) as ctl:
+        print(f"agent: driver {ctl.peer} connected", flush=True)
+        while True:
+            req = ctl.recv(timeout=IDLE_S)
+            if req.get("op") == "bye":
+                ctl.send({"ok": True})
+                break
+            try:
+                reply = {"ok": True, **agent.handle(req, ctl)}
+            except Exception as exc:  # noqa: BLE001 - every failure goes back to the driver
+                traceback.print_exc()
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            ctl.send(reply)
+    if agent.engine is not None:
+        agent.engine.close()
+    print("agent: done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

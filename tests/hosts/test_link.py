@@ -1,0 +1,90 @@
+"""host1's link goes down and comes back.
+
+rxe retransmits an unacknowledged RDMA WRITE for as long as the queue pair allows, and
+hixl's engine asks for the maximum (retry count 7, which rxe treats as "keep trying"),
+so the limit on an outage is the transfer's own deadline:
+
+* an outage shorter than the deadline is ridden out: the put completes once the link
+  is back, with the right bytes;
+* a longer one fails the put with ``TransferTimeout`` at its deadline, the connection is
+  then FAILED and refuses new work at once (``ConnectionFailed``), and once the link is
+  back a reconnect from the same engine works.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from hixl import ConnectionFailed, ConnState, Engine, TransferTimeout
+from hixl._hosts import Control
+
+from .agent import pattern
+from .driver import remote_buffer
+
+NBYTES = 256 * 1024
+
+
+def _sha(buf: npt.NDArray[np.uint8]) -> str:
+    return hashlib.sha256(buf.tobytes()).hexdigest()
+
+
+def test_short_outage_is_ridden_out(engine: Engine, agent: Control, peer_id: str) -> None:
+    remote_buffer(agent, engine, peer_id, "flap-dst", NBYTES)
+    src = pattern(7, NBYTES)
+    region = engine.register(src, name="flap-src")
+    engine.put(peer_id, region, "flap-dst", timeout=30.0)
+
+    src[:] = pattern(8, NBYTES)
+    agent.call("link_flap", down_s=3.0)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    engine.put(peer_id, region, "flap-dst", notify="after-short", timeout=30.0)
+    print(f"put across a 3 s outage completed after {time.monotonic() - t0:.2f} s")
+    agent.call("wait_note", name="after-short", seconds=30.0)
+    assert agent.call("sha", name="flap-dst")["sha"] == _sha(src)
+    agent.call("wait_active", seconds=60.0)
+    engine.deregister(region)
+
+
+def test_long_outage_fails_then_reconnect_works(
+    engine: Engine, agent: Control, peer_id: str
+) -> None:
+    deadline_s, down_s = 3.0, 10.0
+    remote_buffer(agent, engine, peer_id, "flap2-dst", NBYTES)
+    src = pattern(9, NBYTES)
+    region = engine.register(src, name="flap2-src")
+    agent.call("link_flap", down_s=down_s)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeout) as err:
+        engine.put(peer_id, region, "flap2-dst", timeout=deadline_s)
+    took = time.monotonic() - t0
+    print(f"put with host1's link down failed after {took:.2f} s: {err.value!r}")
+    assert deadline_s - 0.1 < took < deadline_s + 2.0
+    assert engine.connection(peer_id).state is ConnState.FAILED
+    t1 = time.monotonic()  # a failed connection refuses new work before posting anything
+    with pytest.raises(ConnectionFailed):
+        engine.put(peer_id, region, "flap2-dst", timeout=10.0)
+    assert time.monotonic() - t1 < 1.0
+
+    back = agent.call("wait_active", seconds=60.0)  # the control channel rides it out
+    assert back["state"] == "ACTIVE"
+    until = time.monotonic() + 60.0
+    while True:  # host1 may still hold the old connection until it reads our close
+        try:
+            engine.connect(peer_id, timeout=10.0)
+            break
+        except (ConnectionFailed, TransferTimeout):
+            if time.monotonic() > until:
+                raise
+            time.sleep(0.5)
+    assert engine.connection(peer_id).state is ConnState.READY
+    remote_buffer(agent, engine, peer_id, "flap3-dst", NBYTES)
+    engine.put(peer_id, region, "flap3-dst", notify="after-long", timeout=30.0)
+    agent.call("wait_note", name="after-long", seconds=30.0)
+    assert agent.call("sha", name="flap3-dst")["sha"] == _sha(src)
