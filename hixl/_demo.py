@@ -880,6 +880,7 @@ def run_decode(cfg: DemoConfig, listen: str, seconds: float, emit: Emit) -> dict
         info = json.loads(done.message)
         _expect_goodbye()
         engine.notify(peer, "ack", b"", timeout=deadline.left("acknowledging"))
+        _await_hangup(engine, peer, deadline)
     first = int(info["first_token"])
     received_prompt = cache.copy()
 
@@ -937,6 +938,23 @@ def _connect(engine: Any, peer: str, deadline: _Deadline) -> Any:
         except (ConnectionFailed, TransferTimeout) as exc:
             last = exc
             time.sleep(0.1)
+
+
+def _await_hangup(engine: Any, peer: str, deadline: _Deadline, limit: float = 10.0) -> None:
+    """Let ``peer`` close first (at most ``limit`` s). Closing right after our last
+    notification races with its delivery: the peer's engine may read our goodbye on the
+    control socket before it polls that notification's receive completion, and it drops
+    receive completions of a connection that is no longer ready."""
+    from hixl._engine import ConnState
+
+    end = time.monotonic() + min(limit, max(0.0, deadline.at - time.monotonic()))
+    while time.monotonic() < end:
+        try:
+            if engine.connection(peer).state is not ConnState.READY:
+                return
+        except HixlError:
+            return
+        time.sleep(0.02)
 
 
 def _expect_goodbye() -> None:
@@ -1119,7 +1137,6 @@ def run_prefill(cfg: DemoConfig, peer: str, seconds: float, emit: Emit) -> dict[
         )
         _wait_note(engine, "ack", peer, deadline)
         limits = engine.limits
-        _expect_goodbye()
     return {
         "role": "prefill",
         "device": device,
