@@ -104,8 +104,9 @@ class Agent:
         if op == "link_flap":
             down_s = float(req["down_s"])
 
+            set_link(self.host.netdev, up=False)  # down before the reply, up later
+
             def flap() -> None:
-                set_link(self.host.netdev, up=False)
                 time.sleep(down_s)
                 set_link(self.host.netdev, up=True)
 
