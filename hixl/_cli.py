@@ -289,7 +289,31 @@ def _add_demo(sub: _Subparsers) -> None:
                                    "Runs on this host's rxe, else in the hixl VM. Exit 0 "
                                    "when verified, 1 when a check failed, 2 on an error.")
     add_demo_options(p)
-    p.set_defaults(handler=cmd_demo)
+    p.add_argument("--hosts", type=int, choices=(1, 2), default=1,
+                   help="2: decode and prefill on two VMs (own kernels and rxe, one "
+                        "virtual wire) instead of two processes on one device")
+    p.add_argument("--mtu", type=int, action="append", default=[], metavar="BYTES",
+                   help="with --hosts 2: NIC MTU, once for both or once per host")
+    p.set_defaults(handler=_cmd_demo, demo_handler=cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.hosts > 1:
+        return _cmd_demo_hosts(args)
+    handler: Callable[[argparse.Namespace], int] = args.demo_handler
+    return handler(args)
+
+
+def _cmd_demo_hosts(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hixl._demo import config_from_args
+    from hixl._hosts import run_demo_hosts
+
+    json_path = str(Path(args.json).resolve()) if args.json else None
+    summary = run_demo_hosts(config_from_args(args), timeout=args.timeout,
+                             json_path=json_path, mtus=args.mtu)
+    return 0 if summary["ok"] else 1
 
 
 # --- entry point -----------------------------------------------------------------------
