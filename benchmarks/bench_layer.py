@@ -388,14 +388,14 @@ def main(argv: list[str] | None = None) -> int:
         "--cap-remote", type=int, default=None, help="receiver's token capacity (default 4*tokens)"
     )
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--repeat", type=int, default=None, help="timed runs per point (default 5)")
+    ap.add_argument("--repeat", type=int, default=None, help="timed runs per point (default 3)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs per point")
     ap.add_argument("--quick", action="store_true", help="heads 8,32,64 and 2 repeats")
     ap.add_argument("--json", type=Path, default=None, help="write results here")
     args = ap.parse_args(argv)
 
     heads_list = parse_ints(args.heads or ("8,32,64" if args.quick else "8,16,32,64,128"))
-    args.repeat = args.repeat or (2 if args.quick else 5)
+    args.repeat = args.repeat or (2 if args.quick else 3)
     args.cap_local = args.cap_local or 2 * args.tokens
     args.cap_remote = args.cap_remote or 4 * args.tokens
     methods = [m for m in args.methods.split(",") if m]

@@ -23,7 +23,7 @@ A perftest run whose clock calibration failed (``Correlation coefficient r^2 < 0
 makes it compute with a wrong clock rate) or whose figure is below the wall-clock bound is
 retried.
 
-    python benchmarks/bench_transfer.py                     # defaults (about 5 min in the VM)
+    python benchmarks/bench_transfer.py                     # defaults (about 5 minutes in the VM)
     python benchmarks/bench_transfer.py --quick --json out.json
     python benchmarks/bench_transfer.py --sizes 64K,1M --repeat 5 --kinds write
     hixl run -- .venv/bin/python benchmarks/bench_transfer.py --quick   # without host rxe
@@ -36,13 +36,13 @@ import contextlib
 import cProfile
 import io
 import pstats
+import resource
 import select
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,7 @@ BW_TARGET = 0.90
 BW_TARGET_FROM = 64 * KIB
 HIXL_RD_ATOMIC = 16  # what hixl's queue pairs ask for (hixl._verbs.QueuePair.connect)
 
-DEFAULT_SIZES = "4K,16K,64K,256K,1M,8M"
+DEFAULT_SIZES = "4K,64K,256K,1M,8M"
 QUICK_SIZES = "4K,64K,1M"
 
 
@@ -285,30 +285,37 @@ class PingPong:
 # --------------------------------------------------------------------------- profiling
 
 
-@contextlib.contextmanager
-def profile_threads() -> Iterator[dict[str, cProfile.Profile]]:
-    """cProfile every thread started inside the block, and the calling thread.
+class ThreadProfiles:
+    """cProfile the calling thread and every thread started after construction.
 
-    Yields ``{thread name: Profile}``; threads started in the block (the engines'
-    progress threads) profile themselves from their first Python event on.
+    Threads started later (the engines' progress threads) get a hook that does nothing
+    until :meth:`arm` is called and then switches that thread to its own
+    ``cProfile.Profile``, so engine set-up stays out of the numbers.
     """
-    profiles: dict[str, cProfile.Profile] = {}
-    lock = threading.Lock()
 
-    def hook(frame: Any, event: str, arg: Any) -> None:
+    def __init__(self) -> None:
+        self.profiles: dict[str, cProfile.Profile] = {}
+        self._armed = threading.Event()
+        self._lock = threading.Lock()
+        threading.setprofile(self._hook)  # type: ignore[arg-type]
+
+    def _hook(self, frame: Any, event: str, arg: Any) -> None:
+        if not self._armed.is_set():
+            return
         prof = cProfile.Profile()
-        with lock:
-            profiles[threading.current_thread().name] = prof
-        prof.enable()
+        with self._lock:
+            self.profiles[threading.current_thread().name] = prof
+        prof.enable()  # replaces this hook for the thread
 
-    main = cProfile.Profile()
-    profiles["main"] = main
-    threading.setprofile(hook)  # type: ignore[arg-type]
-    main.enable()
-    try:
-        yield profiles
-    finally:
-        main.disable()
+    def arm(self) -> None:
+        main = cProfile.Profile()
+        self.profiles["main"] = main
+        self._armed.set()
+        main.enable()
+
+    def stop(self) -> None:
+        if "main" in self.profiles:
+            self.profiles["main"].disable()
         threading.setprofile(None)  # type: ignore[arg-type]
 
 
@@ -316,6 +323,7 @@ def _top(prof: cProfile.Profile, n: int) -> tuple[str, list[dict[str, Any]], flo
     stream = io.StringIO()
     stats = pstats.Stats(prof, stream=stream)
     stats.sort_stats("tottime").print_stats(n)
+    stats.sort_stats("cumulative").print_stats(n)
     raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
     total = sum(v[2] for v in raw.values()) or 1e-12
     waiting = sum(v[2] for k, v in raw.items() if _is_wait(k[2]))
@@ -346,44 +354,194 @@ def _is_wait(func: str) -> bool:
         for w in (
             "acquire' of '_thread.lock",
             "select' of",
-            "'poll' of",
+            "'poll' of 'select",
             "built-in method time.sleep",
-            "method 'wait'",
         )
     )
 
 
-def profile_put(size: int, iters: int, depth: int, out_dir: Path | None) -> dict[str, Any]:
-    """Profile a hixl put stream (all threads) and summarise where Python time goes."""
-    with profile_threads() as profiles:
+class RawVerbs:
+    """ib_write_bw's loop in Python over hixl's verbs adapter: one thread, no engine.
+
+    One RC queue pair looped back to another on the same device; every message is one
+    signaled RDMA WRITE posted on its own, at most ``depth`` in flight. It separates what
+    Python and pyverbs cost per message from what the engine adds (threads, locks,
+    validation, planning).
+    """
+
+    def __init__(self, max_size: int, depth: int) -> None:
+        from hixl import _verbs
+
+        self.v = _verbs
+        self.dev = _verbs.open_device()
+        try:
+            self.cq = self.dev.create_cq(4 * depth + 16)
+            wr = 2 * depth + 8
+            a = self.dev.create_rc_qp(self.cq, self.cq, wr, 4, 1)
+            b = self.dev.create_rc_qp(self.cq, self.cq, wr, 4, 1)
+            pa, pb = 0x1234, 0x5678
+            a.connect(b.qpn, pb, pa, self.dev.gid, self.dev.active_mtu)
+            b.connect(a.qpn, pa, pb, self.dev.gid, self.dev.active_mtu)
+            self.qp = a
+            self.src = np.ones(max_size, np.uint8)
+            self.dst = np.zeros(max_size, np.uint8)
+            self.msrc = self.dev.register(self.src.ctypes.data, max_size, 0, self.src)
+            rw = _verbs.ACCESS_LOCAL_WRITE | _verbs.ACCESS_REMOTE_WRITE
+            self.mdst = self.dev.register(self.dst.ctypes.data, max_size, rw, self.dst)
+        except BaseException:
+            self.dev.close()
+            raise
+
+    def stream(self, size: int, iters: int, depth: int) -> float:
+        v, qp, cq = self.v, self.qp, self.cq
+        sge = [(self.msrc.addr, size, self.msrc.lkey)]
+        raddr, rkey = self.mdst.addr, self.mdst.rkey
+        posted = done = 0
+        deadline = time.monotonic() + 60 + iters * size / 1e5
+        t0 = time.perf_counter()
+        while done < iters:
+            while posted < iters and posted - done < depth:
+                posted += 1
+                qp.post_send([v.SendRequest(posted, v.WR_RDMA_WRITE, sge, raddr, rkey)])
+            for wc in cq.poll(64):
+                if not wc.ok:
+                    raise BenchError(f"pyverbs loop: completion error {wc.status_name}")
+                done += 1
+            if time.monotonic() > deadline:
+                raise BenchError("pyverbs loop: completions stopped coming")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.dev.close()
+
+
+def _rusage() -> tuple[float, float, float, float]:
+    """(caller thread user, system, whole process user, system) CPU seconds so far."""
+    t = resource.getrusage(resource.RUSAGE_THREAD)
+    p = resource.getrusage(resource.RUSAGE_SELF)
+    return t.ru_utime, t.ru_stime, p.ru_utime, p.ru_stime
+
+
+def diagnose(
+    size: int, iters: int, depth: int, perftest: Perftest, out_dir: Path | None
+) -> dict[str, Any]:
+    """Why hixl put is slower than ib_write_bw at ``size``: four measurements, one profile.
+
+    Back to back at one size: ``ib_write_bw``; the hixl put stream with CPU time per
+    thread; the same with the interpreter's GIL switch interval cut from 5 ms to 0.5 ms
+    (does thread hand-off cost matter?); the plain one-thread pyverbs loop (what do Python
+    and pyverbs alone cost?); and the hixl stream under cProfile, all threads.
+    """
+    out: dict[str, Any] = {"size": size, "iters": iters, "depth": depth}
+    run = perftest.run(
+        "ib_write_bw",
+        ["-s", str(size), "-n", str(iters), "-t", str(depth)],
+        check=bw_wall_check(size, iters),
+    )
+    out["perftest_Bps"] = parse_bw(run.client_output).avg_Bps
+    out["perftest_command"] = run.command
+
+    pair = EnginePair(size)
+    try:
+        hixl_stream(pair, "write", size, min(8, iters), depth)
+        r0 = _rusage()
+        wall, in_call = hixl_stream(pair, "write", size, iters, depth)
+        r1 = _rusage()
+        cpu = [b - a for a, b in zip(r0, r1, strict=True)]
+        out["hixl"] = {
+            "Bps": size * iters / wall,
+            "wall_s": wall,
+            "in_call_s": in_call,
+            "caller_user_s": cpu[0],
+            "caller_sys_s": cpu[1],
+            "other_threads_cpu_s": cpu[2] + cpu[3] - cpu[0] - cpu[1],
+        }
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(0.0005)
+        try:
+            wall2, _ = hixl_stream(pair, "write", size, iters, depth)
+        finally:
+            sys.setswitchinterval(old)
+        out["hixl_switch_0.5ms"] = {"Bps": size * iters / wall2}
+    finally:
+        pair.close()
+
+    raw = RawVerbs(size, depth)
+    try:
+        raw.stream(size, min(8, iters), depth)
+        r0 = _rusage()
+        wall3 = raw.stream(size, iters, depth)
+        r1 = _rusage()
+        out["pyverbs_loop"] = {
+            "Bps": size * iters / wall3,
+            "user_s": r1[0] - r0[0],
+            "sys_s": r1[1] - r0[1],
+        }
+    finally:
+        raw.close()
+
+    profiler = ThreadProfiles()
+    try:
         pair = EnginePair(size)
         try:
-            hixl_stream(pair, "write", size, min(depth, iters), depth)  # warm-up
-            wall, in_call = hixl_stream(pair, "write", size, iters, depth)
+            hixl_stream(pair, "write", size, min(8, iters), depth)
+            profiler.arm()
+            pwall, pin_call = hixl_stream(pair, "write", size, iters, depth)
+            profiler.stop()
         finally:
             pair.close()
-    result: dict[str, Any] = {
-        "size": size,
-        "iters": iters,
-        "depth": depth,
-        "wall_s": wall,
-        "in_call_s": in_call,
-        "threads": {},
-    }
+    finally:
+        profiler.stop()
+    prof: dict[str, Any] = {"wall_s": pwall, "in_call_s": pin_call, "threads": {}}
     text = []
-    for name, prof in profiles.items():
+    for name, p in profiler.profiles.items():
         if name != "main" and not name.startswith("hixl-progress-127.0.0.1:0"):
             continue  # the client's progress thread does the sending side's work
         label = "caller thread" if name == "main" else "client progress thread"
-        report, rows, busy = _top(prof, 25)
-        result["threads"][label] = {"busy_s": busy, "top": rows}
+        report, rows, busy = _top(p, 25)
+        prof["threads"][label] = {"busy_s": busy, "top": rows}
         text.append(f"=== {label} ({name}): {busy:.3f} s busy (not waiting)\n{report}")
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"profile-put-{size}.txt"
         path.write_text("\n".join(text))
-        result["file"] = path.name
-    return result
+        prof["file"] = path.name
+    out["profile"] = prof
+    base = out["perftest_Bps"]
+    for key in ("hixl", "hixl_switch_0.5ms", "pyverbs_loop"):
+        out[key]["vs_ib_write_bw"] = ratio(out[key]["Bps"], base)
+    return out
+
+
+def diagnosis_markdown(diag: list[dict[str, Any]]) -> str:
+    """The diagnosis table: ratios against ib_write_bw measured back to back."""
+    rows = []
+    for d in diag:
+        h, n = d["hixl"], d["iters"]
+        rows.append(
+            [
+                fmt_size(d["size"]),
+                fmt_ratio(h["vs_ib_write_bw"]),
+                fmt_ratio(d["hixl_switch_0.5ms"]["vs_ib_write_bw"]),
+                fmt_ratio(d["pyverbs_loop"]["vs_ib_write_bw"]),
+                f"{h['in_call_s'] / n * 1e6:.0f}",
+                f"{h['caller_user_s'] / n * 1e6:.0f} / {h['caller_sys_s'] / n * 1e6:.0f}",
+                f"{h['other_threads_cpu_s'] / n * 1e6:.0f}",
+                f"{d['pyverbs_loop']['user_s'] / n * 1e6:.0f} / "
+                f"{d['pyverbs_loop']['sys_s'] / n * 1e6:.0f}",
+            ]
+        )
+    headers = [
+        "size",
+        "hixl put / ib_write_bw",
+        "same, GIL switch 0.5 ms",
+        "pyverbs loop / ib_write_bw",
+        "µs/msg in put_async",
+        "caller CPU µs/msg user / sys",
+        "other threads CPU µs/msg",
+        "pyverbs loop CPU µs/msg user / sys",
+    ]
+    return markdown_table(headers, rows, "l" + "r" * (len(headers) - 1))
 
 
 # --------------------------------------------------------------------------- the run
@@ -404,7 +562,7 @@ def build_steps(sizes: list[int], kinds: list[str], repeat: int) -> list[tuple[i
 
 def iters_for(kind: str, size: int, args: argparse.Namespace) -> int:
     if kind == "lat":
-        return iterations_for(size, args.lat_bytes, 5, args.max_iters)
+        return iterations_for(size, args.lat_bytes, 5, args.max_lat_iters)
     return iterations_for(size, args.bytes, 5, args.max_iters)
 
 
@@ -466,7 +624,7 @@ def markdown(data: dict[str, Any]) -> str:
         "hixl get",
         "ib_write_lat",
         "hixl lat",
-        "put Python µs/msg",
+        "µs/msg in put_async",
     ]
     rows = []
     for r in data["summary"]:
@@ -506,8 +664,9 @@ def markdown(data: dict[str, Any]) -> str:
         f"with `-t {p['depth']}` (both capped at the iteration count); reads: `-o "
         f"{HIXL_RD_ATOMIC}` = hixl's outstanding-read limit. Latency: both are write "
         "ping-pongs, half a round trip, median (perftest's t_typical).",
-        '"put Python µs/msg": time the caller spends inside `put_async` per message '
-        "(validation, planning, posting).",
+        '"µs/msg in put_async": time the caller spends inside `put_async` per message: '
+        "validation, planning, building and posting, plus rxe's own work, which sends (and, "
+        "on loopback, delivers) packets inside `ibv_post_send`.",
     ]
     return table + "\n\n" + "\n".join(f"- {n}" for n in notes)
 
@@ -523,12 +682,13 @@ def main(argv: list[str] | None = None) -> int:
         "--bytes",
         type=str,
         default=None,
-        help="bytes per bandwidth run: iterations = bytes/size in [5, max-iters] (default 4M)",
+        help="bytes per bandwidth run: iterations = bytes/size in [5, max-iters] (default 2M)",
     )
     ap.add_argument(
-        "--lat-bytes", type=str, default=None, help="bytes per latency run, one way (default 1M)"
+        "--lat-bytes", type=str, default=None, help="bytes per latency run, one way (default 512K)"
     )
-    ap.add_argument("--max-iters", type=int, default=4096)
+    ap.add_argument("--max-iters", type=int, default=1024, help="bandwidth iterations cap")
+    ap.add_argument("--max-lat-iters", type=int, default=100, help="latency iterations cap")
     ap.add_argument(
         "--depth",
         type=int,
@@ -549,16 +709,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--device", default=None, help="verbs device (default: hixl's choice)")
     ap.add_argument(
-        "--profile-dir",
-        type=Path,
-        default=None,
-        help="cProfile hixl put streams at --profile-sizes into this directory",
+        "--diagnose",
+        action="store_true",
+        help="after the sweep, explain the put gap at --diagnose-sizes: ib_write_bw, hixl put "
+        "with CPU per thread, hixl with a 0.5 ms GIL switch interval, a one-thread pyverbs "
+        "loop, and cProfile of all threads",
     )
-    ap.add_argument("--profile-sizes", default="4K,64K")
+    ap.add_argument("--diagnose-sizes", default="4K,64K")
+    ap.add_argument(
+        "--profile-dir", type=Path, default=None, help="write the cProfile reports here"
+    )
     ap.add_argument(
         "--quick",
         action="store_true",
-        help=f"sizes {QUICK_SIZES}, 1 repeat, 2 MiB per run (a smoke test)",
+        help=f"sizes {QUICK_SIZES}, 1 repeat, 1 MiB per run (a smoke test)",
     )
     ap.add_argument("--json", type=Path, default=None, help="write results here")
     ap.add_argument("--pong-child", type=int, default=None, help=argparse.SUPPRESS)
@@ -569,8 +733,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
     args.repeat = args.repeat or (1 if args.quick else 3)
-    args.bytes = parse_sizes(args.bytes or ("2M" if args.quick else "4M"))[0]
-    args.lat_bytes = parse_sizes(args.lat_bytes or ("512K" if args.quick else "1M"))[0]
+    args.bytes = parse_sizes(args.bytes or ("1M" if args.quick else "2M"))[0]
+    args.lat_bytes = parse_sizes(args.lat_bytes or ("256K" if args.quick else "512K"))[0]
     kinds = [k for k in args.kinds.split(",") if k]
     if set(kinds) - set(KINDS):
         ap.error(f"--kinds: unknown {sorted(set(kinds) - set(KINDS))}")
@@ -638,15 +802,24 @@ def main(argv: list[str] | None = None) -> int:
         if "write" in r:
             r["write"]["post_us"] = median(posts)
 
-    profile = []
-    if args.profile_dir is not None:
-        for size in parse_sizes(args.profile_sizes):
-            progress.note(f"[transfer] profiling hixl put {fmt_size(size)} (cProfile)")
-            iters = iters_for("write", size, args)
+    diagnosis = []
+    if args.diagnose:
+        dsizes = parse_sizes(args.diagnose_sizes)
+        dprog = Progress(len(dsizes), "transfer diagnosis")
+        for size in dsizes:
+            dprog.step(
+                f"ib_write_bw, hixl put (+ GIL 0.5 ms), pyverbs loop, cProfile at {fmt_size(size)}"
+            )
             try:
-                profile.append(profile_put(size, iters, args.depth, args.profile_dir))
+                diagnosis.append(
+                    diagnose(
+                        size, iters_for("write", size, args), args.depth, perftest, args.profile_dir
+                    )
+                )
             except BenchError as exc:
-                progress.note(f"  profiling failed: {exc}")
+                dprog.note(f"  diagnosis failed: {exc}")
+            dprog.advance()
+        dprog.finish()
 
     data = {
         "benchmark": "transfer",
@@ -660,16 +833,20 @@ def main(argv: list[str] | None = None) -> int:
             "bytes": args.bytes,
             "lat_bytes": args.lat_bytes,
             "max_iters": args.max_iters,
+            "max_lat_iters": args.max_lat_iters,
             "warmup": args.warmup,
             "perftest_rd_atomic": HIXL_RD_ATOMIC,
         },
         "measurements": measurements,
         "summary": summary,
         "targets": check_targets(summary),
-        "profile": profile,
+        "diagnosis": diagnosis,
     }
     print()
     print(markdown(data))
+    if diagnosis:
+        print("\nDiagnosis (back to back at one size):\n")
+        print(diagnosis_markdown(diagnosis))
     t = data["targets"]["put_vs_ib_write_bw"]
     verdict = "met" if t["met"] else f"NOT met at {[fmt_size(x['size']) for x in t['misses']]}"
     print(
