@@ -1211,9 +1211,9 @@ def add_demo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout",
         type=float,
-        default=300.0,
+        default=600.0,
         metavar="S",
-        help="fail (and stop both workers) after S seconds (default 300)",
+        help="fail (and stop both workers) after S seconds (default 600)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
 
