@@ -102,13 +102,17 @@ class Agent:
         if op == "port":
             return port_state()
         if op == "link_flap":
-            down_s = float(req["down_s"])
-
-            set_link(self.host.netdev, up=False)  # down before the reply, up later
+            # The answer travels over the link being taken down, so it goes first: the
+            # link drops ``after_s`` later and comes back ``down_s`` after that.
+            after_s, down_s = float(req["after_s"]), float(req["down_s"])
 
             def flap() -> None:
+                time.sleep(after_s)
+                set_link(self.host.netdev, up=False)
+                print(f"agent: {self.host.netdev} down for {down_s:.0f} s", flush=True)
                 time.sleep(down_s)
                 set_link(self.host.netdev, up=True)
+                print(f"agent: {self.host.netdev} up", flush=True)
 
             self.flap = threading.Thread(target=flap, name="link-flap", daemon=True)
             self.flap.start()
