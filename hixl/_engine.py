@@ -1250,22 +1250,27 @@ class Engine:
         wcs = self._recv_cq.poll(64)
         for wc in wcs:
             conn = self._by_qpn.get(wc.qp_num)
-            # A server-side connection is still CONNECTING until the handshake thread has
-            # read the client's READY, but the client may already have sent data and a
-            # notification: those count.  Flushed receives of failed connections do not.
-            if conn is None or conn.state not in (ConnState.READY, ConnState.CONNECTING):
+            if conn is None:
                 continue
+            # A successful receive is a notification the peer sent, whatever state the
+            # connection is in now: a server-side connection is CONNECTING until the
+            # handshake thread has read READY, and a peer that says goodbye right after
+            # its last notification may be marked FAILED before this poll.  Only failed
+            # receives (flushed ones included) are dropped.
+            live = conn.state in (ConnState.READY, ConnState.CONNECTING)
             if not wc.ok:
-                self._fail(conn, f"receive completion error {wc.status_name}")
+                if live:
+                    self._fail(conn, f"receive completion error {wc.status_name}")
                 continue
             slot = wc.wr_id
             start = slot * _NOTIFY_SLOT
             raw = bytes(conn._recv_buf[start : start + min(wc.byte_len, _NOTIFY_SLOT)])
             note = _parse_notification(conn.peer, raw)
-            try:
-                conn._post_recv(slot)
-            except HixlError as exc:
-                self._fail(conn, f"re-posting a receive failed: {exc}")
+            if live:
+                try:
+                    conn._post_recv(slot)
+                except HixlError as exc:
+                    self._fail(conn, f"re-posting a receive failed: {exc}")
             if note is None:
                 log.warning("dropped a malformed notification from %s", conn.peer)
                 continue
@@ -1330,6 +1335,7 @@ class Engine:
         if isinstance(msg, _wire.Regions):
             conn._remote = msg.regions
         elif isinstance(msg, _wire.Bye):
+            self._poll_recv()  # notifications the peer sent before its goodbye come first
             if conn._sock is not None:
                 with contextlib.suppress(KeyError, ValueError):
                     self._selector.unregister(conn._sock)

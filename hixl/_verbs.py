@@ -32,6 +32,11 @@ from typing import Any, TypeVar
 
 from hixl._errors import DeviceError, HixlError, StateError, VerbsError
 
+# pyverbs' base module calls logging.basicConfig() on import, which would configure the
+# application's root logger behind its back.  A library must not do that, so the root
+# logger's handlers and level are put back as they were once pyverbs is loaded.
+_root = logging.getLogger()
+_root_state = (list(_root.handlers), _root.level)
 try:
     import pyverbs.cq as _cq
     import pyverbs.device as _device
@@ -49,6 +54,10 @@ try:
     _IMPORT_ERROR: BaseException | None = None
 except ImportError as exc:  # pragma: no cover - depends on the machine
     _IMPORT_ERROR = exc
+finally:
+    _root.handlers[:] = _root_state[0]
+    _root.setLevel(_root_state[1])
+    del _root, _root_state
 
 log = logging.getLogger("hixl.verbs")
 
