@@ -147,6 +147,7 @@ class Bench:
         self.tcp = TcpPath()
         self.layer: Layer | None = None
         self._connected = False
+        self.in_call = 0.0  # seconds the last method spent inside put_async calls
 
     def load(
         self, heads: int, tokens: int, cap_l: int, cap_r: int, head_dim: int, itemsize: int
@@ -206,6 +207,7 @@ class Bench:
         ly = self.layer
         assert ly is not None
         toks = range(ly.tokens)
+        t0 = time.perf_counter()
         h = self.client.put_async(
             self.peer,
             ly.regions[0],
@@ -213,6 +215,7 @@ class Bench:
             local_desc=ly.lay_l.descriptor(kv="kv", tokens=toks),
             remote_desc=ly.lay_r.descriptor(kv="kv", tokens=toks),
         )
+        self.in_call = time.perf_counter() - t0
         h.wait()
         return h.num_wrs, 1, 0
 
@@ -221,6 +224,7 @@ class Bench:
         assert ly is not None
         toks = range(ly.tokens)
         handles = []
+        t0 = time.perf_counter()
         for head in range(ly.heads):
             hs = range(head, head + 1)
             handles.append(
@@ -232,6 +236,7 @@ class Bench:
                     remote_desc=ly.lay_r.descriptor(kv="kv", heads=hs, tokens=toks),
                 )
             )
+        self.in_call = time.perf_counter() - t0
         for h in handles:
             h.wait()
         return sum(h.num_wrs for h in handles), len(handles), 0
@@ -241,9 +246,11 @@ class Bench:
         assert ly is not None
         np.copyto(ly.stage_view(ly.stage_l), ly.local_view())
         desc = ContiguousDesc(offset=0, nbytes=ly.nbytes)
+        t0 = time.perf_counter()
         h = self.client.put_async(
             self.peer, ly.regions[1], "stage", local_desc=desc, remote_desc=desc
         )
+        self.in_call = time.perf_counter() - t0
         h.wait()
         np.copyto(ly.remote_view(), ly.stage_view(ly.stage_r))
         return h.num_wrs, 1, 2 * ly.nbytes
@@ -256,6 +263,7 @@ class Bench:
         def unpack() -> None:
             np.copyto(ly.remote_view(), ly.stage_view(ly.stage_r))
 
+        self.in_call = 0.0
         self.tcp.send(memoryview(ly.stage_l), memoryview(ly.stage_r), unpack)
         return 0, 1, 2 * ly.nbytes
 
@@ -295,6 +303,7 @@ def summarize(measurements: list[dict[str, Any]], heads_list: list[int]) -> list
                 "wrs": mine[0]["wrs"],
                 "calls": mine[0]["calls"],
                 "copied_bytes": mine[0]["copied"],
+                "in_call_s": median([m["in_call_s"] for m in mine]),
             }
         base = row["methods"].get("strided", {}).get("time_s", {}).get("median")
         for v in row["methods"].values():
@@ -335,6 +344,7 @@ def markdown(data: dict[str, Any]) -> str:
         *[f"{m} / strided" for m in METHODS[1:]],
         "WRs: strided · per-head · pack · tcp",
         "calls: per-head",
+        "in put_async: strided · per-head · pack",
         "strided time",
     ]
     rows = []
@@ -357,6 +367,7 @@ def markdown(data: dict[str, Any]) -> str:
                 *[rat(m) for m in METHODS[1:]],
                 wrs,
                 str(ms.get("per-head", {}).get("calls", "n/a")),
+                " · ".join(_share(ms.get(m, {})) for m in METHODS[:3]),
                 "n/a" if t is None else f"{t * 1e3:.1f} ms",
             ]
         )
@@ -369,8 +380,19 @@ def markdown(data: dict[str, Any]) -> str:
         f'target from {TARGET_FROM_HEADS} heads on: ✓/✗). "strided time" is context.',
         "pack and tcp include the gather on the sender and the scatter on the receiver "
         "(numpy copies, 2x the layer's bytes); tcp is a plain socket on loopback.",
+        '"in put_async": share of each method\'s time spent inside its `put_async` calls '
+        "(descriptors, validation, planning, building, posting, and rxe's work inside "
+        "`ibv_post_send`); the rest is waiting for completions (and copying, for pack).",
     ]
     return table + "\n\n" + "\n".join(f"- {n}" for n in notes)
+
+
+def _share(m: dict[str, Any]) -> str:
+    t = m.get("time_s", {}).get("median")
+    c = m.get("in_call_s")
+    if not t or c is None:
+        return "n/a"
+    return f"{100 * c / t:.0f}%"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                             "wrs": wrs,
                             "calls": calls,
                             "copied": copied,
+                            "in_call_s": bench.in_call,
                         }
                     )
                     progress.advance()

@@ -243,8 +243,11 @@ class PingPong:
             raise BenchError(f"ping-pong child: wanted {word}, got {line.strip()!r}")
         return fields
 
-    def run(self, size: int, iters: int, warmup: int) -> list[float]:
-        """Half round trips in microseconds, ``iters`` of them after ``warmup``."""
+    def run(self, size: int, iters: int, warmup: int) -> tuple[list[float], list[float]]:
+        """Half round trips, and this side's blocking ``put`` times, in microseconds.
+
+        ``iters`` of each, after ``warmup`` untimed round trips.
+        """
         assert self.eng is not None
         total = warmup + iters
         smv, dmv = memoryview(self.src), memoryview(self.dst)
@@ -254,7 +257,7 @@ class PingPong:
         self._send(f"RUN {size} {total}")
         self._expect("GO", 60)
         deadline = time.monotonic() + 60 + total * size / 1e5
-        samples = []
+        samples, puts = [], []
         clock = time.perf_counter
         put = self.eng.put
         for i in range(total):
@@ -262,11 +265,13 @@ class PingPong:
             smv[size - 1] = v
             t0 = clock()
             put(self.peer, self.r_src, "pong", local_desc=desc, remote_desc=desc, timeout=60)
+            t1 = clock()
             _spin(dmv, size - 1, v, deadline)
             if i >= warmup:
                 samples.append((clock() - t0) / 2 * 1e6)
+                puts.append((t1 - t0) * 1e6)
         self._expect("DONE", 60)
-        return samples
+        return samples, puts
 
     def close(self) -> None:
         if self.eng is not None:
@@ -297,7 +302,7 @@ class ThreadProfiles:
         self.profiles: dict[str, cProfile.Profile] = {}
         self._armed = threading.Event()
         self._lock = threading.Lock()
-        threading.setprofile(self._hook)  # type: ignore[arg-type]
+        threading.setprofile(self._hook)
 
     def _hook(self, frame: Any, event: str, arg: Any) -> None:
         if not self._armed.is_set():
@@ -316,7 +321,7 @@ class ThreadProfiles:
     def stop(self) -> None:
         if "main" in self.profiles:
             self.profiles["main"].disable()
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
 
 
 def _top(prof: cProfile.Profile, n: int) -> tuple[str, list[dict[str, Any]], float]:
@@ -624,6 +629,7 @@ def markdown(data: dict[str, Any]) -> str:
         "hixl get",
         "ib_write_lat",
         "hixl lat",
+        "hixl blocking put",
         "µs/msg in put_async",
     ]
     rows = []
@@ -652,6 +658,7 @@ def markdown(data: dict[str, Any]) -> str:
                 fmt_rate(med("read", "hixl")),
                 fmt_us(med("lat", "perftest")),
                 fmt_us(med("lat", "hixl")),
+                fmt_us(r.get("lat", {}).get("put_us")),
                 "n/a" if post is None else f"{post:.0f}",
             ]
         )
@@ -663,7 +670,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"In flight: hixl keeps {p['depth']} `put_async`/`get_async` outstanding; perftest runs "
         f"with `-t {p['depth']}` (both capped at the iteration count); reads: `-o "
         f"{HIXL_RD_ATOMIC}` = hixl's outstanding-read limit. Latency: both are write "
-        "ping-pongs, half a round trip, median (perftest's t_typical).",
+        'ping-pongs, half a round trip, median (perftest\'s t_typical); "hixl blocking put" '
+        "is the median time of one `put()` inside it (post to completion seen by the caller).",
         '"µs/msg in put_async": time the caller spends inside `put_async` per message: '
         "validation, planning, building and posting, plus rxe's own work, which sends (and, "
         "on loopback, delivers) packets inside `ibv_post_send`.",
@@ -801,6 +809,13 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if "write" in r:
             r["write"]["post_us"] = median(posts)
+        puts = [
+            m["put_us"]
+            for m in measurements
+            if m["size"] == r["size"] and m["kind"] == "lat" and "put_us" in m
+        ]
+        if "lat" in r:
+            r["lat"]["put_us"] = median(puts)
 
     diagnosis = []
     if args.diagnose:
@@ -813,7 +828,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 diagnosis.append(
                     diagnose(
-                        size, iters_for("write", size, args), args.depth, perftest, args.profile_dir
+                        size,
+                        iterations_for(size, 8 * MIB, 32, args.max_iters),
+                        args.depth,
+                        perftest,
+                        args.profile_dir,
                     )
                 )
             except BenchError as exc:
@@ -898,10 +917,11 @@ def run_hixl(
     if kind == "lat":
         assert pong is not None
         warm = (2 if size < MIB else 1) if args.warmup is None else args.warmup
-        samples = pong.run(size, iters, warm)
+        samples, puts = pong.run(size, iters, warm)
         return {
             "value": median(samples),
             "unit": "us",
+            "put_us": median(puts),
             "samples_min_us": min(samples),
             "samples_max_us": max(samples),
             "warmup": warm,
