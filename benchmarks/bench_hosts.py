@@ -7,6 +7,11 @@ then hixl does the same work: ``ITERS`` ``put_async`` of that size, up to ``--de
 in flight (perftest's default tx depth is 128), timed from the first post to the last
 completion. The table gives medians over the repeats and hixl / ib_write_bw.
 
+With one vCPU per host, a CQ poller that spins takes the CPU from rxe's own kernel work
+(which runs on the same vCPU), so ``ib_write_bw`` runs with ``-e`` (sleep on CQ events)
+unless ``--perftest-poll`` is given; hixl's progress thread polls with a back-off to
+short sleeps, so it does not spin either.
+
 Both tools cross the same wire in the same boot, so their ratio is meaningful even
 though absolute numbers under emulation are slow and noisy.
 
@@ -71,7 +76,7 @@ def serve(host: HostEnv, largest: int) -> int:
                 if req["op"] == "perftest":
                     port = int(req["port"])
                     cmd = ["ib_write_bw", "-d", "rxe0", "-x", "1", "-F", "-p", str(port)]
-                    cmd += ["-s", str(req["size"]), "-n", str(req["iters"])]
+                    cmd += ["-s", str(req["size"]), "-n", str(req["iters"]), *req["flags"]]
                     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                     try:
                         _wait_listen(port, server, 30.0)
@@ -85,7 +90,9 @@ def serve(host: HostEnv, largest: int) -> int:
                             server.wait()
 
 
-def drive(host: HostEnv, sizes: list[int], repeats: int, target: int, depth: int) -> int:
+def drive(
+    host: HostEnv, sizes: list[int], repeats: int, target: int, depth: int, poll: bool
+) -> int:
     """host1: runs both tools against host0 and returns the rows as JSON on stdout."""
     peer_addr = host.peers[0]
     rows: list[dict[str, Any]] = []
@@ -98,11 +105,12 @@ def drive(host: HostEnv, sizes: list[int], repeats: int, target: int, depth: int
         peer = f"{peer_addr}:{ENGINE_PORT}"
         conn = eng.connect(peer, timeout=30.0)
         port = PERFTEST_PORT
+        flags = [] if poll else ["-e"]  # -e: sleep on CQ events instead of spinning
         for size in sizes:
             iters = iterations(size, target)
             for rep in range(repeats):
                 port += 1
-                ctl.call("perftest", size=size, iters=iters, port=port)
+                ctl.call("perftest", size=size, iters=iters, port=port, flags=flags)
                 client = subprocess.run(
                     [
                         "ib_write_bw",
@@ -187,8 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="64K,1M", help="message sizes (default 64K,1M)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per size (default 3)")
-    p.add_argument("--bytes", default="8M", help="bytes per measurement (default 8M)")
+    p.add_argument("--bytes", default="16M", help="bytes per measurement (default 16M)")
     p.add_argument("--depth", type=int, default=128, help="hixl puts in flight (default 128)")
+    p.add_argument(
+        "--perftest-poll",
+        action="store_true",
+        help="let ib_write_bw busy-poll its CQ (default: -e, sleep on CQ events; with "
+        "one vCPU per host a spinning poller starves rxe's own kernel work, while "
+        "hixl's progress thread backs off to short sleeps when idle)",
+    )
     p.add_argument("--mtu", type=int, action="append", default=[], help="NIC MTU(s)")
     p.add_argument("--json", help="write the rows and the table here")
     p.add_argument("--role", choices=("serve", "drive"), help=argparse.SUPPRESS)
@@ -199,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "serve":
         return serve(HostEnv.from_environ(), max(sizes))
     if args.role == "drive":
-        return drive(HostEnv.from_environ(), sizes, args.repeats, target, args.depth)
+        return drive(
+            HostEnv.from_environ(), sizes, args.repeats, target, args.depth, args.perftest_poll
+        )
 
     share = Path(tempfile.mkdtemp(prefix="hixl-bench-hosts-"))
     try:
@@ -237,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(share, ignore_errors=True)
     text = table(data)
-    print(f"\npath MTU {data['path_mtu']}; medians over {args.repeats} repeats\n\n{text}")
+    mode = "busy-polling" if args.perftest_poll else "waiting for CQ events (-e)"
+    print(
+        f"\npath MTU {data['path_mtu']}; ib_write_bw {mode}; medians over "
+        f"{args.repeats} repeats\n\n{text}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({**data, "table": text}, indent=2) + "\n")
     return 0
