@@ -13,6 +13,7 @@ Units: sizes in bytes, bandwidth in bytes per second, times in seconds unless a 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -263,6 +264,12 @@ class PerftestRun:
     client_output: str
     server_output: str
     wall_s: float  # client process start to exit, connection set-up included
+    side: str = "client"  # whose result table is used: "client", or "server" (see run())
+
+    @property
+    def output(self) -> str:
+        """The output whose result table counts."""
+        return self.server_output if self.side == "server" else self.client_output
 
     @property
     def command(self) -> str:
@@ -325,23 +332,30 @@ class Perftest:
         args: Sequence[str],
         check: Callable[[PerftestRun], None] | None = None,
         retries: int = 2,
+        symmetric: bool = False,
     ) -> PerftestRun:
         """Run ``tool`` as server and client with ``args``; return their output.
 
-        A run is retried (on a new port) when the client fails, when perftest says its CPU
-        clock calibration failed, or when ``check`` raises :class:`BenchError`. Raises
-        :class:`BenchError` with the last reason when every try failed.
+        The client's result table counts. Where perftest says a side's CPU clock
+        calibration failed, that side's figures are wrong (``inf`` or computed with a bad
+        clock rate): with ``symmetric`` (ping-pong tests, where both sides time the same
+        round trips) the server's table is used instead when its calibration held;
+        otherwise the run is retried on a new port. It is also retried when the client
+        fails or ``check`` raises :class:`BenchError`. Raises :class:`BenchError` with the
+        last reason when every try failed.
         """
         last = ""
         for _ in range(retries + 1):
             try:
                 run = self._run_once(tool, list(args))
                 if CALIBRATION_FAILED in run.client_output:
-                    # get_cpu_mhz() then returns 0 or a noisy estimate: figures are wrong.
-                    raise BenchError(
-                        f"{tool}: perftest's CPU clock calibration failed "
-                        f"({_grep(run.client_output, CALIBRATION_FAILED)})"
-                    )
+                    if symmetric and CALIBRATION_FAILED not in run.server_output:
+                        run = dataclasses.replace(run, side="server")
+                    else:
+                        raise BenchError(
+                            f"{tool}: perftest's CPU clock calibration failed "
+                            f"({_grep(run.client_output, CALIBRATION_FAILED)})"
+                        )
                 if check is not None:
                     check(run)
                 return run
@@ -413,7 +427,7 @@ def bw_wall_check(size: int, iters: int) -> Callable[[PerftestRun], None]:
 
     def check(run: PerftestRun) -> None:
         bound = size * iters / run.wall_s
-        avg = parse_bw(run.client_output).avg_Bps
+        avg = parse_bw(run.output).avg_Bps
         if avg < bound / 1.05:
             raise BenchError(
                 f"{run.tool} reported {avg / 1e6:.2f} MB/s, below the wall-clock bound "

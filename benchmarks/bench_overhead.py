@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                     ["-s", str(size), "-n", str(iters), "-t", "128"],
                     check=bw_wall_check(size, iters),
                 )
-                bw = parse_bw(run.client_output)
+                bw = parse_bw(run.output)
                 # From the average bandwidth: MsgRate is printed with too few digits.
                 baseline[str(size)] = {
                     "us_per_msg": size / bw.avg_Bps * 1e6,

@@ -56,7 +56,6 @@ Device not recognized to implement inline feature. Disabling it
 """
 
 WRITE_LAT = """\
-Correlation coefficient r^2: 0.539636 < 0.9
 ---------------------------------------------------------------------------------------
                     RDMA_Write Latency Test
 ---------------------------------------------------------------------------------------
@@ -236,3 +235,42 @@ def test_transfer_steps_alternate_the_order() -> None:
     assert all(
         {steps[i][3], steps[i + 1][3]} == {"perftest", "hixl"} for i in range(0, len(steps), 2)
     )
+
+
+def _fake_runs(common: ModuleType, outputs: list[tuple[str, str]]) -> object:
+    pt = common.Perftest("rxe0", 1)
+    runs = iter(outputs)
+
+    def once(tool: str, args: list[str]) -> object:
+        client, server = next(runs)
+        return common.PerftestRun(tool, (tool,), (tool, "127.0.0.1"), client, server, 1.0)
+
+    pt._run_once = once  # type: ignore[method-assign]
+    return pt
+
+
+def test_perftest_retries_when_the_clock_calibration_failed(common: ModuleType) -> None:
+    bad = "Correlation coefficient r^2: 0.5 < 0.9\n" + WRITE_LAT
+    pt = _fake_runs(common, [(bad, bad), (WRITE_LAT, bad)])
+    run = pt.run("ib_write_lat", [])  # type: ignore[attr-defined]
+    assert run.side == "client" and common.parse_lat(run.output).t_typical_us == 323.29
+    pt = _fake_runs(common, [(bad, bad)] * 3)
+    with pytest.raises(common.BenchError, match="calibration failed.*3 tries"):
+        pt.run("ib_write_lat", [])  # type: ignore[attr-defined]
+
+
+def test_ping_pong_falls_back_to_the_server_side(common: ModuleType) -> None:
+    bad = "Correlation coefficient r^2: 0.5 < 0.9\n" + WRITE_LAT
+    server = WRITE_LAT.replace("323.29", "300.00")
+    pt = _fake_runs(common, [(bad, server)])
+    run = pt.run("ib_write_lat", [], symmetric=True)  # type: ignore[attr-defined]
+    assert run.side == "server"
+    assert common.parse_lat(run.output).t_typical_us == 300.0
+
+
+def test_bw_wall_clock_check_rejects_an_impossible_figure(common: ModuleType) -> None:
+    run = common.PerftestRun("ib_write_bw", (), (), WRITE_BW, "", 0.5)
+    # 200 x 64 KiB in 0.5 s of wall time is 26 MB/s at least; perftest claims 15.4 MB/s.
+    with pytest.raises(common.BenchError, match="clock is off"):
+        common.bw_wall_check(65536, 200)(run)
+    common.bw_wall_check(65536, 200)(common.PerftestRun("ib_write_bw", (), (), WRITE_BW, "", 2.0))
