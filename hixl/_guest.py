@@ -97,7 +97,13 @@ def main(argv: list[str]) -> int:
                 if rc < 0:  # killed by a signal: report it the way a shell does
                     rc = 128 - rc
         except FileNotFoundError as exc:
-            err.write(f"hixl vm: command not found in the guest: {exc.filename}\n".encode())
+            what = (
+                "working directory does not exist in the guest (it has its own /tmp and "
+                "/var/tmp; run from another directory)"
+                if exc.filename == request["cwd"]
+                else "command not found in the guest"
+            )
+            err.write(f"hixl vm: {what}: {exc.filename}\n".encode())
             rc = 127
         except Exception:  # noqa: BLE001 - report anything to the host, then exit
             err.write(traceback.format_exc().encode())
