@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from hixl import Engine
+from hixl import ConnectionFailed, Engine, TransferTimeout
 from hixl._hosts import Control, HostEnv
 
 from .agent import CONTROL_PORT, ENGINE_PORT
@@ -70,8 +71,20 @@ def peer_id(agent: Control, host: HostEnv) -> str:
 
 
 @pytest.fixture(scope="session")
-def engine(host: HostEnv, peer_id: str) -> Iterator[Engine]:
-    """host0's engine, connected to host1's."""
+def session_engine(host: HostEnv, peer_id: str) -> Iterator[Engine]:
     with Engine(f"{host.address}:{DRIVER_PORT}") as eng:
-        eng.connect(peer_id, timeout=30.0)
         yield eng
+
+
+@pytest.fixture
+def engine(session_engine: Engine, peer_id: str) -> Engine:
+    """host0's engine, connected to host1's (again, if an earlier test broke the link)."""
+    deadline = time.monotonic() + 60.0
+    while True:  # host1 may hold a failed connection until it reads our close
+        try:
+            session_engine.connect(peer_id, timeout=10.0)
+            return session_engine
+        except (ConnectionFailed, TransferTimeout):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
