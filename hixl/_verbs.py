@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -324,38 +325,79 @@ def open_device(
 ) -> Device:
     """Open a verbs device.
 
-    With no arguments, the device, port and GID are the ones ``hixl devices``
-    marks (:func:`hixl._devices.select_device`): the first ACTIVE port with an
-    IPv4-mapped RoCEv2 GID, as perftest chooses.  Explicit ``name``, ``port``
-    and ``gid_index`` override that choice.
+    With no arguments, the device, port and GID follow the rule ``hixl
+    devices`` marks (:func:`hixl._devices.choose_gid`): the first ACTIVE port
+    with an IPv4-mapped RoCEv2 GID bound to a netdev, as perftest chooses.
+    Explicit ``name``, ``port`` and ``gid_index`` narrow or override that.
+    The GID table is read with one ``ibv_query_gid_table`` call rather than
+    from sysfs, which matters on rxe's 1024-entry tables under emulation.
 
     Raises :class:`DeviceError` when no such device, port or GID exists.
     """
-    from hixl._devices import select_device
-
     _require()
-    if port is None or gid_index is None:
-        sel = select_device(name)
-        name = sel.device.name
-        port = sel.port.number if port is None else port
-        gid_index = sel.gid.index if gid_index is None else gid_index
-    elif name is None:
-        names = device_names()
-        if not names:
-            raise DeviceError(
-                "no verbs devices found; create one with 'hixl rxe up' "
-                "or run under 'hixl vm run -- CMD'"
-            )
-        name = names[0]
-    with _translate(f"open_device({name})"):
-        ctx = _device.Context(name=name)
-    try:
-        dev = Device(ctx, name, port, gid_index)
-    except BaseException:
-        ctx.close()
-        raise
-    log.debug("opened %r", dev)
-    return dev
+    names = device_names()
+    if not names:
+        raise DeviceError(
+            "no verbs devices found; create one with 'hixl rxe up' "
+            "or run under 'hixl vm run -- CMD'"
+        )
+    if name is not None and name not in names:
+        raise DeviceError(f"no RDMA device named {name!r} (devices: {', '.join(names)})")
+    problems: list[str] = []
+    for cand in [name] if name is not None else names:
+        with _translate(f"open_device({cand})"):
+            ctx = _device.Context(name=cand)
+        try:
+            chosen = _choose_port_gid(ctx, cand, port, gid_index, problems)
+            if chosen is None:
+                ctx.close()
+                continue
+            dev = Device(ctx, cand, *chosen)
+        except BaseException:
+            ctx.close()
+            raise
+        log.debug("opened %r", dev)
+        return dev
+    raise DeviceError("no usable RDMA port: " + "; ".join(problems))
+
+
+def _choose_port_gid(
+    ctx: Any, name: str, port: int | None, gid_index: int | None, problems: list[str]
+) -> tuple[int, int] | None:
+    """``(port, gid_index)`` to use on an opened device, or None (reason in ``problems``)."""
+    from hixl._devices import ROCE_V2, Gid, choose_gid
+
+    with _translate("query_device"):
+        nports = int(ctx.query_device().phys_port_cnt)
+    for num in [port] if port is not None else range(1, nports + 1):
+        with _translate(f"query_port({num})"):
+            pattr = ctx.query_port(num)
+        if int(pattr.state) != int(_e.IBV_PORT_ACTIVE):
+            problems.append(f"{name} port {num} is not ACTIVE (state {int(pattr.state)})")
+            continue
+        if gid_index is not None:
+            return num, gid_index
+        with _translate("query_gid_table"):
+            entries = ctx.query_gid_table(int(pattr.gid_tbl_len) * nports)
+        gids = []
+        for ent in entries:
+            if int(ent.port_num) != num:
+                continue
+            try:
+                netdev = socket.if_indextoname(int(ent.ndev_ifindex))
+            except OSError:
+                netdev = None
+            gtype = ROCE_V2 if int(ent.gid_type) == int(_e.IBV_GID_TYPE_ROCE_V2) else "RoCE v1"
+            gid = ipaddress.IPv6Address(str(ent.gid_str())).exploded
+            gids.append(Gid(index=int(ent.gid_index), gid=gid, type=gtype, netdev=netdev))
+        best = choose_gid(gids)
+        if best is not None:
+            return num, best.index
+        problems.append(
+            f"{name} port {num} has no IPv4 RoCEv2 GID ({len(gids)} GIDs; does its "
+            "netdev have an IPv4 address?)"
+        )
+    return None
 
 
 class MemoryRegion:
