@@ -10,6 +10,12 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
+
+# Inside the VM the checkout is read-only: keep Hypothesis' example database in memory.
+if os.environ.get("HIXL_IN_VM") == "1":
+    settings.register_profile("hixl-vm", database=None)
+    settings.load_profile("hixl-vm")
 
 
 def _rdma_required() -> bool:
