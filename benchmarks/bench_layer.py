@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--heads", default=None, help="head counts (default 8,16,32,64,128)")
+    ap.add_argument("--heads", default=None, help="head counts (default 8,32,64,128)")
     ap.add_argument("--tokens", type=int, default=128, help="tokens sent per head")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--itemsize", type=int, default=2, help="bytes per value (2 = fp16)")
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write results here")
     args = ap.parse_args(argv)
 
-    heads_list = parse_ints(args.heads or ("8,32,64" if args.quick else "8,16,32,64,128"))
+    heads_list = parse_ints(args.heads or ("8,32,64" if args.quick else "8,32,64,128"))
     args.repeat = args.repeat or (2 if args.quick else 3)
     args.cap_local = args.cap_local or 2 * args.tokens
     args.cap_remote = args.cap_remote or 4 * args.tokens
