@@ -16,6 +16,10 @@ sends is delivered to the other as is, so the RoCEv2 packets cross a real (virtu
 Ethernet between two kernels: MTU, ARP, GIDs and routing are the real ones, and a guest
 that powers off is gone without a TCP FIN, as a crashed machine would be.
 
+Three or more hosts connect each to its own port of a :class:`FrameHub`, a thread in
+the runner that copies every frame to all the other hosts (an Ethernet hub: QEMU's
+stream format is a 4-byte big-endian length, then the frame).
+
 :func:`run_hosts` boots them all with :func:`hixl._vm.run_guests` (same deadlines,
 output prefixed per host, all VMs killed at the end); the run fails when any host's
 command fails. A host that is *meant* to disappear calls :func:`vanish`, which leaves a
@@ -46,6 +50,8 @@ from hixl._vm import VANISHED, GuestNet, GuestSpec, VMConfig, run_guests
 __all__ = [
     "SUBNET",
     "Control",
+    "FrameDecoder",
+    "FrameHub",
     "HostEnv",
     "host_address",
     "host_mac",
@@ -57,7 +63,7 @@ __all__ = [
 
 SUBNET = "10.88.0"
 PREFIX_LEN = 24
-MAX_HOSTS = 2  # a socket pair; more hosts would need a frame hub on the host side
+MAX_HOSTS = 8
 
 
 def host_address(index: int) -> str:
@@ -96,7 +102,8 @@ def plan_hosts(
 ) -> list[GuestSpec]:
     """The guests for a multi-host run: ``commands[i]`` runs on host ``i``.
 
-    ``port`` is the 127.0.0.1 TCP port of the QEMU socket pair; ``mtus`` is empty (1500),
+    ``port`` is the 127.0.0.1 TCP port of the QEMU socket pair (two hosts), or the first of
+    ``len(commands)`` consecutive hub ports, one per host (more); ``mtus`` is empty (1500),
     one MTU for all hosts, or one per host; ``env`` is added to every command's
     environment. Raises :class:`ArgumentError` for a bad count, command or MTU.
     """
@@ -110,6 +117,7 @@ def plan_hosts(
     for i, m in enumerate(mtu):
         if not 576 <= m <= 9000:
             raise ArgumentError(f"host {i} MTU {m} out of range (576..9000)")
+    ports = [port] * count if count == 2 else [port + i for i in range(count)]
     specs = []
     addrs = [host_address(i) for i in range(count)]
     for i, cmd in enumerate(commands):
@@ -121,8 +129,8 @@ def plan_hosts(
             HIXL_PEER_ADDRS=",".join(a for j, a in enumerate(addrs) if j != i),
         )
         net = GuestNet(
-            role="listen" if i == 0 else "connect",
-            port=port,
+            role="listen" if i == 0 and count == 2 else "connect",
+            port=ports[i],
             mac=host_mac(i),
             address=f"{addrs[i]}/{PREFIX_LEN}",
             mtu=mtu[i],
@@ -136,6 +144,112 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class FrameDecoder:
+    """Splits QEMU's socket-netdev stream (4-byte big-endian length, frame) into records.
+
+    Pure: :meth:`feed` takes bytes and returns the complete records (length prefix
+    included, ready to forward as they are). A length of 0 or above 65535 means the
+    stream is not what QEMU sends: :class:`HixlError`.
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out = []
+        while len(self._buf) >= 4:
+            n = int.from_bytes(self._buf[:4], "big")
+            if not 0 < n <= 65535:
+                raise HixlError(f"frame hub: bad frame length {n} in the QEMU stream")
+            if len(self._buf) < 4 + n:
+                break
+            out.append(self._buf[: 4 + n])
+            self._buf = self._buf[4 + n :]
+        return out
+
+
+class FrameHub:
+    """An Ethernet hub for QEMU socket netdevs: one 127.0.0.1 port per host.
+
+    Each host's QEMU connects to its port (once); every frame a host sends goes to every
+    other connected host. A host that disconnects (powered off) is dropped; the others
+    go on. Runs in a daemon thread until :meth:`close`.
+    """
+
+    def __init__(self, count: int) -> None:
+        import selectors
+        import threading
+
+        self._sel = selectors.DefaultSelector()
+        self._listeners: list[socket.socket] = []
+        self._peers: dict[socket.socket, FrameDecoder] = {}
+        for _ in range(count):
+            srv = socket.create_server(("127.0.0.1", 0))
+            srv.setblocking(False)
+            self._listeners.append(srv)
+            self._sel.register(srv, 1)
+        self.ports = [int(s.getsockname()[1]) for s in self._listeners]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hixl-frame-hub", daemon=True)
+        self._thread.start()
+
+    @property
+    def connected(self) -> int:
+        """How many hosts are connected right now."""
+        return len(self._peers)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._sel.select(timeout=0.2):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                if sock in self._listeners:
+                    with contextlib.suppress(OSError):
+                        conn, _ = sock.accept()
+                        conn.setblocking(True)
+                        self._peers[conn] = FrameDecoder()
+                        self._sel.register(conn, 1)
+                    continue
+                self._relay(sock)
+
+    def _relay(self, sock: socket.socket) -> None:
+        try:
+            data = sock.recv(262144)
+            records = self._peers[sock].feed(data) if data else None
+        except (OSError, HixlError):
+            records = None
+        if records is None:
+            self._drop(sock)
+            return
+        for other in list(self._peers):
+            if other is sock:
+                continue
+            try:
+                for record in records:
+                    other.sendall(record)
+            except OSError:
+                self._drop(other)
+
+    def _drop(self, sock: socket.socket) -> None:
+        self._peers.pop(sock, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(sock)
+        sock.close()
+
+    def close(self) -> None:
+        """Stop the hub and close every socket; safe to call twice."""
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        for sock in [*self._peers, *self._listeners]:
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._peers.clear()
+        self._listeners.clear()
+        with contextlib.suppress(Exception):
+            self._sel.close()
 
 
 def run_hosts(
@@ -152,9 +266,15 @@ def run_hosts(
     end. Raises :class:`VMError` on a boot failure or when ``cfg.timeout`` passes (all
     VMs are killed either way).
     """
-    specs = plan_hosts(commands, port=free_port(), mtus=mtus, env=env)
+    hub = FrameHub(len(commands)) if len(commands) > 2 else None
+    port = hub.ports[0] if hub is not None else free_port()
+    specs = plan_hosts(commands, port=port, mtus=mtus, env=env)
     t0 = time.monotonic()
-    codes = run_guests(specs, cfg)
+    try:
+        codes = run_guests(specs, cfg)
+    finally:
+        if hub is not None:
+            hub.close()
     took = time.monotonic() - t0
     for spec, code in zip(specs, codes, strict=True):
         assert spec.net is not None

@@ -5,13 +5,24 @@ from __future__ import annotations
 import io
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hixl._errors import ArgumentError, HixlError, TransferTimeout, VMError
-from hixl._hosts import Control, HostEnv, align_clocks, host_address, host_mac, plan_hosts, vanish
+from hixl._hosts import (
+    Control,
+    FrameDecoder,
+    FrameHub,
+    HostEnv,
+    align_clocks,
+    host_address,
+    host_mac,
+    plan_hosts,
+    vanish,
+)
 from hixl._vm import (
     STOPPED,
     VANISHED,
@@ -66,8 +77,8 @@ def test_one_mtu_applies_to_every_host_and_default_is_1500() -> None:
 @pytest.mark.parametrize(
     ("commands", "mtus", "match"),
     [
-        ([["a"]], [], "2..2 hosts, got 1"),
-        ([["a"], ["b"], ["c"]], [], "got 3"),
+        ([["a"]], [], "2..8 hosts, got 1"),
+        ([["a"]] * 9, [], "got 9"),
         ([["a"], []], [], "host 1 has an empty command"),
         ([["a"], ["b"]], [1500, 1500, 1500], "2 hosts, 3 MTUs"),
         ([["a"], ["b"]], [1500, 100], "host 1 MTU 100 out of range"),
@@ -240,3 +251,56 @@ def test_control_connect_gives_up_at_its_deadline() -> None:
         port = s.getsockname()[1]
     with pytest.raises(TransferTimeout, match="could not connect"):
         Control.connect("127.0.0.1", port, timeout=0.5)
+
+
+def test_three_hosts_each_connect_to_their_own_hub_port() -> None:
+    specs = plan_hosts([["a"], ["b"], ["c"]], port=7000)
+    nets = [s.net for s in specs if s.net is not None]
+    assert [(n.role, n.port, n.address) for n in nets] == [
+        ("connect", 7000, "10.88.0.1/24"),
+        ("connect", 7001, "10.88.0.2/24"),
+        ("connect", 7002, "10.88.0.3/24"),
+    ]
+    assert specs[1].env["HIXL_PEER_ADDRS"] == "10.88.0.1,10.88.0.3"
+
+
+def _record(payload: bytes) -> bytes:
+    return len(payload).to_bytes(4, "big") + payload
+
+
+def test_frame_decoder_splits_and_joins_records() -> None:
+    d = FrameDecoder()
+    stream = _record(b"A" * 60) + _record(b"B" * 1500)
+    assert d.feed(stream[:3]) == []
+    assert d.feed(stream[3:70]) == [_record(b"A" * 60)]
+    assert d.feed(stream[70:]) == [_record(b"B" * 1500)]
+    with pytest.raises(HixlError, match="bad frame length 0"):
+        FrameDecoder().feed(b"\0\0\0\0")
+
+
+def test_frame_hub_copies_each_frame_to_every_other_host() -> None:
+    hub = FrameHub(3)
+    try:
+        socks = [socket.create_connection(("127.0.0.1", p), timeout=5.0) for p in hub.ports]
+        deadline = time.monotonic() + 5.0
+        while hub.connected < 3:  # frames sent before a host is plugged in are lost
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        frame = _record(b"\xff" * 6 + b"x" * 100)
+        socks[0].sendall(frame)
+        for s in socks[1:]:
+            got = b""
+            while len(got) < len(frame):
+                got += s.recv(4096)
+            assert got == frame
+        socks[0].close()  # a host that powers off is dropped; the others go on
+        socks[1].sendall(frame)
+        got = b""
+        while len(got) < len(frame):
+            got += socks[2].recv(4096)
+        assert got == frame
+    finally:
+        hub.close()
+        hub.close()
+        for s in socks:
+            s.close()
