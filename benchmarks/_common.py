@@ -333,6 +333,7 @@ class Perftest:
         check: Callable[[PerftestRun], None] | None = None,
         retries: int = 2,
         symmetric: bool = False,
+        in_cycles: bool = False,
     ) -> PerftestRun:
         """Run ``tool`` as server and client with ``args``; return their output.
 
@@ -342,13 +343,14 @@ class Perftest:
         round trips) the server's table is used instead when its calibration held;
         otherwise the run is retried on a new port. It is also retried when the client
         fails or ``check`` raises :class:`BenchError`. Raises :class:`BenchError` with the
-        last reason when every try failed.
+        last reason when every try failed. ``in_cycles``: the run reports raw cycle counts
+        (``ib_*_lat -C``), so perftest's calibration does not matter.
         """
         last = ""
         for _ in range(retries + 1):
             try:
                 run = self._run_once(tool, list(args))
-                if CALIBRATION_FAILED in run.client_output:
+                if CALIBRATION_FAILED in run.client_output and not in_cycles:
                     if symmetric and CALIBRATION_FAILED not in run.server_output:
                         run = dataclasses.replace(run, side="server")
                     else:
@@ -453,6 +455,18 @@ def _cpu_model() -> str | None:
     return m.group(1).strip() if m else None
 
 
+def cpu_mhz(cpuinfo: str | None = None) -> float | None:
+    """The TSC rate perftest's cycle counts run at: ``cpu MHz`` of ``/proc/cpuinfo``.
+
+    None when absent or when CPUs disagree by more than 2% (then no single rate holds).
+    """
+    text = _first("/proc/cpuinfo") if cpuinfo is None else cpuinfo
+    values = [float(v) for v in re.findall(r"^cpu MHz\s*:\s*([\d.]+)", text or "", re.M)]
+    if not values or max(values) > 1.02 * min(values):
+        return None
+    return values[0]
+
+
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(
@@ -518,6 +532,7 @@ def gather_setup(device: str | None = None, need_device: bool = True) -> dict[st
         "where": where(),
         "cpus": os.cpu_count(),
         "cpu_model": _cpu_model(),
+        "cpu_mhz": cpu_mhz(),
         "host_cpu_model": os.environ.get("HIXL_BENCH_HOST_CPU"),
         "host_cpus": os.environ.get("HIXL_BENCH_HOST_CPUS"),
         "host_kernel": os.environ.get("HIXL_BENCH_HOST_KERNEL"),

@@ -19,10 +19,12 @@ uses (server listening on 127.0.0.1, client connecting): the same loopback perft
 measures. The result is the ratio hixl / perftest of the medians over repeats; absolute
 numbers are printed as context only. hixl does ``--warmup`` untimed transfers before each
 timed run (perftest's ``--perform_warm_up`` hangs on rxe at 4 KiB, so perftest has none).
-A perftest run whose clock calibration failed (``Correlation coefficient r^2 < 0.9``: it
-then prints ``inf`` or computes with a wrong clock rate) or whose figure is below the
-wall-clock bound is retried; for ``ib_write_lat`` the server's table (the same ping-pong,
-timed from the other end) is used when only the client's calibration failed.
+perftest converts CPU cycles to time with a rate it calibrates at start-up, which often
+fails under emulation on a busy host (``Correlation coefficient r^2 < 0.9``; it then prints
+``inf`` or uses a wrong rate). A bandwidth run whose calibration failed or whose figure is
+below the wall-clock bound is retried; ``ib_write_lat`` runs with ``-C`` (raw cycles), which
+are converted with the kernel's TSC rate (``cpu MHz``), the rate perftest itself uses
+whenever its calibration agrees with it within 2%.
 
     python benchmarks/bench_transfer.py                     # defaults (about 5 minutes in the VM)
     python benchmarks/bench_transfer.py --quick --json out.json
@@ -764,6 +766,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup = gather_setup(args.device)
     perftest = Perftest(setup["device"], setup["gid_index"], args.server_addr)
+    mhz = setup.get("cpu_mhz")
     print_header(
         "hixl transfer benchmark: put/get bandwidth and latency vs perftest",
         setup,
@@ -799,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             try:
                 if impl == "perftest":
-                    m.update(run_perftest(perftest, kind, size, iters, args.depth))
+                    m.update(run_perftest(perftest, kind, size, iters, args.depth, mhz))
                 else:
                     m.update(run_hixl(pair, pong, kind, size, iters, args, checked))
             except BenchError as exc:
@@ -891,12 +894,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_perftest(
-    perftest: Perftest, kind: str, size: int, iters: int, depth: int
+    perftest: Perftest, kind: str, size: int, iters: int, depth: int, mhz: float | None
 ) -> dict[str, Any]:
     tool = PERFTEST_TOOL[kind]
     # No --perform_warm_up: with rxe it hangs at 4 KiB (perftest 6.06, kernel 6.1).
     args = ["-s", str(size), "-n", str(iters)]
-    if kind != "lat":
+    if kind == "lat":
+        # Raw cycle counts: perftest's own cycles-per-µs calibration fails often under TCG
+        # on a busy host; the kernel's TSC rate (cpu MHz) converts them instead.
+        args.append("-C")
+    else:
         # perftest caps -t at -n itself, but sizes its buffers by -t first: 128 x 8 MiB.
         args += ["-t", str(min(depth, iters))]
     if kind == "read":
@@ -905,14 +912,16 @@ def run_perftest(
     def lat_check(run: PerftestRun) -> None:
         parse_lat(run.output)
 
-    if kind == "lat":  # both sides time the same round trips; calibration fails more often
-        run = perftest.run(tool, args, check=lat_check, retries=4, symmetric=True)
+    if kind == "lat":
+        if mhz is None:
+            raise BenchError("no single cpu MHz in /proc/cpuinfo to convert perftest's cycles")
+        run = perftest.run(tool, args, check=lat_check, in_cycles=True)
     else:
         run = perftest.run(tool, args, check=bw_wall_check(size, iters))
     out: dict[str, Any] = {"command": run.command, "wall_s": run.wall_s, "side": run.side}
     if kind == "lat":
-        lat = parse_lat(run.output)
-        out.update(value=lat.t_typical_us, unit="us", perftest=lat)
+        lat = parse_lat(run.output)  # in cycles (-C), whatever the header says
+        out.update(value=lat.t_typical_us / mhz, unit="us", perftest_cycles=lat, cpu_mhz=mhz)
     else:
         bw = parse_bw(run.output)
         out.update(

@@ -276,3 +276,10 @@ def test_bw_wall_clock_check_rejects_an_impossible_figure(common: ModuleType) ->
     with pytest.raises(common.BenchError, match="clock is off"):
         common.bw_wall_check(65536, 200)(run)
     common.bw_wall_check(65536, 200)(common.PerftestRun("ib_write_bw", (), (), WRITE_BW, "", 2.0))
+
+
+def test_cpu_mhz_needs_one_rate(common: ModuleType) -> None:
+    two = "processor\t: 0\ncpu MHz\t\t: 2596.140\nprocessor\t: 1\ncpu MHz\t\t: 2596.140\n"
+    assert common.cpu_mhz(two) == pytest.approx(2596.14)
+    assert common.cpu_mhz("cpu MHz : 1000.0\ncpu MHz : 2000.0\n") is None
+    assert common.cpu_mhz("no rate here") is None
