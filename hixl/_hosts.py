@@ -96,14 +96,15 @@ def _mtus(count: int, mtus: Sequence[int]) -> list[int]:
 def plan_hosts(
     commands: Sequence[Sequence[str]],
     *,
-    port: int,
+    port: int | Sequence[int],
     mtus: Sequence[int] = (),
     env: Mapping[str, str] | None = None,
 ) -> list[GuestSpec]:
     """The guests for a multi-host run: ``commands[i]`` runs on host ``i``.
 
-    ``port`` is the 127.0.0.1 TCP port of the QEMU socket pair (two hosts), or the first of
-    ``len(commands)`` consecutive hub ports, one per host (more); ``mtus`` is empty (1500),
+    ``port`` is the 127.0.0.1 TCP port of the QEMU socket pair (two hosts), or, for more
+    hosts, the frame hub's ports: one per host, or the first of consecutive ones;
+    ``mtus`` is empty (1500),
     one MTU for all hosts, or one per host; ``env`` is added to every command's
     environment. Raises :class:`ArgumentError` for a bad count, command or MTU.
     """
@@ -117,7 +118,12 @@ def plan_hosts(
     for i, m in enumerate(mtu):
         if not 576 <= m <= 9000:
             raise ArgumentError(f"host {i} MTU {m} out of range (576..9000)")
-    ports = [port] * count if count == 2 else [port + i for i in range(count)]
+    if isinstance(port, int):
+        ports = [port] * count if count == 2 else [port + i for i in range(count)]
+    elif len(port) == count and count > 2:
+        ports = list(port)
+    else:
+        raise ArgumentError(f"give one port per host for a hub: {count} hosts, ports {port}")
     specs = []
     addrs = [host_address(i) for i in range(count)]
     for i, cmd in enumerate(commands):
@@ -192,6 +198,8 @@ class FrameHub:
             self._listeners.append(srv)
             self._sel.register(srv, 1)
         self.ports = [int(s.getsockname()[1]) for s in self._listeners]
+        self.frames = 0
+        """Frames received from hosts so far (each goes to every other host)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hixl-frame-hub", daemon=True)
         self._thread.start()
@@ -224,6 +232,7 @@ class FrameHub:
         if records is None:
             self._drop(sock)
             return
+        self.frames += len(records)
         for other in list(self._peers):
             if other is sock:
                 continue
@@ -267,14 +276,16 @@ def run_hosts(
     VMs are killed either way).
     """
     hub = FrameHub(len(commands)) if len(commands) > 2 else None
-    port = hub.ports[0] if hub is not None else free_port()
-    specs = plan_hosts(commands, port=port, mtus=mtus, env=env)
+    specs = plan_hosts(
+        commands, port=hub.ports if hub is not None else free_port(), mtus=mtus, env=env
+    )
     t0 = time.monotonic()
     try:
         codes = run_guests(specs, cfg)
     finally:
         if hub is not None:
             hub.close()
+            print(f"hixl vm hosts: the frame hub relayed {hub.frames} frames", file=sys.stderr)
     took = time.monotonic() - t0
     for spec, code in zip(specs, codes, strict=True):
         assert spec.net is not None

@@ -262,6 +262,10 @@ def test_three_hosts_each_connect_to_their_own_hub_port() -> None:
         ("connect", 7002, "10.88.0.3/24"),
     ]
     assert specs[1].env["HIXL_PEER_ADDRS"] == "10.88.0.1,10.88.0.3"
+    hub = plan_hosts([["a"], ["b"], ["c"]], port=[9, 4, 7])  # a hub's ports, one per host
+    assert [s.net.port for s in hub if s.net is not None] == [9, 4, 7]
+    with pytest.raises(ArgumentError, match="one port per host"):
+        plan_hosts([["a"], ["b"], ["c"]], port=[9, 4])
 
 
 def _record(payload: bytes) -> bytes:
