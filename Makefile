@@ -23,7 +23,7 @@ test-rdma:
 
 ## test-hosts: two VMs, each with its own kernel and rxe, on one virtual wire (MTU 1500 and
 ## 9000): strided put/get, notifications, MTU negotiation, link flap, a peer host killed.
-## host0 runs tests/hosts, host1 the agent they drive. About 5 min under emulation.
+## host0 runs tests/hosts, host1 the agent they drive. About 2-3 min under emulation.
 test-hosts:
 	$(HIXL) vm hosts --mtu 1500 --mtu 9000 --cpus 1 --memory 2G --timeout 900 \
 		--host '$(PY) -m pytest -p no:cacheprovider tests/hosts -v -rA --durations=0' \
