@@ -403,7 +403,7 @@ class Connection:
             remote.gid,
             self.mtu,
             timeout=self._engine._qp_timeout,
-            retry_cnt=7,
+            retry_cnt=6,  # rxe treats 7 as "retry forever"
             rnr_retry=7,
         )
         self._remote = remote.regions
@@ -856,13 +856,21 @@ class Engine:
         reason: str,
         error: HixlError | None = None,
         *,
+        culprit: TransferHandle | None = None,
         expected: bool = False,
     ) -> None:
         """Mark ``conn`` failed: flush its queue pair and fail its pending transfers.
 
-        ``expected`` (a peer's orderly goodbye) logs at INFO instead of WARNING.
+        The connection is FAILED before any handle finishes, so a caller woken by
+        its handle already sees the state.  ``culprit`` (the transfer that caused
+        the failure) gets ``error``; every other pending transfer gets
+        :class:`ConnectionFailed` naming ``reason``.  ``expected`` (a peer's
+        orderly goodbye) logs at INFO instead of WARNING.
         """
         if conn.state in (ConnState.FAILED, ConnState.CLOSED):
+            if culprit is not None and error is not None:
+                culprit._finish(error)
+                self._handles.discard(culprit)
             return
         conn._transition("fail")
         conn.failure = reason
@@ -872,13 +880,14 @@ class Engine:
             conn.peer,
             reason,
         )
+        if culprit is not None and error is not None:
+            culprit._finish(error)
+            self._handles.discard(culprit)
         try:
             conn._qp.to_error()
         except HixlError as exc:
             log.debug("moving qp of %s to ERR failed: %s", conn.peer, exc)
-        self._fail_pending(
-            conn, error or ConnectionFailed(f"connection to {conn.peer} failed: {reason}")
-        )
+        self._fail_pending(conn, ConnectionFailed(f"connection to {conn.peer} failed: {reason}"))
 
     def _fail_pending(self, conn: Connection, error: HixlError) -> None:
         handles = {c.handle for c in list(conn._inflight.values()) + list(conn._backlog)}
@@ -1155,7 +1164,7 @@ class Engine:
             try:
                 conn._qp.post_send(chunk.requests)
             except HixlError as exc:
-                self._fail(conn, f"post_send failed: {exc}", exc)
+                self._fail(conn, f"post_send failed: {exc}", exc, culprit=chunk.handle)
                 return
             conn._backlog.popleft()
             conn._sq_used += n
@@ -1228,15 +1237,12 @@ class Engine:
             if chunk is None:
                 continue  # completion of a chunk that was already failed
             conn._sq_used -= len(chunk.requests)
+            op = "RDMA transfer" if chunk.notify_slot is None else "notification"
             self._release_notify(chunk)
             handle = chunk.handle
             if not wc.ok:
-                op = "RDMA transfer" if chunk.notify_slot is None else "notification"
                 err = _completion_error(op, wc, conn.peer)
-                if handle is not None:
-                    handle._finish(err)
-                    self._handles.discard(handle)
-                self._fail(conn, f"completion error {wc.status_name}", err)
+                self._fail(conn, f"completion error {wc.status_name}", err, culprit=handle)
                 continue
             if handle is not None:
                 handle._chunks_left -= 1
@@ -1286,10 +1292,11 @@ class Engine:
                 "failed because its requests cannot be recalled"
             )
             conn = self._conns.get(h.peer)
-            h._finish(err)
-            self._handles.discard(h)
             if conn is not None:
-                self._fail(conn, "a transfer timed out", err)
+                self._fail(conn, "a transfer timed out", err, culprit=h)
+            else:
+                h._finish(err)
+                self._handles.discard(h)
 
     def _accept(self) -> None:
         assert self._listener is not None
