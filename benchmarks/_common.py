@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import re
@@ -165,6 +166,17 @@ class LatResult:
 
 
 _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+# perftest prints these when a statistic is undefined (stdev with -C) or its clock failed.
+_NONFINITE = re.compile(r"[-+]?(?:nan|inf)", re.I)
+
+
+def _finite(value: str, what: str, text: str) -> float:
+    x = float(value)
+    if not math.isfinite(x):
+        raise BenchError(
+            f"perftest's {what} is {value} (clock calibration failed?):\n{_tail(text)}"
+        )
+    return x
 
 
 def _table_rows(text: str, header_key: str) -> tuple[str, list[list[str]]]:
@@ -177,7 +189,7 @@ def _table_rows(text: str, header_key: str) -> tuple[str, list[list[str]]]:
                 fields = row.split()
                 if not fields or not re.fullmatch(r"\d+", fields[0]):
                     break
-                if all(re.fullmatch(_NUM, f) for f in fields):
+                if all(re.fullmatch(_NUM, f) or _NONFINITE.fullmatch(f) for f in fields):
                     rows.append(fields)
             return line, rows
     raise BenchError(f"no perftest result table with {header_key!r} in output:\n{_tail(text)}")
@@ -209,13 +221,17 @@ def parse_bw(text: str) -> BwResult:
         size=int(fields[0]),
         iterations=int(fields[1]),
         peak_Bps=float(fields[2]) * scale,
-        avg_Bps=float(fields[3]) * scale,
+        avg_Bps=_finite(fields[3], "average bandwidth", text) * scale,
         msg_rate_mpps=float(fields[4]),
     )
 
 
 def parse_lat(text: str) -> LatResult:
-    """Parse the result line of ``ib_write_lat``-style output (times in usec)."""
+    """Parse the result line of ``ib_write_lat``-style output.
+
+    Times are in usec, or in cycles when perftest ran with ``-C`` (its header still says
+    usec). Other statistics may be ``nan``/``inf``; ``t_typical`` must be finite.
+    """
     _, rows = _table_rows(text, "t_typical")
     if not rows:
         raise BenchError(f"perftest printed a latency header but no result row:\n{_tail(text)}")
@@ -227,7 +243,7 @@ def parse_lat(text: str) -> LatResult:
         iterations=int(f[1]),
         t_min_us=float(f[2]),
         t_max_us=float(f[3]),
-        t_typical_us=float(f[4]),
+        t_typical_us=_finite(f[4], "t_typical", text),
         t_avg_us=float(f[5]),
         t_stdev_us=float(f[6]),
         p99_us=float(f[7]) if len(f) > 7 else None,

@@ -283,3 +283,24 @@ def test_cpu_mhz_needs_one_rate(common: ModuleType) -> None:
     assert common.cpu_mhz(two) == pytest.approx(2596.14)
     assert common.cpu_mhz("cpu MHz : 1000.0\ncpu MHz : 2000.0\n") is None
     assert common.cpu_mhz("no rate here") is None
+
+
+WRITE_LAT_CYCLES = """\
+ #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    \
+t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]\x20
+ 4096    100          242060.00        2245373.00      247286.00  \t       408874.26     \t-nan\
+   \t\t2245373.00 \t\t2245373.00
+---------------------------------------------------------------------------------------
+"""
+
+
+def test_parse_lat_in_cycles_with_an_undefined_stdev(common: ModuleType) -> None:
+    r = common.parse_lat(WRITE_LAT_CYCLES)
+    assert r.t_typical_us == 247286.0  # cycles: ib_write_lat -C keeps the usec header
+    assert r.t_stdev_us != r.t_stdev_us  # nan
+
+
+def test_parse_lat_refuses_an_infinite_median(common: ModuleType) -> None:
+    text = WRITE_LAT_CYCLES.replace("247286.00", "inf")
+    with pytest.raises(common.BenchError, match="t_typical is inf"):
+        common.parse_lat(text)
