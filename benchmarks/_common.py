@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import json
+import logging
 import math
 import os
 import platform
@@ -602,6 +603,17 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     with contextlib.suppress(ValueError):
         args[0] = str(Path(args[0]).resolve().relative_to(REPO))
     return shlex.join(["python", *args])
+
+
+def quiet_logs() -> None:
+    """Keep INFO chatter (engines closing, matplotlib's font cache) out of the output.
+
+    pyverbs (rdma-core 44) calls ``logging.basicConfig`` at INFO level once it is loaded,
+    which would print every INFO record of hixl and matplotlib; these programs only want
+    warnings from them.
+    """
+    for name in ("hixl", "matplotlib"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 # --------------------------------------------------------------------------- progress

@@ -50,6 +50,7 @@ from _common import (
     median,
     parse_ints,
     print_header,
+    quiet_logs,
     ratio,
     spread,
     write_json,
@@ -415,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="heads 8,32,64 and 2 repeats")
     ap.add_argument("--json", type=Path, default=None, help="write results here")
     args = ap.parse_args(argv)
+    quiet_logs()
 
     heads_list = parse_ints(args.heads or ("8,32,64" if args.quick else "8,32,64,128"))
     args.repeat = args.repeat or (2 if args.quick else 3)

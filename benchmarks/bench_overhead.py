@@ -46,6 +46,7 @@ from _common import (
     median,
     parse_bw,
     print_header,
+    quiet_logs,
     ratio,
     write_json,
 )
@@ -290,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 samples per point")
     ap.add_argument("--json", type=Path, default=None, help="write results here")
     args = ap.parse_args(argv)
+    quiet_logs()
     args.repeat = args.repeat or (3 if args.quick else 7)
     args.put_repeat = args.put_repeat or (2 if args.quick else 5)
 

@@ -72,6 +72,7 @@ from _common import (
     parse_lat,
     parse_sizes,
     print_header,
+    quiet_logs,
     ratio,
     spread,
     write_json,
@@ -750,6 +751,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write results here")
     ap.add_argument("--pong-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    quiet_logs()
 
     if args.pong_child is not None:
         return pong_child(args.pong_child)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE))
 import bench_layer  # noqa: E402
 import bench_overhead  # noqa: E402
 import bench_transfer  # noqa: E402
-from _common import REPO, fmt_size, git_commit, setup_lines  # noqa: E402
+from _common import REPO, fmt_size, git_commit, quiet_logs, setup_lines  # noqa: E402
 
 SECTIONS = {
     "transfer": ("bench_transfer.py", "(a) Bandwidth and latency against perftest"),
@@ -423,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-docs", action="store_true", help="do not touch docs/")
     ap.add_argument("--invocation", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    quiet_logs()
 
     sections = [s for s in args.sections.split(",") if s]
     unknown = set(sections) - set(SECTIONS)
