@@ -1041,16 +1041,21 @@ class Engine:
         if not requests and notify is None:
             raise ArgumentError("empty transfer: no requests and no notification")
         payload = _notify_payload(notify, notify_message) if notify is not None else None
+        self._check_open()
+        conn = self.connection(peer)
+        conn._check_ready()
+        # Validation, planning and building read only immutable values (regions' keys,
+        # the peer's announced region tuple), so they run without the engine lock; the
+        # progress thread keeps reaping completions meanwhile.
+        wrs: list[_verbs.SendRequest] = []
+        nbytes = 0
+        for i, req in enumerate(requests):
+            built, n = self._build(conn, req, i)
+            wrs.extend(built)
+            nbytes += n
         with self._lock:
             self._check_open()
-            conn = self.connection(peer)
             conn._check_ready()
-            wrs: list[_verbs.SendRequest] = []
-            nbytes = 0
-            for i, req in enumerate(requests):
-                built, n = self._build(conn, req, i)
-                wrs.extend(built)
-                nbytes += n
             handle = TransferHandle(peer, nbytes, len(wrs), time.monotonic() + timeout)
             chunks = [_Chunk(wrs[i : i + _CHUNK], handle) for i in range(0, len(wrs), _CHUNK)]
             if payload is not None:

@@ -59,7 +59,7 @@ def register(h: Hixl, arr: np.ndarray, mem_type: MemType = MemType.MEM_HOST) -> 
     return handle
 
 
-def eventually(fn: Callable[[], T], want: T, timeout: float = 10.0) -> T:
+def eventually(fn: Callable[[], T], want: T, timeout: float = 30.0) -> T:
     """Call ``fn`` until it returns ``want`` or ``timeout`` s pass; return the last value."""
     deadline = time.monotonic() + timeout
     while True:
