@@ -29,6 +29,7 @@ def _print_json(data: object) -> None:
 
 # --- devices ---------------------------------------------------------------------------
 
+
 def _cmd_devices(args: argparse.Namespace) -> int:
     from hixl._devices import devices_to_json, format_devices, list_devices
 
@@ -43,16 +44,20 @@ def _cmd_devices(args: argparse.Namespace) -> int:
 
 
 def _add_devices(sub: _Subparsers) -> None:
-    p = sub.add_parser("devices", help="list verbs devices, ports, MTU and GIDs",
-                       description="List verbs devices from sysfs (no pyverbs needed) and "
-                                   "mark the GID hixl would use. Exit 0 if a usable "
-                                   "device exists, 1 if not.")
+    p = sub.add_parser(
+        "devices",
+        help="list verbs devices, ports, MTU and GIDs",
+        description="List verbs devices from sysfs (no pyverbs needed) and "
+        "mark the GID hixl would use. Exit 0 if a usable "
+        "device exists, 1 if not.",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--sysfs", default="/sys", help=argparse.SUPPRESS)
     p.set_defaults(handler=_cmd_devices)
 
 
 # --- rxe -------------------------------------------------------------------------------
+
 
 def _cmd_rxe_up(args: argparse.Namespace) -> int:
     from hixl._rxe import rxe_up
@@ -70,27 +75,42 @@ def _cmd_rxe_down(args: argparse.Namespace) -> int:
 
 
 def _add_rxe(sub: _Subparsers) -> None:
-    p = sub.add_parser("rxe", help="create or remove a soft-RoCE (rxe) device",
-                       description="Create or remove a soft-RoCE device (needs root).")
+    p = sub.add_parser(
+        "rxe",
+        help="create or remove a soft-RoCE (rxe) device",
+        description="Create or remove a soft-RoCE device (needs root).",
+    )
     rxe = p.add_subparsers(dest="rxe_command", metavar="{up,down}", required=True)
-    up = rxe.add_parser("up", help="create a soft-RoCE device and wait until it is ACTIVE",
-                        description="Load rdma_rxe, create an rxe device on NETDEV (default: "
-                                    "the first UP interface with IPv4, else a dummy hixl0 "
-                                    "with 192.168.77.1/24) and wait for its IPv4 RoCEv2 GID. "
-                                    "Does nothing if the netdev already has one.")
+    up = rxe.add_parser(
+        "up",
+        help="create a soft-RoCE device and wait until it is ACTIVE",
+        description="Load rdma_rxe, create an rxe device on NETDEV (default: "
+        "the first UP interface with IPv4, else a dummy hixl0 "
+        "with 192.168.77.1/24) and wait for its IPv4 RoCEv2 GID. "
+        "Does nothing if the netdev already has one.",
+    )
     up.add_argument("--netdev", metavar="IF", help="network interface to bind to")
     up.add_argument("--name", help="device name (default: first free rxeN)")
-    up.add_argument("--timeout", type=float, default=15.0, metavar="S",
-                    help="seconds to wait for the port to be ACTIVE (default 15)")
+    up.add_argument(
+        "--timeout",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="seconds to wait for the port to be ACTIVE (default 15)",
+    )
     up.set_defaults(handler=_cmd_rxe_up)
-    down = rxe.add_parser("down", help="remove a soft-RoCE device",
-                          description="Remove the soft-RoCE device NAME (default: the only "
-                                      "one), and the dummy netdev if hixl created it.")
+    down = rxe.add_parser(
+        "down",
+        help="remove a soft-RoCE device",
+        description="Remove the soft-RoCE device NAME (default: the only "
+        "one), and the dummy netdev if hixl created it.",
+    )
     down.add_argument("name", nargs="?", help="device to remove (default: the only rxe)")
     down.set_defaults(handler=_cmd_rxe_down)
 
 
 # --- doctor ----------------------------------------------------------------------------
+
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from hixl._doctor import diagnose, format_report, gather_facts, report_to_json
@@ -104,24 +124,33 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _add_doctor(sub: _Subparsers) -> None:
-    p = sub.add_parser("doctor", help="check what hixl needs here and how to fix it",
-                       description="Check kernel RDMA, rdma_rxe, root, pyverbs, devices "
-                                   "and the VM path; print a fix for each problem. Exit 0 "
-                                   "if hixl can run RDMA here (directly or via the VM).")
+    p = sub.add_parser(
+        "doctor",
+        help="check what hixl needs here and how to fix it",
+        description="Check kernel RDMA, rdma_rxe, root, pyverbs, devices "
+        "and the VM path; print a fix for each problem. Exit 0 "
+        "if hixl can run RDMA here (directly or via the VM).",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=_cmd_doctor)
 
 
 # --- vm / run --------------------------------------------------------------------------
 
+
 def _vm_config(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
     from hixl._vm import VMConfig
 
-    return VMConfig(memory=args.memory, cpus=args.cpus, accel=args.accel,
-                    boot_timeout=args.boot_timeout, timeout=args.timeout,
-                    rw_dirs=tuple(Path(d).resolve() for d in args.rwdir))
+    return VMConfig(
+        memory=args.memory,
+        cpus=args.cpus,
+        accel=args.accel,
+        boot_timeout=args.boot_timeout,
+        timeout=args.timeout,
+        rw_dirs=tuple(Path(d).resolve() for d in args.rwdir),
+    )
 
 
 def _command_after_dashes(args: argparse.Namespace) -> list[str]:
@@ -164,10 +193,19 @@ def _cmd_vm_hosts(args: argparse.Namespace) -> int:
 
 
 def _hosts_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mtu", type=int, action="append", default=[], metavar="BYTES",
-                   help="NIC MTU: once for all hosts or once per host (default 1500)")
-    p.add_argument("--logs", metavar="DIR",
-                   help="also keep each host's stdout, stderr and console in DIR/hostN/")
+    p.add_argument(
+        "--mtu",
+        type=int,
+        action="append",
+        default=[],
+        metavar="BYTES",
+        help="NIC MTU: once for all hosts or once per host (default 1500)",
+    )
+    p.add_argument(
+        "--logs",
+        metavar="DIR",
+        help="also keep each host's stdout, stderr and console in DIR/hostN/",
+    )
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -179,56 +217,94 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _vm_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", default="4G", help="guest memory (default 4G)")
     p.add_argument("--cpus", type=int, default=2, help="guest vCPUs (default 2)")
-    p.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto",
-                   help="KVM, TCG emulation, or auto: KVM if a probe boot works (default)")
-    p.add_argument("--boot-timeout", type=float, default=240.0, metavar="S",
-                   help="fail if the guest has not booted after S seconds (default 240)")
-    p.add_argument("--timeout", type=float, default=3600.0, metavar="S",
-                   help="kill the VM and fail after S seconds in all (default 3600)")
-    p.add_argument("--rwdir", action="append", default=[], metavar="DIR",
-                   help="a host directory the guest may write (repeatable); the rest of "
-                        "the host filesystem is read-only in the guest")
+    p.add_argument(
+        "--accel",
+        choices=("auto", "kvm", "tcg"),
+        default="auto",
+        help="KVM, TCG emulation, or auto: KVM if a probe boot works (default)",
+    )
+    p.add_argument(
+        "--boot-timeout",
+        type=float,
+        default=240.0,
+        metavar="S",
+        help="fail if the guest has not booted after S seconds (default 240)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="kill the VM and fail after S seconds in all (default 3600)",
+    )
+    p.add_argument(
+        "--rwdir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a host directory the guest may write (repeatable); the rest of "
+        "the host filesystem is read-only in the guest",
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
 
 
 def _add_vm(sub: _Subparsers) -> None:
-    p = sub.add_parser("vm", help="run a command on soft-RoCE inside a small VM",
-                       description="Boot a kernel that has rdma_rxe (virtme-ng over this "
-                                   "machine's root filesystem), bring up rxe0 and run a "
-                                   "command inside. Output and exit status pass through.")
+    p = sub.add_parser(
+        "vm",
+        help="run a command on soft-RoCE inside a small VM",
+        description="Boot a kernel that has rdma_rxe (virtme-ng over this "
+        "machine's root filesystem), bring up rxe0 and run a "
+        "command inside. Output and exit status pass through.",
+    )
     vm = p.add_subparsers(dest="vm_command", metavar="{run,hosts}", required=True)
     run = vm.add_parser("run", help="run CMD inside the VM: hixl vm run -- CMD ...")
     _vm_options(run)
-    run.add_argument("--hosts", type=int, default=1, metavar="N",
-                     help="boot N VMs on one virtual network (10.88.0.1, .2, ...), each "
-                          "with its own rxe, and run CMD on each; it sees HIXL_HOST_INDEX, "
-                          "HIXL_HOST_ADDR and HIXL_PEER_ADDRS (default 1)")
+    run.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        metavar="N",
+        help="boot N VMs on one virtual network (10.88.0.1, .2, ...), each "
+        "with its own rxe, and run CMD on each; it sees HIXL_HOST_INDEX, "
+        "HIXL_HOST_ADDR and HIXL_PEER_ADDRS (default 1)",
+    )
     _hosts_options(run)
     run.set_defaults(handler=_cmd_vm_run)
-    hosts = vm.add_parser("hosts", help="one VM per --host CMD, joined by a virtual wire",
-                          description="Boot one VM per --host on a private network: host i "
-                                      "gets 10.88.0.<i+1>/24 on a virtio NIC, rxe0 on it, and "
-                                      "runs its own command. Output is prefixed per host; "
-                                      "the run fails if any host fails; all VMs are killed "
-                                      "at the end or at --timeout.")
-    hosts.add_argument("--host", action="append", required=True, metavar="'CMD'",
-                       help="one host's command line (repeat per host, at least 2)")
+    hosts = vm.add_parser(
+        "hosts",
+        help="one VM per --host CMD, joined by a virtual wire",
+        description="Boot one VM per --host on a private network: host i "
+        "gets 10.88.0.<i+1>/24 on a virtio NIC, rxe0 on it, and "
+        "runs its own command. Output is prefixed per host; "
+        "the run fails if any host fails; all VMs are killed "
+        "at the end or at --timeout.",
+    )
+    hosts.add_argument(
+        "--host",
+        action="append",
+        required=True,
+        metavar="'CMD'",
+        help="one host's command line (repeat per host, at least 2)",
+    )
     _hosts_options(hosts)
     _vm_options(hosts)
     hosts.set_defaults(handler=_cmd_vm_hosts, cpus=1, memory="2G", timeout=900.0)
 
 
 def _add_run(sub: _Subparsers) -> None:
-    p = sub.add_parser("run", help="run CMD on rxe: on this host if it has a device, "
-                                   "else inside the VM",
-                       description="Run a command where a soft-RoCE device is available: "
-                                   "directly when this host has an ACTIVE RDMA port, "
-                                   "otherwise in the hixl VM (see 'hixl vm run').")
+    p = sub.add_parser(
+        "run",
+        help="run CMD on rxe: on this host if it has a device, else inside the VM",
+        description="Run a command where a soft-RoCE device is available: "
+        "directly when this host has an ACTIVE RDMA port, "
+        "otherwise in the hixl VM (see 'hixl vm run').",
+    )
     _vm_options(p)
     p.set_defaults(handler=_cmd_run)
 
 
 # --- bench -----------------------------------------------------------------------------
+
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     import dataclasses
@@ -254,23 +330,31 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     cfg = _vm_config(args)
     cfg = dataclasses.replace(cfg, rw_dirs=(*cfg.rw_dirs, run_dir))
     rc = run_with_rdma([*base, "--measure-only", *flags, *extra], cfg)
-    report = subprocess.run([*base, "--report", *(["--no-docs"] if args.no_docs else [])],
-                            check=False).returncode
+    report = subprocess.run(
+        [*base, "--report", *(["--no-docs"] if args.no_docs else [])], check=False
+    ).returncode
     return rc or report
 
 
 def _add_bench(sub: _Subparsers) -> None:
-    p = sub.add_parser("bench", help="run the benchmarks on rxe and write the report",
-                       description="Run benchmarks/run_all.py where a soft-RoCE device is "
-                                   "(this host, else the hixl VM): hixl put/get/latency "
-                                   "against perftest, four ways to send a KV layer, and "
-                                   "overheads. Writes JSON, results.md and a plot into "
-                                   "OUT/<date_time>/ and refreshes docs/benchmarks.md. "
-                                   "Arguments after '--' go to run_all.py.")
+    p = sub.add_parser(
+        "bench",
+        help="run the benchmarks on rxe and write the report",
+        description="Run benchmarks/run_all.py where a soft-RoCE device is "
+        "(this host, else the hixl VM): hixl put/get/latency "
+        "against perftest, four ways to send a KV layer, and "
+        "overheads. Writes JSON, results.md and a plot into "
+        "OUT/<date_time>/ and refreshes docs/benchmarks.md. "
+        "Arguments after '--' go to run_all.py.",
+    )
     p.add_argument("--quick", action="store_true", help="a short smoke run")
     p.add_argument("--sections", metavar="LIST", help="of transfer,layer,overhead (default all)")
-    p.add_argument("--out", default="results/bench", metavar="DIR",
-                   help="parent of the run directories (default results/bench)")
+    p.add_argument(
+        "--out",
+        default="results/bench",
+        metavar="DIR",
+        help="parent of the run directories (default results/bench)",
+    )
     p.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
     _vm_options(p)
     p.set_defaults(handler=_cmd_bench)
@@ -278,22 +362,37 @@ def _add_bench(sub: _Subparsers) -> None:
 
 # --- demo ------------------------------------------------------------------------------
 
+
 def _add_demo(sub: _Subparsers) -> None:
     from hixl._demo import add_demo_options, cmd_demo
 
-    p = sub.add_parser("demo", help="prefill -> decode KV cache transfer demo on rxe",
-                       description="Run a small transformer's prefill in one process and "
-                                   "push each layer's K/V with one strided put to a decode "
-                                   "process as soon as it is computed; decode verifies every "
-                                   "layer bit for bit and generates from the received cache. "
-                                   "Runs on this host's rxe, else in the hixl VM. Exit 0 "
-                                   "when verified, 1 when a check failed, 2 on an error.")
+    p = sub.add_parser(
+        "demo",
+        help="prefill -> decode KV cache transfer demo on rxe",
+        description="Run a small transformer's prefill in one process and "
+        "push each layer's K/V with one strided put to a decode "
+        "process as soon as it is computed; decode verifies every "
+        "layer bit for bit and generates from the received cache. "
+        "Runs on this host's rxe, else in the hixl VM. Exit 0 "
+        "when verified, 1 when a check failed, 2 on an error.",
+    )
     add_demo_options(p)
-    p.add_argument("--hosts", type=int, choices=(1, 2), default=1,
-                   help="2: decode and prefill on two VMs (own kernels and rxe, one "
-                        "virtual wire) instead of two processes on one device")
-    p.add_argument("--mtu", type=int, action="append", default=[], metavar="BYTES",
-                   help="with --hosts 2: NIC MTU, once for both or once per host")
+    p.add_argument(
+        "--hosts",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: decode and prefill on two VMs (own kernels and rxe, one "
+        "virtual wire) instead of two processes on one device",
+    )
+    p.add_argument(
+        "--mtu",
+        type=int,
+        action="append",
+        default=[],
+        metavar="BYTES",
+        help="with --hosts 2: NIC MTU, once for both or once per host",
+    )
     p.set_defaults(handler=_cmd_demo, demo_handler=cmd_demo)
 
 
@@ -311,23 +410,32 @@ def _cmd_demo_hosts(args: argparse.Namespace) -> int:
     from hixl._hosts import run_demo_hosts
 
     json_path = str(Path(args.json).resolve()) if args.json else None
-    summary = run_demo_hosts(config_from_args(args), timeout=args.timeout,
-                             json_path=json_path, mtus=args.mtu)
+    summary = run_demo_hosts(
+        config_from_args(args), timeout=args.timeout, json_path=json_path, mtus=args.mtu
+    )
     return 0 if summary["ok"] else 1
 
 
 # --- entry point -----------------------------------------------------------------------
 
 _COMMANDS: list[Callable[[_Subparsers], None]] = [
-    _add_devices, _add_rxe, _add_doctor, _add_vm, _add_run, _add_bench, _add_demo,
+    _add_devices,
+    _add_rxe,
+    _add_doctor,
+    _add_vm,
+    _add_run,
+    _add_bench,
+    _add_demo,
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the ``hixl`` argument parser with every registered subcommand."""
     parser = argparse.ArgumentParser(
-        prog="hixl", description="One-sided RDMA transfers over pyverbs: devices, "
-                                 "soft-RoCE setup and diagnostics.")
+        prog="hixl",
+        description="One-sided RDMA transfers over pyverbs: devices, "
+        "soft-RoCE setup and diagnostics.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for register in _COMMANDS:
         register(sub)
