@@ -403,7 +403,7 @@ class Connection:
             remote.gid,
             self.mtu,
             timeout=self._engine._qp_timeout,
-            retry_cnt=6,  # rxe treats 7 as "retry forever"
+            retry_cnt=7,  # rxe reads 7 as "retry until the transfer deadline"
             rnr_retry=7,
         )
         self._remote = remote.regions

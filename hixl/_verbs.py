@@ -563,7 +563,7 @@ class QueuePair:
         remote_gid: bytes,
         mtu: int,
         timeout: int = 14,
-        retry_cnt: int = 6,
+        retry_cnt: int = 7,
         rnr_retry: int = 7,
         rd_atomic: int = 16,
     ) -> None:
