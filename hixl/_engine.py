@@ -249,12 +249,13 @@ class TransferHandle:
         raises :class:`TransferTimeout` and the transfer goes on.  The transfer
         has its own deadline, after which it fails on its own.
         """
-        limit = self.deadline - time.monotonic() + 1.0
-        if timeout is not None:
-            limit = min(limit, timeout)
+        # One second of grace past the deadline, for the progress thread to fail it.
+        own_limit = self.deadline - time.monotonic() + 1.0
+        limit = own_limit if timeout is None else min(own_limit, timeout)
         if not self._event.wait(max(0.0, limit)):
+            waited = "past its deadline" if limit == own_limit else f"after {timeout} s"
             raise TransferTimeout(
-                f"transfer to {self.peer} still pending after {timeout} s "
+                f"transfer to {self.peer} still pending {waited} "
                 f"({self.nbytes} bytes, {self.num_wrs} work requests)"
             )
         if self._error is not None:
