@@ -232,18 +232,18 @@ def _modprobe_dry_run() -> tuple[bool, str] | None:
 
 
 def _vm_facts(boot: Path, modules: Path) -> VmFacts:
+    from hixl._errors import VMError
+    from hixl._vm import find_vng, rxe_capable_kernels
+
     kernels: list[str] = []
     unreadable: list[str] = []
-    for image in sorted(boot.glob("vmlinuz-*"), reverse=True):
+    for image in rxe_capable_kernels(boot, modules):
         version = image.name[len("vmlinuz-") :]
-        rxe_dir = modules / version / "kernel" / "drivers" / "infiniband" / "sw" / "rxe"
-        if not any(rxe_dir.glob("rdma_rxe.ko*")):
-            continue
         (kernels if os.access(image, os.R_OK) else unreadable).append(version)
-    vng = shutil.which("vng")
-    if vng is None:
-        beside = Path(sys.executable).parent / "vng"
-        vng = str(beside) if os.access(beside, os.X_OK) else None
+    try:
+        vng: str | None = find_vng()
+    except VMError:
+        vng = None
     busybox = next(
         (p for p in ("/usr/bin/busybox", "/bin/busybox") if os.access(p, os.X_OK)), None
     ) or shutil.which("busybox")
