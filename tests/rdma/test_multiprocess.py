@@ -97,7 +97,13 @@ def test_engine_accepts_eight_incoming_peers() -> None:
                 r = c.register(src, access=Access.NONE)
                 c.connect(server.id)
                 c.put(server.id, r, "dst", remote_desc=ContiguousDesc(offset=i * 4096, nbytes=4096))
-            assert sorted(server.peers) == sorted(c.id for c in clients)
+            # The server adopts a connection when its handshake thread reads READY, which
+            # may come a moment after the client's first put has already landed.
+            want = sorted(c.id for c in clients)
+            deadline = time.monotonic() + 10
+            while sorted(server.peers) != want and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert sorted(server.peers) == want
             assert np.array_equal(dst.reshape(PEERS, 4096)[:, 0], np.arange(1, PEERS + 1))
         finally:
             for c in clients:
