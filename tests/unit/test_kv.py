@@ -12,29 +12,17 @@ import dataclasses
 import numpy as np
 import numpy.typing as npt
 import pytest
+from plan_oracle import apply_plan
 
 from hixl._descriptors import NdStridedDesc, Segments, desc_from_view
 from hixl._errors import AlignmentError, DescriptorError
 from hixl._kv import ContiguousKVLayout, PagedKVLayout, padded_stride
-from hixl._plan import DeviceLimits, Op, Plan, check_bounds, plan_transfer
+from hixl._plan import DeviceLimits, Op, check_bounds, plan_transfer
 
 
 def stream_of(buf: bytes, seg: Segments) -> bytes:
     view = memoryview(buf)
     return b"".join(bytes(view[o : o + n]) for o, n in seg.pairs())
-
-
-def apply_plan(plan: Plan, local: npt.NDArray[np.generic], remote: npt.NDArray[np.generic]) -> None:
-    lv = local.reshape(-1).view(np.uint8).data
-    rv = remote.reshape(-1).view(np.uint8).data
-    for r, sges in plan.wrs():
-        pos = r
-        for lo, n in sges:
-            if plan.op is Op.WRITE:
-                rv[pos : pos + n] = lv[lo : lo + n]
-            else:
-                lv[lo : lo + n] = rv[pos : pos + n]
-            pos += n
 
 
 def filled(shape: tuple[int, ...], seed: int) -> npt.NDArray[np.float16]:

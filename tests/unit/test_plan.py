@@ -9,6 +9,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from plan_oracle import apply_plan
 
 from hixl._descriptors import ContiguousDesc, NdStridedDesc, Segments, StridedDesc
 from hixl._errors import AlignmentError, BoundsError, DescriptorError, HixlError
@@ -23,18 +24,6 @@ from hixl._plan import (
 )
 
 MiB = 1 << 20
-
-
-def apply_plan(plan: Plan, local: bytearray, remote: bytearray) -> None:
-    lv, rv = memoryview(local), memoryview(remote)
-    for r, sges in plan.wrs():
-        pos = r
-        for lo, n in sges:
-            if plan.op is Op.WRITE:
-                rv[pos : pos + n] = lv[lo : lo + n]
-            else:
-                lv[lo : lo + n] = rv[pos : pos + n]
-            pos += n
 
 
 # --------------------------------------------------------------------------- worked examples

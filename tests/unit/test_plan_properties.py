@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from plan_oracle import apply_plan
 
 from hixl._descriptors import INT64_MAX, Segments, StridedDesc
 from hixl._errors import DescriptorError
@@ -56,19 +57,6 @@ def direct_copy(src: bytes, src_seg: Segments, dst: bytearray, dst_seg: Segments
     for o, n in dst_seg.pairs():
         view[o : o + n] = data[pos : pos + n]
         pos += n
-
-
-def apply_plan(plan: Plan, local: bytearray, remote: bytearray) -> None:
-    """Execute the plan with memoryview copies, as the NIC would."""
-    lv, rv = memoryview(local), memoryview(remote)
-    for r, sges in plan.wrs():
-        pos = r
-        for lo, n in sges:
-            if plan.op is Op.WRITE:
-                rv[pos : pos + n] = lv[lo : lo + n]
-            else:
-                lv[lo : lo + n] = rv[pos : pos + n]
-            pos += n
 
 
 def writes_per_byte(plan: Plan, size: int) -> np.ndarray:
