@@ -123,8 +123,9 @@ class GuestSpec:
 
 #: Exit status reported for a guest the runner stopped because another guest failed.
 STOPPED = 143
-#: The file a guest command writes (via ``HIXL_VM_XDIR``) before it powers its VM off on
-#: purpose; the runner then reports the guest as having exited 0.
+#: The file a guest command writes (via ``HIXL_VM_XDIR``) to have its VM cut off on
+#: purpose (:func:`hixl._hosts.vanish`): the runner kills the guest's QEMU at once and
+#: reports the guest as having exited 0.
 VANISHED = "vanished"
 
 
@@ -472,7 +473,7 @@ def run_guests(specs: Sequence[GuestSpec], cfg: VMConfig | None = None) -> list[
 def _supervise(running: list[_Running], cfg: VMConfig, start: float) -> list[int]:
     """Wait for every guest's exit status, enforcing the boot and overall deadlines.
 
-    A guest that powered itself off after writing :data:`VANISHED` counts as exit 0.
+    A guest that wrote :data:`VANISHED` is killed at once and counts as exit 0.
     Once one guest fails, the others get ``cfg.failure_grace`` seconds to finish and are
     then stopped and reported as :data:`STOPPED`.
     """
@@ -531,15 +532,20 @@ def _exit_status(r: _Running) -> int | None:
             return int(rc_file.read_text().strip() or "1")
         except ValueError:
             return 1
+    marker = r.xdir / VANISHED
+    if marker.exists():
+        # A power cut asked for: the whole QEMU goes now, so the other hosts see this
+        # one's frames stop mid-stream, and no guest shutdown path is involved.
+        _kill_group(r.proc)
+        for t in r.tails:
+            t.flush()
+        reason = marker.read_text(errors="replace").strip() or "no reason given"
+        print(f"hixl vm: {r.spec.name} powered off on purpose: {reason}", flush=True)
+        return 0
     if r.proc.poll() is None:
         return None
     for t in r.tails:
         t.flush()
-    marker = r.xdir / VANISHED
-    if marker.exists():
-        reason = marker.read_text(errors="replace").strip() or "no reason given"
-        print(f"hixl vm: {r.spec.name} powered off on purpose: {reason}", flush=True)
-        return 0
     raise VMError(
         f"guest {r.spec.name} ended (qemu exit {r.proc.returncode}) without "
         f"reporting an exit status. Last console lines:\n{_console_tail(r.console)}"

@@ -1,8 +1,8 @@
-"""host1 powers off in the middle of a put: host0 fails it in time and stays usable.
+"""host1's VM is cut off in the middle of a put: host0 fails it in time and stays usable.
 
-The victim leaves no FIN and no NAK: its packets just stop. rxe keeps retransmitting
-(retry count 7), so what ends the put is its deadline: ``TransferTimeout`` after
-``TIMEOUT_S``, never a hang. The other errors are accepted too, in case a device gives
+The victim leaves no FIN and no NAK (the runner kills its QEMU): its packets just stop.
+rxe keeps retransmitting (retry count 7), so what ends the put is its deadline:
+``TransferTimeout`` after ``TIMEOUT_S``, never a hang. The other errors are accepted too, in case a device gives
 up earlier (``IBV_WC_RETRY_EXC_ERR``) or the control socket notices first.
 """
 

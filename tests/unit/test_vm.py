@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -168,6 +170,22 @@ def test_exit_status_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "h powered off on purpose: asked to" in capsys.readouterr().out
     (tmp_path / "rc").write_text("3")
     assert _exit_status(_running(tmp_path, 0)) == 3  # a reported status wins
+
+
+def test_vanished_guest_is_cut_off_at_once(tmp_path: Path) -> None:
+    # A guest that asks to vanish is still running: the runner kills its whole VM.
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        r = _running(tmp_path, None)
+        r.proc = proc
+        assert _exit_status(r) is None
+        (tmp_path / VANISHED).write_text("power cut\n")
+        assert _exit_status(r) == 0
+        assert proc.poll() == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_vm_that_ends_without_status_is_an_error(tmp_path: Path) -> None:
