@@ -2,8 +2,9 @@
 
 The victim leaves no FIN and no NAK (the runner kills its QEMU): its packets just stop.
 rxe keeps retransmitting (retry count 7), so what ends the put is its deadline:
-``TransferTimeout`` after ``TIMEOUT_S``, never a hang. The other errors are accepted too, in case a device gives
-up earlier (``IBV_WC_RETRY_EXC_ERR``) or the control socket notices first.
+``TransferTimeout`` after ``TIMEOUT_S``, never a hang. The other errors are accepted too,
+in case a device gives up earlier (``IBV_WC_RETRY_EXC_ERR``) or the control socket
+notices first.
 """
 
 from __future__ import annotations
