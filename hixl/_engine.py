@@ -24,10 +24,19 @@ so when the target sees the notification every byte before it has landed.
 Each connection keeps receive buffers posted for them.
 
 Progress.  The progress thread polls both CQs and the control sockets.  It
-never blocks while holding the GIL: when idle it waits in
-``selector.select`` with a timeout that backs off from 0 to 2 ms, which
-releases the GIL and wakes at once for control traffic.  Application threads
-never poll; ``TransferHandle.wait`` sleeps on an event.
+never blocks while holding the GIL: when idle it arms both CQs for a
+completion event and waits in ``selector.select`` on their completion
+channels' descriptors and the sockets, which releases the GIL and wakes at
+once for a completion or control traffic (and every 20 ms while transfers
+are pending, to enforce deadlines).  pyverbs does not expose a channel's
+descriptor; :mod:`hixl._verbs` finds it in ``/proc/self/fd``, and where it
+cannot, the thread polls with a back-off of up to 2 ms instead.  Application
+threads never poll; ``TransferHandle.wait`` sleeps on an event.
+
+Plans.  Bounds, alignment and the plan of a request depend only on its
+descriptors and the two regions' sizes, so they are computed once per such
+key (hashable descriptors only) and reused: KV transfers repeat the same
+layout for every layer.
 
 Failure.  The first completion error on a connection fails the transfer that
 owns it with :class:`CompletionError` (carrying the status name), moves the
@@ -57,7 +66,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -98,7 +107,11 @@ _MAX_NOTIFY_NAME = 256
 _RECV_SLOTS = 64  # receive buffers per connection, for notifications
 _SEND_NOTIFY_SLOTS = 1024
 _CHUNK = 16  # work requests per signaled chunk
-_IDLE_MAX = 0.002  # longest progress-thread sleep, seconds
+_IDLE_MAX = 0.002  # longest progress-thread sleep when it has to poll, seconds
+_SLEEP_PENDING = 0.02  # with completion events: longest sleep while transfers are pending
+_SLEEP_IDLE = 0.1  # ... and with nothing pending
+_PLAN_CACHE = 512  # planned (descriptor pair, region sizes) kept per engine
+_WAKE = object()  # selector key data of the socket that wakes the progress thread
 
 
 class Access(enum.IntFlag):
@@ -282,6 +295,7 @@ class _Chunk:
     requests: list[_verbs.SendRequest]
     handle: TransferHandle | None
     notify_slot: int | None = None
+    wr_id: int = 0  # posted as the last request's wr_id, signaled
 
 
 class Connection:
@@ -506,8 +520,8 @@ class Engine:
                 max_msg_sz=min(caps.max_msg_sz, 0xFFFF_FFFF),
             )
             cq_depth = max_peers * (self._sq_depth // _CHUNK + _RECV_SLOTS + 4)
-            self._send_cq = self._dev.create_cq(cq_depth)
-            self._recv_cq = self._dev.create_cq(max_peers * _RECV_SLOTS + 16)
+            self._send_cq = self._dev.create_cq(cq_depth, events=True)
+            self._recv_cq = self._dev.create_cq(max_peers * _RECV_SLOTS + 16, events=True)
             self._notify_buf = np.zeros(_SEND_NOTIFY_SLOTS * _NOTIFY_SLOT, dtype=np.uint8)
             self._notify_mr = self._dev.register(
                 self._notify_buf.ctypes.data, self._notify_buf.nbytes, 0, self._notify_buf
@@ -529,10 +543,24 @@ class Engine:
         self._handles: set[TransferHandle] = set()
         self._notes: deque[Notification] = deque()
         self._next_wr = 1
+        self._plans: dict[tuple[Any, ...], tuple[list[tuple[int, list[tuple[int, int]]]], int]]
+        self._plans = {}
         self._handshakes = threading.BoundedSemaphore(16)
         self._selector = selectors.DefaultSelector()
         if self._listener is not None:
             self._selector.register(self._listener, selectors.EVENT_READ, None)
+        # Completion events wake the progress thread (no polling while idle) where the
+        # device's completion channels could be opened; otherwise it polls with a back-off.
+        cqs = (self._send_cq, self._recv_cq)
+        self._event_cqs = all(cq.fd is not None for cq in cqs)
+        self._armed: set[_verbs.CompletionQueue] = set()
+        if self._event_cqs:
+            for cq in cqs:
+                assert cq.fd is not None
+                self._selector.register(cq.fd, selectors.EVENT_READ, cq)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._stop = threading.Event()
         self._closed = False
         self._next_expiry_check = 0.0
@@ -587,11 +615,15 @@ class Engine:
             self._handles.clear()
             self._notify_cv.notify_all()
         self._stop.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
         if self._listener is not None:
             self._listener.close()
         self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
         self._regions.clear()
         self._dev.close()
         log.debug("engine %s closed", self.id)
@@ -1071,10 +1103,8 @@ class Engine:
                 chunks.append(_Chunk([send], handle, slot))
             handle._chunks_left = len(chunks)
             for chunk in chunks:
-                last = chunk.requests[-1]
-                wr_id = self._next_wr
+                chunk.wr_id = self._next_wr
                 self._next_wr += 1
-                chunk.requests[-1] = replace(last, wr_id=wr_id, signaled=True)
                 conn._backlog.append(chunk)
             self._handles.add(handle)
             self._pump(conn)
@@ -1110,34 +1140,58 @@ class Engine:
                 f"(length={remote.length}) is not remotely {verb}"
             )
         ldesc, rdesc = req.local_desc, req.remote_desc
+        # Checks and plan depend only on this key, and KV transfers repeat the same
+        # layouts layer after layer, so they are done once per key.  Descriptors that
+        # cannot be hashed (block lists hold arrays) are planned every time.
+        key = (op, ldesc, rdesc, local.length, remote.length)
+        try:
+            cached = self._plans.get(key)
+            hashable = True
+        except TypeError:
+            cached, hashable = None, False
+        if cached is None:
+            cached = self._plan(ldesc, rdesc, op, local.length, remote.length, where)
+            if hashable:
+                if len(self._plans) >= _PLAN_CACHE:
+                    self._plans.clear()
+                self._plans[key] = cached
+        wrs, nbytes = cached
+        opcode = _verbs.WR_RDMA_WRITE if op is Op.WRITE else _verbs.WR_RDMA_READ
+        laddr, lkey, raddr, rkey = local.addr, local._mr.lkey, remote.addr, remote.rkey
+        send = _verbs.SendRequest
+        out = [
+            send(
+                0, opcode, [(laddr + o, n, lkey) for o, n in sges], raddr + roff, rkey, None, False
+            )
+            for roff, sges in wrs
+        ]
+        return out, nbytes
+
+    def _plan(
+        self,
+        ldesc: Descriptor | None,
+        rdesc: Descriptor | None,
+        op: Op,
+        local_len: int,
+        remote_len: int,
+        where: str,
+    ) -> tuple[list[tuple[int, list[tuple[int, int]]]], int]:
+        """Bounds, alignment and the plan of one request, as ``(work requests, bytes)``."""
         if ldesc is None and rdesc is None:
-            ldesc = ContiguousDesc(offset=0, nbytes=local.length, alignment=None)
+            ldesc = ContiguousDesc(offset=0, nbytes=local_len, alignment=None)
             rdesc = ldesc
         elif ldesc is None:
             assert rdesc is not None
             ldesc = ContiguousDesc(offset=0, nbytes=as_segments(rdesc).nbytes, alignment=None)
         elif rdesc is None:
             rdesc = ContiguousDesc(offset=0, nbytes=as_segments(ldesc).nbytes, alignment=None)
-        check_bounds(ldesc, local.length, what=f"{where}: local")
-        check_bounds(rdesc, remote.length, what=f"{where}: remote")
+        check_bounds(ldesc, local_len, what=f"{where}: local")
+        check_bounds(rdesc, remote_len, what=f"{where}: remote")
         if self.alignment:
             check_alignment(ldesc, 0, self.alignment, what=f"{where}: local")
             check_alignment(rdesc, 0, self.alignment, what=f"{where}: remote")
         plan = plan_transfer(ldesc, rdesc, op, self.limits)
-        opcode = _verbs.WR_RDMA_WRITE if op is Op.WRITE else _verbs.WR_RDMA_READ
-        laddr, lkey, raddr, rkey = local.addr, local._mr.lkey, remote.addr, remote.rkey
-        out = [
-            _verbs.SendRequest(
-                0,
-                opcode,
-                [(laddr + o, n, lkey) for o, n in sges],
-                raddr + roff,
-                rkey,
-                signaled=False,
-            )
-            for roff, sges in plan.wrs()
-        ]
-        return out, plan.nbytes
+        return list(plan.wrs()), plan.nbytes
 
     def _resolve_remote(
         self, conn: Connection, remote: RemoteRegion | str, where: str
@@ -1168,13 +1222,13 @@ class Engine:
             if conn._sq_used + n > self._sq_depth:
                 return
             try:
-                conn._qp.post_send(chunk.requests)
+                conn._qp.post_send(chunk.requests, chunk.wr_id)
             except HixlError as exc:
                 self._fail(conn, f"post_send failed: {exc}", exc, culprit=chunk.handle)
                 return
             conn._backlog.popleft()
             conn._sq_used += n
-            conn._inflight[chunk.requests[-1].wr_id] = chunk
+            conn._inflight[chunk.wr_id] = chunk
 
     # -- notifications -------------------------------------------------------------------
     def notifications(self) -> list[Notification]:
@@ -1207,7 +1261,12 @@ class Engine:
 
     # -- progress ------------------------------------------------------------------------
     def _progress_step(self, idle: float) -> bool:
-        """One round of the progress thread; True when there was work to do."""
+        """One round of the progress thread; True when there was work to do.
+
+        With completion events the thread sleeps in the selector until a completion,
+        control traffic or the next deadline check; ``idle`` (the polling back-off)
+        only matters without them.
+        """
         busy = False
         try:
             with self._lock:
@@ -1219,12 +1278,35 @@ class Engine:
                 if now >= self._next_expiry_check:
                     self._expire(now)
                     self._next_expiry_check = now + 0.01
-            events = self._selector.select(timeout=0 if busy else idle)
-            for key, _ in events:
-                if key.data is None:
-                    self._accept()
+                if busy:
+                    timeout = 0.0
+                elif self._event_cqs:
+                    # About to sleep: arm, then poll again, because what completed
+                    # before the arming raises no event.
+                    for cq in (self._send_cq, self._recv_cq):
+                        if cq not in self._armed:
+                            cq.arm()
+                            self._armed.add(cq)
+                    busy |= self._poll_send()
+                    busy |= self._poll_recv()
+                    timeout = 0.0 if busy else _SLEEP_PENDING if self._handles else _SLEEP_IDLE
                 else:
-                    self._read_control(key.data)
+                    timeout = idle
+            events = self._selector.select(timeout=timeout)
+            for key, _ in events:
+                data = key.data
+                if data is None:
+                    self._accept()
+                elif data is _WAKE:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(64)
+                elif isinstance(data, _verbs.CompletionQueue):
+                    with self._lock:
+                        if data.take_event():
+                            self._armed.discard(data)
+                    busy = True
+                else:
+                    self._read_control(data)
                     busy = True
         except (OSError, ValueError, KeyError) as exc:
             if not self._stop.is_set():

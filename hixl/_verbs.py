@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import socket
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -103,6 +105,8 @@ WR_RDMA_WRITE_WITH_IMM = 1
 WR_SEND = 2
 WR_SEND_WITH_IMM = 3
 WR_RDMA_READ = 4
+_RDMA_OPCODES = frozenset((WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, WR_RDMA_READ))
+_SIGNALED = 2  # IBV_SEND_SIGNALED
 
 WC_OPCODE_RECV = 128
 WC_OPCODE_RECV_RDMA_WITH_IMM = 129
@@ -133,11 +137,16 @@ def _translate(op: str) -> Iterator[None]:
         yield
     except HixlError:
         raise
-    except PyverbsRDMAError as exc:
-        code = exc.error_code if exc.error_code != -1 else None
-        raise VerbsError(op, str(exc), code) from exc
     except PyverbsError as exc:
-        raise VerbsError(op, str(exc)) from exc
+        raise _verbs_error(op, exc) from exc
+
+
+def _verbs_error(op: str, exc: Exception) -> VerbsError:
+    """The :class:`VerbsError` for a pyverbs exception raised by ``op``."""
+    if isinstance(exc, PyverbsRDMAError):
+        code = exc.error_code if exc.error_code != -1 else None
+        return VerbsError(op, str(exc), code)
+    return VerbsError(op, str(exc))
 
 
 def _call(op: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
@@ -253,13 +262,28 @@ class Device:
         self._children.append(region)
         return region
 
-    def create_cq(self, depth: int) -> CompletionQueue:
-        """Create a completion queue with room for ``depth`` completions."""
+    def create_cq(self, depth: int, *, events: bool = False) -> CompletionQueue:
+        """Create a completion queue with room for ``depth`` completions.
+
+        With ``events``, the queue gets its own completion channel, and
+        :attr:`CompletionQueue.fd` is a non-blocking file descriptor that turns
+        readable when a completion arrives after :meth:`CompletionQueue.arm`.
+        Where the channel's descriptor cannot be found, ``fd`` is None and the
+        caller has to poll.
+        """
         self._check_open()
         depth = min(depth, self.caps.max_cqe)
-        with _translate(f"create_cq(cqe={depth})"):
-            cq = _cq.CQ(self._ctx, depth, None, None, 0)
-        wrapped = CompletionQueue(cq, depth)
+        channel, fd = (None, None)
+        if events:
+            channel, fd = _comp_channel(self._ctx)
+        try:
+            with _translate(f"create_cq(cqe={depth})"):
+                cq = _cq.CQ(self._ctx, depth, None, channel, 0)
+        except BaseException:
+            if channel is not None:
+                channel.close()
+            raise
+        wrapped = CompletionQueue(cq, depth, channel, fd)
         self._children.append(wrapped)
         return wrapped
 
@@ -458,10 +482,19 @@ _WC_WITH_IMM = 2  # ibv_wc_flags IBV_WC_WITH_IMM
 
 
 class CompletionQueue:
-    """A completion queue polled without blocking (callers back off with sleep)."""
+    """A completion queue, polled without blocking; optionally with completion events.
 
-    def __init__(self, cq: Any, depth: int) -> None:
+    ``fd`` (None without events) is the completion channel's descriptor: after
+    :meth:`arm`, the next completion makes it readable; :meth:`take_event` then
+    consumes that event, and the queue must be armed again for the next one.
+    Completions that were already queued when it was armed raise no event, so
+    poll once more after arming, before sleeping on ``fd``.
+    """
+
+    def __init__(self, cq: Any, depth: int, channel: Any = None, fd: int | None = None) -> None:
         self._cq = cq
+        self._channel = channel
+        self.fd = fd
         self.depth = depth
         self._closed = False
 
@@ -469,23 +502,47 @@ class CompletionQueue:
         """Return up to ``max_entries`` completions, possibly none.  Never blocks."""
         if self._closed:
             raise StateError("completion queue is closed")
-        with _translate("poll_cq"):
+        try:  # inline rather than _translate(): this runs for every completion
             n, wcs = self._cq.poll(max_entries)
+        except PyverbsError as exc:
+            raise _verbs_error("poll_cq", exc) from exc
         out = []
         for wc in wcs[:n]:
-            imm = int(wc.imm_data) if int(wc.wc_flags) & _WC_WITH_IMM else None
+            flags = wc.wc_flags
             out.append(
                 Completion(
-                    int(wc.wr_id),
-                    int(wc.status),
-                    int(wc.opcode),
-                    int(wc.byte_len),
-                    imm,
-                    int(wc.qp_num),
-                    int(wc.vendor_err),
+                    wc.wr_id,
+                    wc.status,
+                    wc.opcode,
+                    wc.byte_len,
+                    wc.imm_data if flags & _WC_WITH_IMM else None,
+                    wc.qp_num,
+                    wc.vendor_err,
                 )
             )
         return out
+
+    def arm(self) -> None:
+        """Ask for an event on ``fd`` at the next completion (``ibv_req_notify_cq``)."""
+        if self._closed:
+            raise StateError("completion queue is closed")
+        with _translate("req_notify_cq"):
+            self._cq.req_notify()
+
+    def take_event(self) -> bool:
+        """Consume and acknowledge one pending event; False when there was none.
+
+        Never blocks: the channel's descriptor is non-blocking.
+        """
+        if self._closed or self._channel is None:
+            return False
+        try:
+            self._channel.get_cq_event(self._cq)
+        except PyverbsError:
+            return False  # EAGAIN: nothing pending (a spurious wake-up)
+        with _translate("ack_cq_events"):
+            self._cq.ack_events(1)
+        return True
 
     def close(self) -> None:
         if self._closed:
@@ -493,6 +550,50 @@ class CompletionQueue:
         self._closed = True
         with _translate("destroy_cq"):
             self._cq.close()
+        if self._channel is not None:
+            with _translate("destroy_comp_channel"):
+                self._channel.close()
+
+
+_EVENT_FD_LINK = "anon_inode:[infinibandevent]"
+_channel_lock = threading.Lock()
+
+
+def _event_fds() -> set[int]:
+    """This process's open completion-channel descriptors (from /proc/self/fd)."""
+    out: set[int] = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == _EVENT_FD_LINK:
+                out.add(int(name))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _comp_channel(ctx: Any) -> tuple[Any, int | None]:
+    """A completion channel and its descriptor (set non-blocking), or (None, None).
+
+    pyverbs keeps the channel's ``fd`` to itself, so it is found as the one completion
+    channel descriptor that appeared while the channel was created.  Channels are
+    created under a lock so that two engines starting at once cannot confuse them.
+    """
+    with _channel_lock:
+        before = _event_fds()
+        with _translate("create_comp_channel"):
+            channel = _cq.CompChannel(ctx)
+        new = _event_fds() - before
+    if len(new) != 1:
+        log.debug("completion channel descriptor not found (%s); polling instead", new)
+        channel.close()
+        return None, None
+    fd = new.pop()
+    os.set_blocking(fd, False)
+    return channel, fd
 
 
 @dataclass(frozen=True, slots=True)
@@ -630,36 +731,55 @@ class QueuePair:
         with _translate("modify_qp(ERR)"):
             self._qp.modify(attr, _e.IBV_QP_STATE)
 
-    def post_send(self, requests: Sequence[SendRequest]) -> None:
-        """Post ``requests`` as one chain with a single ``ibv_post_send``."""
+    def post_send(self, requests: Sequence[SendRequest], signal_id: int | None = None) -> None:
+        """Post ``requests`` as one chain with a single ``ibv_post_send``.
+
+        With ``signal_id``, the last request is posted signaled with that
+        ``wr_id`` whatever its own ``wr_id``/``signaled`` say (how the engine
+        signals one request per chunk without copying it).
+        """
         if self._closed:
             raise StateError(f"queue pair {self.qpn:#x} is closed")
         if not requests:
             return
         keep: list[Any] = []  # pyverbs does not keep SGEs or next_wr alive
         nxt = None
-        with _translate("post_send"):
-            for req in reversed(requests):
-                sges = [_wr.SGE(a, n, k) for a, n, k in req.sges]
-                keep.extend(sges)
-                flags = _e.IBV_SEND_SIGNALED if req.signaled else 0
-                kwargs: dict[str, Any] = {}
-                if req.imm is not None:
-                    kwargs["imm_data"] = req.imm
-                w = _wr.SendWR(
-                    wr_id=req.wr_id,
-                    opcode=req.opcode,
-                    num_sge=len(sges),
-                    sg=sges or None,
-                    send_flags=flags,
-                    next_wr=nxt,
-                    **kwargs,
-                )
-                if req.opcode in (WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, WR_RDMA_READ):
+        sge_cls, wr_cls, rdma = _wr.SGE, _wr.SendWR, _RDMA_OPCODES
+        last = len(requests) - 1
+        try:  # inline rather than _translate(): this runs for every chunk
+            for i in range(last, -1, -1):
+                req = requests[i]
+                sges = [sge_cls(a, n, k) for a, n, k in req.sges]
+                keep.append(sges)
+                wr_id, signaled = req.wr_id, req.signaled
+                if i == last and signal_id is not None:
+                    wr_id, signaled = signal_id, True
+                if req.imm is None:
+                    w = wr_cls(
+                        wr_id=wr_id,
+                        opcode=req.opcode,
+                        num_sge=len(sges),
+                        sg=sges or None,
+                        send_flags=_SIGNALED if signaled else 0,
+                        next_wr=nxt,
+                    )
+                else:
+                    w = wr_cls(
+                        wr_id=wr_id,
+                        opcode=req.opcode,
+                        num_sge=len(sges),
+                        sg=sges or None,
+                        send_flags=_SIGNALED if signaled else 0,
+                        next_wr=nxt,
+                        imm_data=req.imm,
+                    )
+                if req.opcode in rdma:
                     w.set_wr_rdma(req.rkey, req.remote_addr)
                 keep.append(w)
                 nxt = w
             self._qp.post_send(nxt)
+        except PyverbsError as exc:
+            raise _verbs_error("post_send", exc) from exc
         del keep
 
     def post_recv(self, wr_id: int, sges: Sequence[tuple[int, int, int]]) -> None:
