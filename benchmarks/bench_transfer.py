@@ -706,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
         "--bytes",
         type=str,
         default=None,
-        help="bytes per bandwidth run: iterations = bytes/size in [5, max-iters] (default 2M)",
+        help="bytes per bandwidth run: iterations = bytes/size in [5, max-iters] (default 8M)",
     )
     ap.add_argument(
         "--lat-bytes", type=str, default=None, help="bytes per latency run, one way (default 512K)"
@@ -758,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
     args.repeat = args.repeat or (1 if args.quick else 3)
-    args.bytes = parse_sizes(args.bytes or ("1M" if args.quick else "2M"))[0]
+    args.bytes = parse_sizes(args.bytes or ("1M" if args.quick else "8M"))[0]
     args.lat_bytes = parse_sizes(args.lat_bytes or ("256K" if args.quick else "512K"))[0]
     kinds = [k for k in args.kinds.split(",") if k]
     if set(kinds) - set(KINDS):

@@ -1272,8 +1272,11 @@ class Engine:
             with self._lock:
                 if self._closed:
                     return False
-                busy |= self._poll_send()
-                busy |= self._poll_recv()
+                if self._event_cqs:
+                    busy = self._poll_events()
+                else:
+                    busy |= self._poll_send()
+                    busy |= self._poll_recv()
                 now = time.monotonic()
                 if now >= self._next_expiry_check:
                     self._expire(now)
@@ -1281,15 +1284,7 @@ class Engine:
                 if busy:
                     timeout = 0.0
                 elif self._event_cqs:
-                    # About to sleep: arm, then poll again, because what completed
-                    # before the arming raises no event.
-                    for cq in (self._send_cq, self._recv_cq):
-                        if cq not in self._armed:
-                            cq.arm()
-                            self._armed.add(cq)
-                    busy |= self._poll_send()
-                    busy |= self._poll_recv()
-                    timeout = 0.0 if busy else _SLEEP_PENDING if self._handles else _SLEEP_IDLE
+                    timeout = _SLEEP_PENDING if self._handles else _SLEEP_IDLE
                 else:
                     timeout = idle
             events = self._selector.select(timeout=timeout)
@@ -1313,6 +1308,24 @@ class Engine:
                 log.debug("progress loop: %s", exc)
         except HixlError as exc:
             log.warning("progress loop: %s", exc)
+        return busy
+
+    def _poll_events(self) -> bool:
+        """Poll the CQs that may hold something; arm those found empty.  True if any work.
+
+        An armed CQ whose event has not fired holds nothing new, so it is skipped.  One
+        found empty is armed and polled once more, for what completed before the arming.
+        """
+        busy = False
+        for cq, poll in ((self._send_cq, self._poll_send), (self._recv_cq, self._poll_recv)):
+            if cq in self._armed:
+                continue
+            got = poll()
+            if not got:
+                cq.arm()
+                self._armed.add(cq)
+                got = poll()
+            busy |= got
         return busy
 
     def _poll_send(self) -> bool:
