@@ -870,10 +870,10 @@ class Engine:
 
     def connection(self, peer: str) -> Connection:
         """The connection to ``peer``; :class:`ConnectionFailed` if there is none."""
-        with self._lock:
-            conn = self._conns.get(peer)
+        conn = self._conns.get(peer)  # one dict lookup is atomic: no lock on the hot path
         if conn is None:
-            known = sorted(self._conns)
+            with self._lock:
+                known = sorted(self._conns)
             raise ConnectionFailed(f"not connected to {peer!r} (connected: {known})")
         return conn
 

@@ -754,25 +754,16 @@ class QueuePair:
                 wr_id, signaled = req.wr_id, req.signaled
                 if i == last and signal_id is not None:
                     wr_id, signaled = signal_id, True
-                if req.imm is None:
-                    w = wr_cls(
-                        wr_id=wr_id,
-                        opcode=req.opcode,
-                        num_sge=len(sges),
-                        sg=sges or None,
-                        send_flags=_SIGNALED if signaled else 0,
-                        next_wr=nxt,
-                    )
-                else:
-                    w = wr_cls(
-                        wr_id=wr_id,
-                        opcode=req.opcode,
-                        num_sge=len(sges),
-                        sg=sges or None,
-                        send_flags=_SIGNALED if signaled else 0,
-                        next_wr=nxt,
-                        imm_data=req.imm,
-                    )
+                w = wr_cls(
+                    wr_id=wr_id,
+                    opcode=req.opcode,
+                    num_sge=len(sges),
+                    sg=sges or None,
+                    send_flags=_SIGNALED if signaled else 0,
+                    next_wr=nxt,
+                )
+                if req.imm is not None:
+                    w.imm_data = req.imm
                 if req.opcode in rdma:
                     w.set_wr_rdma(req.rkey, req.remote_addr)
                 keep.append(w)
