@@ -112,6 +112,7 @@ _SLEEP_PENDING = 0.02  # with completion events: longest sleep while transfers a
 _SLEEP_IDLE = 0.1  # ... and with nothing pending
 _PLAN_CACHE = 512  # planned (descriptor pair, region sizes) kept per engine
 _WAKE = object()  # selector key data of the socket that wakes the progress thread
+_handle_lock = threading.Lock()  # orders a handle's finish against a waiter making its Event
 
 
 class Access(enum.IntFlag):
@@ -239,7 +240,7 @@ class TransferHandle:
         self.deadline = deadline
         self._status = TransferStatus.PENDING
         self._error: HixlError | None = None
-        self._event = threading.Event()
+        self._event: threading.Event | None = None  # made by the first wait() that sleeps
         self._chunks_left = 0
 
     @property
@@ -262,24 +263,34 @@ class TransferHandle:
         raises :class:`TransferTimeout` and the transfer goes on.  The transfer
         has its own deadline, after which it fails on its own.
         """
-        # One second of grace past the deadline, for the progress thread to fail it.
-        own_limit = self.deadline - time.monotonic() + 1.0
-        limit = own_limit if timeout is None else min(own_limit, timeout)
-        if not self._event.wait(max(0.0, limit)):
-            waited = "past its deadline" if limit == own_limit else f"after {timeout} s"
-            raise TransferTimeout(
-                f"transfer to {self.peer} still pending {waited} "
-                f"({self.nbytes} bytes, {self.num_wrs} work requests)"
-            )
+        event = None
+        with _handle_lock:  # most handles are done before anyone waits: no Event for them
+            if self._status is TransferStatus.PENDING:
+                if self._event is None:
+                    self._event = threading.Event()
+                event = self._event
+        if event is not None:
+            # One second of grace past the deadline, for the progress thread to fail it.
+            own_limit = self.deadline - time.monotonic() + 1.0
+            limit = own_limit if timeout is None else min(own_limit, timeout)
+            if not event.wait(max(0.0, limit)):
+                waited = "past its deadline" if limit == own_limit else f"after {timeout} s"
+                raise TransferTimeout(
+                    f"transfer to {self.peer} still pending {waited} "
+                    f"({self.nbytes} bytes, {self.num_wrs} work requests)"
+                )
         if self._error is not None:
             raise self._error
 
     def _finish(self, error: HixlError | None) -> None:
-        if self._status is not TransferStatus.PENDING:
-            return
-        self._error = error
-        self._status = TransferStatus.DONE if error is None else TransferStatus.FAILED
-        self._event.set()
+        with _handle_lock:
+            if self._status is not TransferStatus.PENDING:
+                return
+            self._error = error
+            self._status = TransferStatus.DONE if error is None else TransferStatus.FAILED
+            event = self._event
+        if event is not None:
+            event.set()
 
     def __repr__(self) -> str:
         return (

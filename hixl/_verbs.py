@@ -107,6 +107,7 @@ WR_SEND_WITH_IMM = 3
 WR_RDMA_READ = 4
 _RDMA_OPCODES = frozenset((WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, WR_RDMA_READ))
 _SIGNALED = 2  # IBV_SEND_SIGNALED
+_WR_CACHE = 256  # pyverbs work requests a queue pair keeps for reuse
 
 WC_OPCODE_RECV = 128
 WC_OPCODE_RECV_RDMA_WITH_IMM = 129
@@ -630,6 +631,7 @@ class QueuePair:
         self.qpn = int(qp.qp_num)
         self.max_send_wr = max_send_wr
         self.max_send_sge = max_send_sge
+        self._wr_cache: dict[tuple[Any, ...], tuple[Any, list[Any]]] = {}
         self._closed = False
 
     def __repr__(self) -> str:
@@ -742,6 +744,9 @@ class QueuePair:
             raise StateError(f"queue pair {self.qpn:#x} is closed")
         if not requests:
             return
+        if len(requests) == 1 and requests[0].imm is None:
+            self._post_one(requests[0], signal_id)
+            return
         keep: list[Any] = []  # pyverbs does not keep SGEs or next_wr alive
         nxt = None
         sge_cls, wr_cls, rdma = _wr.SGE, _wr.SendWR, _RDMA_OPCODES
@@ -773,6 +778,34 @@ class QueuePair:
             raise _verbs_error("post_send", exc) from exc
         del keep
 
+    def _post_one(self, req: SendRequest, signal_id: int | None) -> None:
+        """Post one request, reusing the pyverbs work request built for the same values.
+
+        A work request is fully determined by its opcode, SGEs and remote address and
+        key, and ``ibv_post_send`` copies it into the send queue, so one pyverbs
+        ``SendWR`` per such key serves every later post of it, with only ``wr_id`` and
+        the flags set anew.  Callers post under one lock (the engine's), never at once.
+        """
+        key = (req.opcode, tuple(req.sges), req.remote_addr, req.rkey)
+        try:
+            entry = self._wr_cache.get(key)
+            if entry is None:
+                sges = [_wr.SGE(a, n, k) for a, n, k in req.sges]
+                w = _wr.SendWR(opcode=req.opcode, num_sge=len(sges), sg=sges or None)
+                if req.opcode in _RDMA_OPCODES:
+                    w.set_wr_rdma(req.rkey, req.remote_addr)
+                if len(self._wr_cache) >= _WR_CACHE:
+                    self._wr_cache.clear()
+                entry = self._wr_cache[key] = (w, sges)
+            w = entry[0]
+            if signal_id is None:
+                w.wr_id, w.send_flags = req.wr_id, _SIGNALED if req.signaled else 0
+            else:
+                w.wr_id, w.send_flags = signal_id, _SIGNALED
+            self._qp.post_send(w)
+        except PyverbsError as exc:
+            raise _verbs_error("post_send", exc) from exc
+
     def post_recv(self, wr_id: int, sges: Sequence[tuple[int, int, int]]) -> None:
         """Post one receive work request (pyverbs requires at least one SGE)."""
         if self._closed:
@@ -787,6 +820,7 @@ class QueuePair:
         if self._closed:
             return
         self._closed = True
+        self._wr_cache.clear()
         with _translate("destroy_qp"):
             self._qp.close()
 
