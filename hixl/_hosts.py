@@ -10,12 +10,12 @@ I/O). Host ``i`` is named ``host<i>``, gets the NIC ``52:54:00:88:00:<i+1>`` wit
 * ``HIXL_PEER_ADDRS`` (the other hosts' IPv4s, comma separated, in index order),
 * ``HIXL_HOST_NETDEV`` (the guest's interface name, set by the guest agent).
 
-Two hosts are joined by a QEMU socket pair on 127.0.0.1: host0's QEMU listens, host1's
-connects (the runner starts host1 once host0's QEMU listens). Every frame one guest
-sends is delivered to the other as is, so the RoCEv2 packets cross a real (virtual)
-Ethernet between two kernels: MTU, ARP, GIDs and routing are the real ones, and a guest
-whose VM is cut off (:func:`vanish`) is gone without a TCP FIN, as a crashed machine
-would be.
+Two hosts are joined by a pair of QEMU UDP socket netdevs on 127.0.0.1: each QEMU
+sends every frame as one datagram to the other's port. The RoCEv2 packets cross a real
+(virtual) Ethernet between two kernels: MTU, ARP, GIDs and routing are the real ones, and
+a guest whose VM is cut off (:func:`vanish`) is gone without a TCP FIN, as a crashed
+machine would be. Datagrams never block either QEMU (a TCP pair did: see
+:class:`~hixl._vm.GuestNet`); one that finds no room is dropped, as on a congested wire.
 
 Three or more hosts connect each to its own port of a :class:`FrameHub`, a thread in
 the runner that copies every frame to all the other hosts (an Ethernet hub: QEMU's
@@ -103,8 +103,9 @@ def plan_hosts(
 ) -> list[GuestSpec]:
     """The guests for a multi-host run: ``commands[i]`` runs on host ``i``.
 
-    ``port`` is the 127.0.0.1 TCP port of the QEMU socket pair (two hosts), or, for more
-    hosts, the frame hub's ports: one per host, or the first of consecutive ones;
+    ``port`` is, for two hosts, the first of their two 127.0.0.1 UDP ports (host ``i``
+    receives on ``port + i``) or the two ports; for more hosts, the frame hub's TCP
+    ports: one per host, or the first of consecutive ones;
     ``mtus`` is empty (1500),
     one MTU for all hosts, or one per host; ``env`` is added to every command's
     environment. Raises :class:`ArgumentError` for a bad count, command or MTU.
@@ -120,11 +121,11 @@ def plan_hosts(
         if not 576 <= m <= 9000:
             raise ArgumentError(f"host {i} MTU {m} out of range (576..9000)")
     if isinstance(port, int):
-        ports = [port] * count if count == 2 else [port + i for i in range(count)]
-    elif len(port) == count and count > 2:
+        ports = [port + i for i in range(count)]
+    elif len(port) == count:
         ports = list(port)
     else:
-        raise ArgumentError(f"give one port per host for a hub: {count} hosts, ports {port}")
+        raise ArgumentError(f"give one port per host: {count} hosts, ports {port}")
     specs = []
     addrs = [host_address(i) for i in range(count)]
     for i, cmd in enumerate(commands):
@@ -136,8 +137,9 @@ def plan_hosts(
             HIXL_PEER_ADDRS=",".join(a for j, a in enumerate(addrs) if j != i),
         )
         net = GuestNet(
-            role="listen" if i == 0 and count == 2 else "connect",
+            role="udp" if count == 2 else "connect",
             port=ports[i],
+            peer_port=ports[1 - i] if count == 2 else 0,
             mac=host_mac(i),
             address=f"{addrs[i]}/{PREFIX_LEN}",
             mtu=mtu[i],
@@ -146,9 +148,9 @@ def plan_hosts(
     return specs
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
+def free_udp_port() -> int:
+    """A UDP port on 127.0.0.1 that nothing is bound to right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
@@ -278,7 +280,10 @@ def run_hosts(
     """
     hub = FrameHub(len(commands)) if len(commands) > 2 else None
     specs = plan_hosts(
-        commands, port=hub.ports if hub is not None else free_port(), mtus=mtus, env=env
+        commands,
+        port=hub.ports if hub is not None else [free_udp_port(), free_udp_port()],
+        mtus=mtus,
+        env=env,
     )
     t0 = time.monotonic()
     try:

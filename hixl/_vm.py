@@ -76,10 +76,17 @@ class VMConfig:
 
 @dataclass(frozen=True, slots=True)
 class GuestNet:
-    """A virtual NIC joining guests over a QEMU socket on loopback.
+    """A virtual NIC joining guests over a QEMU socket netdev on loopback.
 
-    ``role`` is ``listen`` or ``connect``; ``address`` is the guest's IPv4/prefix.
-    A ``connect`` guest is only started once the ``listen`` side's QEMU accepts.
+    ``role`` is ``udp`` (datagrams from 127.0.0.1:``port`` to 127.0.0.1:``peer_port``),
+    or ``listen``/``connect`` (a TCP stream; a ``connect`` guest is only started once
+    the ``listen`` side's QEMU accepts). ``address`` is the guest's IPv4/prefix.
+
+    Two guests use ``udp``: neither QEMU can ever block on the other. Over TCP, the
+    accepting QEMU's socket is a blocking one, so a peer guest that stops draining its
+    NIC (link down, shutting down) stalls that QEMU's main loop and freezes its guest.
+    A datagram that finds no room is dropped instead, as a frame on a congested wire
+    would be, and RC retransmits it.
     """
 
     role: str
@@ -87,22 +94,28 @@ class GuestNet:
     mac: str
     address: str
     mtu: int = 1500
+    peer_port: int = 0
 
     def __post_init__(self) -> None:
-        if self.role not in ("listen", "connect"):
-            raise VMError(f"GuestNet role must be listen or connect, not {self.role!r}")
-        if not 0 < self.port < 65536:
-            raise VMError(f"GuestNet port out of range: {self.port}")
+        if self.role not in ("udp", "listen", "connect"):
+            raise VMError(f"GuestNet role must be udp, listen or connect, not {self.role!r}")
+        for name, port in (("port", self.port), ("peer_port", self.peer_port)):
+            if not 0 < port < 65536 and (name == "port" or self.role == "udp"):
+                raise VMError(f"GuestNet {name} out of range: {port}")
         if not 68 <= self.mtu <= 65535:
             raise VMError(f"GuestNet mtu out of range: {self.mtu} (68..65535)")
         if not re.fullmatch(r"([0-9a-f]{2}:){5}[0-9a-f]{2}", self.mac):
             raise VMError(f"GuestNet mac must be lower-case aa:bb:cc:dd:ee:ff, not {self.mac!r}")
 
     def qemu_opts(self) -> str:
-        return (
-            f"-netdev socket,id=hx0,{self.role}=127.0.0.1:{self.port} "
-            f"-device virtio-net-pci,netdev=hx0,mac={self.mac}"
-        )
+        if self.role == "udp":
+            netdev = (
+                f"-netdev socket,id=hx0,udp=127.0.0.1:{self.peer_port},"
+                f"localaddr=127.0.0.1:{self.port}"
+            )
+        else:
+            netdev = f"-netdev socket,id=hx0,{self.role}=127.0.0.1:{self.port}"
+        return f"{netdev} -device virtio-net-pci,netdev=hx0,mac={self.mac}"
 
 
 @dataclass(frozen=True, slots=True)

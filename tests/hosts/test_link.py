@@ -70,12 +70,11 @@ def test_long_outage_fails_then_reconnect_works(
         engine.put(peer_id, region, "flap2-dst", timeout=deadline_s)
     took = time.monotonic() - t0
     print(f"put with host1's link down failed after {took:.2f} s: {err.value!r}")
-    # Measured: 3.02 s in some runs; in others (2 of 4) the put only returned when the
-    # link came back, ~10.5 s in, with the handle's own "still pending" error: the
-    # engine's deadline did not fire during the outage. That is an engine matter; this
-    # test holds the contract that matters here (a defined error, no hang, a working
-    # reconnect) and prints which case it saw.
-    assert deadline_s - 0.1 < took < down_s + 5.0
+    # The deadline is hard: the engine fails the put itself (not the handle's one-second
+    # grace). Runs on the old TCP wire sometimes took ~10.5 s here: host0's whole VM froze
+    # while host1's link was down (its QEMU blocked sending to host1's), see GuestNet.
+    assert deadline_s - 0.1 < took < deadline_s + 1.0
+    assert "did not complete within its deadline" in str(err.value)
     # The put's error is raised as its handle fails; the connection is marked FAILED in
     # the same progress round, which may be a moment later from this thread's view.
     until = time.monotonic() + 2.0

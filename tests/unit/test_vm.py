@@ -46,18 +46,21 @@ def test_two_hosts_get_addresses_macs_roles_and_env() -> None:
     assert all(n is not None for n in nets)
     n0, n1 = (n for n in nets if n is not None)
     assert (n0.role, n0.address, n0.mac, n0.mtu) == (
-        "listen",
+        "udp",
         "10.88.0.1/24",
         "52:54:00:88:00:01",
         1500,
     )
     assert (n1.role, n1.address, n1.mac, n1.mtu) == (
-        "connect",
+        "udp",
         "10.88.0.2/24",
         "52:54:00:88:00:02",
         9000,
     )
-    assert n0.port == n1.port == 4321
+    # Each receives on its own port and sends to the other's.
+    assert (n0.port, n0.peer_port, n1.port, n1.peer_port) == (4321, 4322, 4322, 4321)
+    pair = plan_hosts([["a"], ["b"]], port=[7, 3])
+    assert [(n.port, n.peer_port) for n in (s.net for s in pair) if n] == [(7, 3), (3, 7)]
     assert specs[0].env == {
         "X": "y",
         "HIXL_HOST_INDEX": "0",
@@ -106,13 +109,21 @@ def test_qemu_options_of_a_nic() -> None:
         "-netdev socket,id=hx0,connect=127.0.0.1:5555 "
         "-device virtio-net-pci,netdev=hx0,mac=52:54:00:88:00:02"
     )
+    udp = GuestNet(
+        role="udp", port=5001, peer_port=5000, mac="52:54:00:88:00:02", address="10.88.0.2/24"
+    )
+    assert udp.qemu_opts() == (
+        "-netdev socket,id=hx0,udp=127.0.0.1:5000,localaddr=127.0.0.1:5001 "
+        "-device virtio-net-pci,netdev=hx0,mac=52:54:00:88:00:02"
+    )
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"role": "bind"}, "role must be listen or connect"),
+        ({"role": "bind"}, "role must be udp, listen or connect"),
         ({"port": 0}, "port out of range: 0"),
+        ({"role": "udp"}, "peer_port out of range: 0"),
         ({"mtu": 70000}, "mtu out of range: 70000"),
         ({"mac": "52:54:00:88:00:0G"}, "mac must be"),
     ],
