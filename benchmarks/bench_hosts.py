@@ -8,8 +8,8 @@ in flight (perftest's default tx depth is 128), timed from the first post to the
 completion. The table gives medians over the repeats and hixl / ib_write_bw.
 
 Caveat: with one vCPU per host, ``ib_write_bw``'s client spins on its CQ and so takes
-the CPU from rxe's own kernel work on the same vCPU, while hixl's progress thread backs
-off to short sleeps when idle. (``ib_write_bw -e``, which sleeps on CQ events, left its
+the CPU from rxe's own kernel work on the same vCPU, while hixl's progress thread sleeps
+on completion events. (``ib_write_bw -e``, which sleeps on CQ events, left its
 server hanging on rxe here, so the tool runs in its default polling mode.)
 
 Both tools cross the same wire in the same boot, so their ratio is meaningful even
