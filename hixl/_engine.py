@@ -322,6 +322,7 @@ class Connection:
         self.outbound = outbound
         self.state = ConnState.CONNECTING
         self.failure: str | None = None
+        self._sent_regions: tuple[RemoteRegion, ...] = ()  # what our handshake message carried
         self.mtu = 0
         self._remote: tuple[RemoteRegion, ...] = ()
         dev = engine._dev
@@ -408,6 +409,7 @@ class Connection:
 
     def _local_info(self, cls: type[_QI], proof: bytes) -> _QI:
         dev = self._engine._dev
+        self._sent_regions = self._engine._exposed()
         return cls(
             proof=proof,
             qpn=self.qpn,
@@ -417,7 +419,7 @@ class Connection:
             max_sge=dev.caps.max_sge,
             recv_slots=_RECV_SLOTS,
             recv_slot_size=_NOTIFY_SLOT,
-            regions=self._engine._exposed(),
+            regions=self._sent_regions,
         )
 
     def _establish(self, remote: _wire.QpInfo) -> None:
@@ -814,6 +816,10 @@ class Engine:
         self._selector.register(chan.sock, selectors.EVENT_READ, conn)
         for msg in chan.pending:
             self._on_control(conn, msg)
+        # Regions registered or released since the handshake carried ours were announced
+        # only to live connections, which this one was not yet: tell the peer now.
+        if self._exposed() != conn._sent_regions:
+            self._send_control(conn, _wire.encode(_wire.Regions(regions=self._exposed())))
 
     def _serve_handshake(self, sock: socket.socket, addr: Any) -> None:
         """Server side of the handshake, in its own short-lived thread."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
+from hixl import _engine, _wire
 from hixl._descriptors import BlockListDesc, ContiguousDesc, StridedDesc
 from hixl._engine import Access, ConnState, Engine, TransferRequest, TransferStatus
 from hixl._errors import (
@@ -311,3 +313,35 @@ def test_unclosed_engine_warns_and_is_closed_when_collected() -> None:
             time.sleep(0.05)
     thread.join(10)
     assert not thread.is_alive()
+
+
+def test_region_registered_during_the_handshake_reaches_the_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A region registered after the server's ACCEPT went out but before it adopted the
+    connection is announced once the connection is live (live connections alone get
+    announcements, and this one was not yet)."""
+    server = Engine(f"127.0.0.1:{free_port()}")
+    client = Engine("127.0.0.1:0")
+    late = np.zeros(4096, np.uint8)
+    expect = _engine._Channel.expect
+
+    def register_then_expect(chan: Any, kind: Any, deadline: float) -> Any:
+        if kind is _wire.Ready:  # server side, ACCEPT already sent
+            server.register(late, access=Access.REMOTE_WRITE, name="late")
+        return expect(chan, kind, deadline)
+
+    monkeypatch.setattr(_engine._Channel, "expect", register_then_expect)
+    try:
+        client.connect(server.id, timeout=30.0)
+        conn = client.connection(server.id)
+        deadline = time.monotonic() + 10.0
+        while not any(r.name == "late" for r in conn.remote_regions):
+            assert time.monotonic() < deadline, conn.remote_regions
+            time.sleep(0.01)
+        src = np.full(4096, 7, np.uint8)
+        client.put(server.id, client.register(src), "late", timeout=30.0)
+        assert np.array_equal(late, src)
+    finally:
+        client.close()
+        server.close()
