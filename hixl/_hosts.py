@@ -10,21 +10,20 @@ I/O). Host ``i`` is named ``host<i>``, gets the NIC ``52:54:00:88:00:<i+1>`` wit
 * ``HIXL_PEER_ADDRS`` (the other hosts' IPv4s, comma separated, in index order),
 * ``HIXL_HOST_NETDEV`` (the guest's interface name, set by the guest agent).
 
-Two hosts are joined by a pair of QEMU UDP socket netdevs on 127.0.0.1: each QEMU
-sends every frame as one datagram to the other's port. The RoCEv2 packets cross a real
-(virtual) Ethernet between two kernels: MTU, ARP, GIDs and routing are the real ones, and
-a guest whose VM is cut off (:func:`vanish`) is gone without a TCP FIN, as a crashed
-machine would be. Datagrams never block either QEMU (a TCP pair did: see
-:class:`~hixl._vm.GuestNet`); one that finds no room is dropped, as on a congested wire.
-
-Three or more hosts connect each to its own port of a :class:`FrameHub`, a thread in
-the runner that copies every frame to all the other hosts (an Ethernet hub: QEMU's
-stream format is a 4-byte big-endian length, then the frame).
+Every host's QEMU has a UDP socket netdev on its own 127.0.0.1 port. Two hosts send
+their frames to each other's port; three or more send them to their own port of a
+:class:`FrameHub`, a thread in the runner that passes every datagram on to all the
+other hosts (an Ethernet hub). Each frame one guest sends arrives at the others as is,
+so the RoCEv2 packets cross a real (virtual) Ethernet between kernels: MTU, ARP, GIDs
+and routing are the real ones, and a guest whose VM is cut off (:func:`vanish`) is gone
+without a TCP FIN, as a crashed machine would be. Datagrams never block a QEMU or the
+hub (see :class:`~hixl._vm.GuestNet`); one that finds no room is dropped, as on a
+congested wire.
 
 :func:`run_hosts` boots them all with :func:`hixl._vm.run_guests` (same deadlines,
 output prefixed per host, all VMs killed at the end); the run fails when any host's
 command fails. A host that is *meant* to disappear calls :func:`vanish`, which leaves a
-note for the runner and powers the guest off at once; the runner reports it as exit 0.
+note for the runner; the runner kills that guest's VM at once and reports it as exit 0.
 
 Inside a host, :class:`HostEnv` reads the variables above and :class:`Control` is a
 small JSON-lines channel over TCP for one host to drive another (tests, benchmarks),
@@ -51,7 +50,6 @@ from hixl._vm import VANISHED, GuestNet, GuestSpec, VMConfig, run_guests
 __all__ = [
     "SUBNET",
     "Control",
-    "FrameDecoder",
     "FrameHub",
     "HostEnv",
     "host_address",
@@ -97,18 +95,19 @@ def _mtus(count: int, mtus: Sequence[int]) -> list[int]:
 def plan_hosts(
     commands: Sequence[Sequence[str]],
     *,
-    port: int | Sequence[int],
+    ports: int | Sequence[int],
+    hub_ports: Sequence[int] = (),
     mtus: Sequence[int] = (),
     env: Mapping[str, str] | None = None,
 ) -> list[GuestSpec]:
     """The guests for a multi-host run: ``commands[i]`` runs on host ``i``.
 
-    ``port`` is, for two hosts, the first of their two 127.0.0.1 UDP ports (host ``i``
-    receives on ``port + i``) or the two ports; for more hosts, the frame hub's TCP
-    ports: one per host, or the first of consecutive ones;
-    ``mtus`` is empty (1500),
-    one MTU for all hosts, or one per host; ``env`` is added to every command's
-    environment. Raises :class:`ArgumentError` for a bad count, command or MTU.
+    ``ports`` are the hosts' own 127.0.0.1 UDP ports (one per host, or the first of
+    consecutive ones). Two hosts send to each other's port; more hosts need
+    ``hub_ports`` (a :class:`FrameHub`'s, one per host) and send there. ``mtus`` is
+    empty (1500), one MTU for all hosts, or one per host; ``env`` is added to every
+    command's environment. Raises :class:`ArgumentError` for a bad count, command, MTU
+    or port list.
     """
     count = len(commands)
     if not 2 <= count <= MAX_HOSTS:
@@ -120,12 +119,17 @@ def plan_hosts(
     for i, m in enumerate(mtu):
         if not 576 <= m <= 9000:
             raise ArgumentError(f"host {i} MTU {m} out of range (576..9000)")
-    if isinstance(port, int):
-        ports = [port + i for i in range(count)]
-    elif len(port) == count:
-        ports = list(port)
+    own = [ports + i for i in range(count)] if isinstance(ports, int) else list(ports)
+    if len(own) != count:
+        raise ArgumentError(f"give one port per host: {count} hosts, ports {list(own)}")
+    if count == 2 and not hub_ports:
+        peer = [own[1], own[0]]
+    elif len(hub_ports) == count:
+        peer = list(hub_ports)
     else:
-        raise ArgumentError(f"give one port per host: {count} hosts, ports {port}")
+        raise ArgumentError(
+            f"{count} hosts need a hub with one port per host, got hub ports {list(hub_ports)}"
+        )
     specs = []
     addrs = [host_address(i) for i in range(count)]
     for i, cmd in enumerate(commands):
@@ -137,9 +141,8 @@ def plan_hosts(
             HIXL_PEER_ADDRS=",".join(a for j, a in enumerate(addrs) if j != i),
         )
         net = GuestNet(
-            role="udp" if count == 2 else "connect",
-            port=ports[i],
-            peer_port=ports[1 - i] if count == 2 else 0,
+            port=own[i],
+            peer_port=peer[i],
             mac=host_mac(i),
             address=f"{addrs[i]}/{PREFIX_LEN}",
             mtu=mtu[i],
@@ -155,111 +158,66 @@ def free_udp_port() -> int:
         return int(s.getsockname()[1])
 
 
-class FrameDecoder:
-    """Splits QEMU's socket-netdev stream (4-byte big-endian length, frame) into records.
-
-    Pure: :meth:`feed` takes bytes and returns the complete records (length prefix
-    included, ready to forward as they are). A length of 0 or above 65535 means the
-    stream is not what QEMU sends: :class:`HixlError`.
-    """
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, data: bytes) -> list[bytes]:
-        self._buf += data
-        out = []
-        while len(self._buf) >= 4:
-            n = int.from_bytes(self._buf[:4], "big")
-            if not 0 < n <= 65535:
-                raise HixlError(f"frame hub: bad frame length {n} in the QEMU stream")
-            if len(self._buf) < 4 + n:
-                break
-            out.append(self._buf[: 4 + n])
-            self._buf = self._buf[4 + n :]
-        return out
-
-
 class FrameHub:
-    """An Ethernet hub for QEMU socket netdevs: one 127.0.0.1 port per host.
+    """An Ethernet hub for QEMU UDP socket netdevs on 127.0.0.1.
 
-    Each host's QEMU connects to its port (once); every frame a host sends goes to every
-    other connected host. A host that disconnects (powered off) is dropped; the others
-    go on. Runs in a daemon thread until :meth:`close`.
+    Host ``i``'s QEMU sends its frames to ``ports[i]``; the hub passes each datagram on
+    to every other host's own port (``host_ports``). It never blocks: a datagram that
+    finds a full socket buffer is dropped (counted in :attr:`dropped`), as a frame on a
+    congested switch port would be, so no host can stall the others. Runs in a daemon
+    thread until :meth:`close`.
     """
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, host_ports: Sequence[int]) -> None:
         import selectors
         import threading
 
         self._sel = selectors.DefaultSelector()
-        self._listeners: list[socket.socket] = []
-        self._peers: dict[socket.socket, FrameDecoder] = {}
-        for _ in range(count):
-            srv = socket.create_server(("127.0.0.1", 0))
-            srv.setblocking(False)
-            self._listeners.append(srv)
-            self._sel.register(srv, 1)
-        self.ports = [int(s.getsockname()[1]) for s in self._listeners]
+        self._socks: list[socket.socket] = []
+        for _ in host_ports:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.bind(("127.0.0.1", 0))
+            sock.setblocking(False)
+            self._sel.register(sock, selectors.EVENT_READ, len(self._socks))
+            self._socks.append(sock)
+        self.ports = [int(s.getsockname()[1]) for s in self._socks]
+        self._dest = [("127.0.0.1", int(p)) for p in host_ports]
         self.frames = 0
         """Frames received from hosts so far (each goes to every other host)."""
+        self.dropped = 0
+        """Copies dropped because a host's socket had no room (or was gone)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hixl-frame-hub", daemon=True)
         self._thread.start()
 
-    @property
-    def connected(self) -> int:
-        """How many hosts are connected right now."""
-        return len(self._peers)
-
     def _run(self) -> None:
         while not self._stop.is_set():
             for key, _ in self._sel.select(timeout=0.2):
-                sock = key.fileobj
-                assert isinstance(sock, socket.socket)
-                if sock in self._listeners:
-                    with contextlib.suppress(OSError):
-                        conn, _ = sock.accept()
-                        conn.setblocking(True)
-                        self._peers[conn] = FrameDecoder()
-                        self._sel.register(conn, 1)
-                    continue
-                self._relay(sock)
+                self._relay(key.data)
 
-    def _relay(self, sock: socket.socket) -> None:
-        try:
-            data = sock.recv(262144)
-            records = self._peers[sock].feed(data) if data else None
-        except (OSError, HixlError):
-            records = None
-        if records is None:
-            self._drop(sock)
-            return
-        self.frames += len(records)
-        for other in list(self._peers):
-            if other is sock:
-                continue
+    def _relay(self, src: int) -> None:
+        while True:
             try:
-                for record in records:
-                    other.sendall(record)
-            except OSError:
-                self._drop(other)
-
-    def _drop(self, sock: socket.socket) -> None:
-        self._peers.pop(sock, None)
-        with contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(sock)
-        sock.close()
+                frame = self._socks[src].recv(65536)
+            except OSError:  # drained (BlockingIOError), or an ICMP error to ignore
+                return
+            self.frames += 1
+            for dst, sock in enumerate(self._socks):
+                if dst == src:
+                    continue
+                try:
+                    sock.sendto(frame, self._dest[dst])
+                except OSError:
+                    self.dropped += 1
 
     def close(self) -> None:
-        """Stop the hub and close every socket; safe to call twice."""
+        """Stop the hub and close its sockets; safe to call twice."""
         self._stop.set()
         self._thread.join(timeout=5.0)
-        for sock in [*self._peers, *self._listeners]:
+        for sock in self._socks:
             with contextlib.suppress(OSError):
                 sock.close()
-        self._peers.clear()
-        self._listeners.clear()
+        self._socks.clear()
         with contextlib.suppress(Exception):
             self._sel.close()
 
@@ -278,12 +236,10 @@ def run_hosts(
     end. Raises :class:`VMError` on a boot failure or when ``cfg.timeout`` passes (all
     VMs are killed either way).
     """
-    hub = FrameHub(len(commands)) if len(commands) > 2 else None
+    own = [free_udp_port() for _ in commands]
+    hub = FrameHub(own) if len(commands) > 2 else None
     specs = plan_hosts(
-        commands,
-        port=hub.ports if hub is not None else [free_udp_port(), free_udp_port()],
-        mtus=mtus,
-        env=env,
+        commands, ports=own, hub_ports=hub.ports if hub is not None else (), mtus=mtus, env=env
     )
     t0 = time.monotonic()
     try:
@@ -291,7 +247,11 @@ def run_hosts(
     finally:
         if hub is not None:
             hub.close()
-            print(f"hixl vm hosts: the frame hub relayed {hub.frames} frames", file=sys.stderr)
+            print(
+                f"hixl vm hosts: the frame hub relayed {hub.frames} frames "
+                f"({hub.dropped} copies dropped)",
+                file=sys.stderr,
+            )
     took = time.monotonic() - t0
     for spec, code in zip(specs, codes, strict=True):
         assert spec.net is not None

@@ -76,31 +76,28 @@ class VMConfig:
 
 @dataclass(frozen=True, slots=True)
 class GuestNet:
-    """A virtual NIC joining guests over a QEMU socket netdev on loopback.
+    """A virtual NIC on a UDP socket netdev on loopback: the guest's link to the others.
 
-    ``role`` is ``udp`` (datagrams from 127.0.0.1:``port`` to 127.0.0.1:``peer_port``),
-    or ``listen``/``connect`` (a TCP stream; a ``connect`` guest is only started once
-    the ``listen`` side's QEMU accepts). ``address`` is the guest's IPv4/prefix.
+    QEMU receives the guest's frames on 127.0.0.1:``port`` and sends each frame the guest
+    transmits as one datagram to 127.0.0.1:``peer_port`` (the other host's port, or a
+    :class:`hixl._hosts.FrameHub` port). ``address`` is the guest's IPv4/prefix.
 
-    Two guests use ``udp``: neither QEMU can ever block on the other. Over TCP, the
-    accepting QEMU's socket is a blocking one, so a peer guest that stops draining its
-    NIC (link down, shutting down) stalls that QEMU's main loop and freezes its guest.
-    A datagram that finds no room is dropped instead, as a frame on a congested wire
+    Why datagrams: no QEMU can ever block on another. Over a TCP socket pair the
+    accepting QEMU's socket is a blocking one, so a peer guest that stopped draining its
+    NIC (link down, shutting down) stalled that QEMU's main loop and froze its guest. A
+    datagram that finds no room is dropped instead, as a frame on a congested wire
     would be, and RC retransmits it.
     """
 
-    role: str
     port: int
+    peer_port: int
     mac: str
     address: str
     mtu: int = 1500
-    peer_port: int = 0
 
     def __post_init__(self) -> None:
-        if self.role not in ("udp", "listen", "connect"):
-            raise VMError(f"GuestNet role must be udp, listen or connect, not {self.role!r}")
         for name, port in (("port", self.port), ("peer_port", self.peer_port)):
-            if not 0 < port < 65536 and (name == "port" or self.role == "udp"):
+            if not 0 < port < 65536:
                 raise VMError(f"GuestNet {name} out of range: {port}")
         if not 68 <= self.mtu <= 65535:
             raise VMError(f"GuestNet mtu out of range: {self.mtu} (68..65535)")
@@ -108,14 +105,11 @@ class GuestNet:
             raise VMError(f"GuestNet mac must be lower-case aa:bb:cc:dd:ee:ff, not {self.mac!r}")
 
     def qemu_opts(self) -> str:
-        if self.role == "udp":
-            netdev = (
-                f"-netdev socket,id=hx0,udp=127.0.0.1:{self.peer_port},"
-                f"localaddr=127.0.0.1:{self.port}"
-            )
-        else:
-            netdev = f"-netdev socket,id=hx0,{self.role}=127.0.0.1:{self.port}"
-        return f"{netdev} -device virtio-net-pci,netdev=hx0,mac={self.mac}"
+        return (
+            f"-netdev socket,id=hx0,udp=127.0.0.1:{self.peer_port},"
+            f"localaddr=127.0.0.1:{self.port} "
+            f"-device virtio-net-pci,netdev=hx0,mac={self.mac}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,23 +134,6 @@ STOPPED = 143
 #: purpose (:func:`hixl._hosts.vanish`): the runner kills the guest's QEMU at once and
 #: reports the guest as having exited 0.
 VANISHED = "vanished"
-
-
-def listening_ports(proc_net_tcp: str) -> set[int]:
-    """Local ports in LISTEN state on 127.0.0.1 or any address, from ``/proc/net/tcp`` text.
-
-    Used to start a ``connect`` guest only after its peer's QEMU listens, without
-    connecting to that socket (QEMU takes the first connection as its peer).
-    """
-    ports = set()
-    for line in proc_net_tcp.splitlines()[1:]:
-        fields = line.split()
-        if len(fields) < 4 or fields[3] != "0A":  # 0A = TCP_LISTEN
-            continue
-        addr, _, port = fields[1].partition(":")
-        if addr in ("0100007F", "00000000"):
-            ports.add(int(port, 16))
-    return ports
 
 
 def rxe_capable_kernels(
@@ -377,32 +354,6 @@ def _launch(
     return _Running(spec, proc, xdir, tails, console, time.monotonic())
 
 
-def _connects(spec: GuestSpec) -> bool:
-    return spec.net is not None and spec.net.role == "connect"
-
-
-def _wait_listening(port: int, listener: _Running, deadline: float) -> None:
-    """Wait until a QEMU listens on ``port`` (the ``listen`` side of a socket pair)."""
-    while True:
-        try:
-            text = Path("/proc/net/tcp").read_text()
-        except OSError as exc:
-            raise VMError(f"cannot read /proc/net/tcp to see QEMU listen: {exc}") from exc
-        if port in listening_ports(text):
-            return
-        if listener.proc.poll() is not None:
-            raise VMError(
-                f"guest {listener.spec.name} ended (qemu exit {listener.proc.returncode}) "
-                f"before listening on 127.0.0.1:{port}. Last console lines:\n"
-                f"{_console_tail(listener.console)}"
-            )
-        if time.monotonic() > deadline:
-            raise VMError(
-                f"guest {listener.spec.name}'s QEMU did not listen on 127.0.0.1:{port} in time"
-            )
-        time.sleep(0.1)
-
-
 def _save_logs(r: _Running, log_dir: Path) -> None:
     dest = log_dir / r.spec.name
     with contextlib.suppress(OSError):
@@ -450,27 +401,14 @@ def run_guests(specs: Sequence[GuestSpec], cfg: VMConfig | None = None) -> list[
     root = Path(tempfile.mkdtemp(prefix="hixl-vm-"))
     running: list[_Running] = []
     width = max(len(n) for n in names)
-    # Listeners first: a QEMU socket netdev in connect mode fails at once when nothing
-    # listens yet, so each connect guest starts after its listener's QEMU is up.
-    order = sorted(range(len(specs)), key=lambda i: _connects(specs[i]))
-    by_index: dict[int, _Running] = {}
-    listeners: dict[int, _Running] = {}
     start = time.monotonic()
     try:
-        for i in order:
-            spec = specs[i]
-            if spec.net is not None and _connects(spec):
-                listener = listeners.get(spec.net.port)
-                if listener is not None:
-                    _wait_listening(spec.net.port, listener, start + cfg.boot_timeout)
+        for i, spec in enumerate(specs):
             xdir = root / f"{i}-{spec.name}"
             xdir.mkdir()
             prefix = f"[{spec.name:<{width}}] " if len(specs) > 1 else ""
-            by_index[i] = _launch(spec, cfg, kernel, vng, kvm, xdir, prefix)
-            running.append(by_index[i])
-            if spec.net is not None and spec.net.role == "listen":
-                listeners[spec.net.port] = by_index[i]
-        return _supervise([by_index[i] for i in range(len(specs))], cfg, start)
+            running.append(_launch(spec, cfg, kernel, vng, kvm, xdir, prefix))
+        return _supervise(running, cfg, start)
     finally:
         for r in running:
             _kill_group(r.proc)

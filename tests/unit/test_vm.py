@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,6 @@ import pytest
 from hixl._errors import ArgumentError, HixlError, TransferTimeout, VMError
 from hixl._hosts import (
     Control,
-    FrameDecoder,
     FrameHub,
     HostEnv,
     align_clocks,
@@ -34,32 +32,29 @@ from hixl._vm import (
     _exit_status,
     _Running,
     _Tail,
-    listening_ports,
 )
 
 
-def test_two_hosts_get_addresses_macs_roles_and_env() -> None:
-    specs = plan_hosts([["a", "1"], ["b"]], port=4321, mtus=[1500, 9000], env={"X": "y"})
+def test_two_hosts_get_addresses_macs_ports_and_env() -> None:
+    specs = plan_hosts([["a", "1"], ["b"]], ports=4321, mtus=[1500, 9000], env={"X": "y"})
     assert [s.name for s in specs] == ["host0", "host1"]
     assert [s.command for s in specs] == [("a", "1"), ("b",)]
     nets = [s.net for s in specs]
     assert all(n is not None for n in nets)
     n0, n1 = (n for n in nets if n is not None)
-    assert (n0.role, n0.address, n0.mac, n0.mtu) == (
-        "udp",
+    assert (n0.address, n0.mac, n0.mtu) == (
         "10.88.0.1/24",
         "52:54:00:88:00:01",
         1500,
     )
-    assert (n1.role, n1.address, n1.mac, n1.mtu) == (
-        "udp",
+    assert (n1.address, n1.mac, n1.mtu) == (
         "10.88.0.2/24",
         "52:54:00:88:00:02",
         9000,
     )
     # Each receives on its own port and sends to the other's.
     assert (n0.port, n0.peer_port, n1.port, n1.peer_port) == (4321, 4322, 4322, 4321)
-    pair = plan_hosts([["a"], ["b"]], port=[7, 3])
+    pair = plan_hosts([["a"], ["b"]], ports=[7, 3])
     assert [(n.port, n.peer_port) for n in (s.net for s in pair) if n] == [(7, 3), (3, 7)]
     assert specs[0].env == {
         "X": "y",
@@ -72,11 +67,11 @@ def test_two_hosts_get_addresses_macs_roles_and_env() -> None:
 
 
 def test_one_mtu_applies_to_every_host_and_default_is_1500() -> None:
-    assert [s.net.mtu for s in plan_hosts([["a"], ["b"]], port=1, mtus=[9000]) if s.net] == [
+    assert [s.net.mtu for s in plan_hosts([["a"], ["b"]], ports=1, mtus=[9000]) if s.net] == [
         9000,
         9000,
     ]
-    assert [s.net.mtu for s in plan_hosts([["a"], ["b"]], port=1) if s.net] == [1500, 1500]
+    assert [s.net.mtu for s in plan_hosts([["a"], ["b"]], ports=1) if s.net] == [1500, 1500]
 
 
 @pytest.mark.parametrize(
@@ -93,7 +88,7 @@ def test_bad_plans_say_what_is_wrong(
     commands: list[list[str]], mtus: list[int], match: str
 ) -> None:
     with pytest.raises(ArgumentError, match=match):
-        plan_hosts(commands, port=1, mtus=mtus)
+        plan_hosts(commands, ports=1, mtus=mtus)
 
 
 def test_addresses_and_macs() -> None:
@@ -104,15 +99,8 @@ def test_addresses_and_macs() -> None:
 
 
 def test_qemu_options_of_a_nic() -> None:
-    net = GuestNet(role="connect", port=5555, mac="52:54:00:88:00:02", address="10.88.0.2/24")
+    net = GuestNet(port=5001, peer_port=5000, mac="52:54:00:88:00:02", address="10.88.0.2/24")
     assert net.qemu_opts() == (
-        "-netdev socket,id=hx0,connect=127.0.0.1:5555 "
-        "-device virtio-net-pci,netdev=hx0,mac=52:54:00:88:00:02"
-    )
-    udp = GuestNet(
-        role="udp", port=5001, peer_port=5000, mac="52:54:00:88:00:02", address="10.88.0.2/24"
-    )
-    assert udp.qemu_opts() == (
         "-netdev socket,id=hx0,udp=127.0.0.1:5000,localaddr=127.0.0.1:5001 "
         "-device virtio-net-pci,netdev=hx0,mac=52:54:00:88:00:02"
     )
@@ -121,17 +109,16 @@ def test_qemu_options_of_a_nic() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"role": "bind"}, "role must be udp, listen or connect"),
-        ({"port": 0}, "port out of range: 0"),
-        ({"role": "udp"}, "peer_port out of range: 0"),
+        ({"port": 0}, "GuestNet port out of range: 0"),
+        ({"peer_port": 70000}, "peer_port out of range: 70000"),
         ({"mtu": 70000}, "mtu out of range: 70000"),
         ({"mac": "52:54:00:88:00:0G"}, "mac must be"),
     ],
 )
 def test_bad_nics_are_refused(kwargs: dict[str, Any], match: str) -> None:
     base: dict[str, Any] = {
-        "role": "listen",
         "port": 1,
+        "peer_port": 2,
         "mac": "52:54:00:88:00:01",
         "address": "10.88.0.1/24",
     }
@@ -144,18 +131,6 @@ def test_guest_spec_validation() -> None:
         GuestSpec(command=())
     with pytest.raises(VMError, match="guest name"):
         GuestSpec(command=("x",), name="a b")
-
-
-def test_listening_ports_reads_proc_net_tcp() -> None:
-    text = (
-        "  sl  local_address rem_address   st tx_queue rx_queue ...\n"
-        "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000\n"
-        "   1: 00000000:1BBC 00000000:0000 0A 00000000:00000000 00:00000000 00000000\n"
-        "   2: 0100007F:C350 0100007F:1F90 01 00000000:00000000 00:00000000 00000000\n"
-        "   3: 0258580A:1388 00000000:0000 0A 00000000:00000000 00:00000000 00000000\n"
-    )
-    # LISTEN on loopback or any address only; established (01) and 10.88.0.2 are not ours.
-    assert listening_ports(text) == {0x1F90, 0x1BBC}
 
 
 class _Proc:
@@ -282,58 +257,61 @@ def test_control_connect_gives_up_at_its_deadline() -> None:
         Control.connect("127.0.0.1", port, timeout=0.5)
 
 
-def test_three_hosts_each_connect_to_their_own_hub_port() -> None:
-    specs = plan_hosts([["a"], ["b"], ["c"]], port=7000)
+def test_three_hosts_each_send_to_their_own_hub_port() -> None:
+    specs = plan_hosts([["a"], ["b"], ["c"]], ports=7000, hub_ports=[9, 4, 7])
     nets = [s.net for s in specs if s.net is not None]
-    assert [(n.role, n.port, n.address) for n in nets] == [
-        ("connect", 7000, "10.88.0.1/24"),
-        ("connect", 7001, "10.88.0.2/24"),
-        ("connect", 7002, "10.88.0.3/24"),
+    assert [(n.port, n.peer_port, n.address) for n in nets] == [
+        (7000, 9, "10.88.0.1/24"),
+        (7001, 4, "10.88.0.2/24"),
+        (7002, 7, "10.88.0.3/24"),
     ]
     assert specs[1].env["HIXL_PEER_ADDRS"] == "10.88.0.1,10.88.0.3"
-    hub = plan_hosts([["a"], ["b"], ["c"]], port=[9, 4, 7])  # a hub's ports, one per host
-    assert [s.net.port for s in hub if s.net is not None] == [9, 4, 7]
-    with pytest.raises(ArgumentError, match="one port per host"):
-        plan_hosts([["a"], ["b"], ["c"]], port=[9, 4])
+    with pytest.raises(ArgumentError, match="need a hub with one port per host"):
+        plan_hosts([["a"], ["b"], ["c"]], ports=7000)
+    with pytest.raises(ArgumentError, match="one port per host: 3 hosts"):
+        plan_hosts([["a"], ["b"], ["c"]], ports=[1, 2], hub_ports=[9, 4, 7])
 
 
-def _record(payload: bytes) -> bytes:
-    return len(payload).to_bytes(4, "big") + payload
-
-
-def test_frame_decoder_splits_and_joins_records() -> None:
-    d = FrameDecoder()
-    stream = _record(b"A" * 60) + _record(b"B" * 1500)
-    assert d.feed(stream[:3]) == []
-    assert d.feed(stream[3:70]) == [_record(b"A" * 60)]
-    assert d.feed(stream[70:]) == [_record(b"B" * 1500)]
-    with pytest.raises(HixlError, match="bad frame length 0"):
-        FrameDecoder().feed(b"\0\0\0\0")
+def _udp(rcvbuf: int = 0) -> socket.socket:
+    """A UDP socket on 127.0.0.1, standing in for one QEMU's netdev."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(5.0)
+    return sock
 
 
 def test_frame_hub_copies_each_frame_to_every_other_host() -> None:
-    hub = FrameHub(3)
+    hosts = [_udp() for _ in range(3)]
+    hub = FrameHub([h.getsockname()[1] for h in hosts])
     try:
-        socks = [socket.create_connection(("127.0.0.1", p), timeout=5.0) for p in hub.ports]
-        deadline = time.monotonic() + 5.0
-        while hub.connected < 3:  # frames sent before a host is plugged in are lost
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        frame = _record(b"\xff" * 6 + b"x" * 100)
-        socks[0].sendall(frame)
-        for s in socks[1:]:
-            got = b""
-            while len(got) < len(frame):
-                got += s.recv(4096)
-            assert got == frame
-        socks[0].close()  # a host that powers off is dropped; the others go on
-        socks[1].sendall(frame)
-        got = b""
-        while len(got) < len(frame):
-            got += socks[2].recv(4096)
-        assert got == frame
+        frame = b"\xff" * 6 + b"x" * 100
+        hosts[0].sendto(frame, ("127.0.0.1", hub.ports[0]))
+        assert hosts[1].recv(65536) == frame
+        assert hosts[2].recv(65536) == frame
+        hosts[0].close()  # a host that is gone: the others go on
+        jumbo = b"\x01" * 9000
+        hosts[1].sendto(jumbo, ("127.0.0.1", hub.ports[1]))
+        assert hosts[2].recv(65536) == jumbo
+        assert hub.frames == 2
     finally:
         hub.close()
         hub.close()
-        for s in socks:
-            s.close()
+        for h in hosts:
+            h.close()
+
+
+def test_frame_hub_drops_rather_than_blocks_when_a_host_does_not_read() -> None:
+    sender, slow, fast = _udp(), _udp(rcvbuf=4096), _udp()
+    hub = FrameHub([s.getsockname()[1] for s in (sender, slow, fast)])
+    try:
+        for i in range(200):  # ``slow`` never reads, so its buffer is full at once
+            frame = i.to_bytes(2, "big") * 500
+            sender.sendto(frame, ("127.0.0.1", hub.ports[0]))
+            assert fast.recv(65536) == frame  # ``fast`` still gets every frame, in order
+        assert hub.frames == 200
+    finally:
+        hub.close()
+        for sock in (sender, slow, fast):
+            sock.close()
