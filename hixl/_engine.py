@@ -110,6 +110,7 @@ _CHUNK = 16  # work requests per signaled chunk
 _IDLE_MAX = 0.002  # longest progress-thread sleep when it has to poll, seconds
 _SLEEP_PENDING = 0.02  # with completion events: longest sleep while transfers are pending
 _SLEEP_IDLE = 0.1  # ... and with nothing pending
+_POLL_BATCH = 64  # completions taken per poll
 _PLAN_CACHE = 512  # planned (descriptor pair, region sizes) kept per engine
 _WAKE = object()  # selector key data of the socket that wakes the progress thread
 _handle_lock = threading.Lock()  # orders a handle's finish against a waiter making its Event
@@ -1292,8 +1293,8 @@ class Engine:
                 if self._event_cqs:
                     busy = self._poll_events()
                 else:
-                    busy |= self._poll_send()
-                    busy |= self._poll_recv()
+                    busy |= self._poll_send() > 0
+                    busy |= self._poll_recv() > 0
                 now = time.monotonic()
                 if now >= self._next_expiry_check:
                     self._expire(now)
@@ -1328,25 +1329,29 @@ class Engine:
         return busy
 
     def _poll_events(self) -> bool:
-        """Poll the CQs that may hold something; arm those found empty.  True if any work.
+        """Poll the CQs that may hold something, arm the drained ones.  True if more is queued.
 
-        An armed CQ whose event has not fired holds nothing new, so it is skipped.  One
-        found empty is armed and polled once more, for what completed before the arming.
+        An armed CQ whose event has not fired holds nothing new, so it is skipped.  A CQ
+        that a poll drains (fewer than a full batch) is armed at once and polled once more,
+        for what completed before the arming; after that the thread may sleep.
         """
         busy = False
         for cq, poll in ((self._send_cq, self._poll_send), (self._recv_cq, self._poll_recv)):
             if cq in self._armed:
                 continue
-            got = poll()
-            if not got:
-                cq.arm()
-                self._armed.add(cq)
-                got = poll()
-            busy |= got
+            if poll() == _POLL_BATCH:
+                busy = True  # maybe more queued: poll again before arming
+                continue
+            cq.arm()
+            self._armed.add(cq)
+            if poll() == _POLL_BATCH:
+                self._armed.discard(cq)  # more may be queued from before the arming
+                busy = True
         return busy
 
-    def _poll_send(self) -> bool:
-        wcs = self._send_cq.poll(64)
+    def _poll_send(self) -> int:
+        """Handle up to a batch of send completions; return how many there were."""
+        wcs = self._send_cq.poll(_POLL_BATCH)
         for wc in wcs:
             conn = self._by_qpn.get(wc.qp_num)
             if conn is None:
@@ -1368,10 +1373,11 @@ class Engine:
                     handle._finish(None)
                     self._handles.discard(handle)
             self._pump(conn)
-        return bool(wcs)
+        return len(wcs)
 
-    def _poll_recv(self) -> bool:
-        wcs = self._recv_cq.poll(64)
+    def _poll_recv(self) -> int:
+        """Handle up to a batch of receive completions; return how many there were."""
+        wcs = self._recv_cq.poll(_POLL_BATCH)
         for wc in wcs:
             conn = self._by_qpn.get(wc.qp_num)
             if conn is None:
@@ -1400,7 +1406,7 @@ class Engine:
                 continue
             self._notes.append(note)
             self._notify_cv.notify_all()
-        return bool(wcs)
+        return len(wcs)
 
     def _expire(self, now: float) -> None:
         for h in [h for h in self._handles if h.deadline <= now]:
