@@ -24,8 +24,8 @@ so when the target sees the notification every byte before it has landed.
 Each connection keeps receive buffers posted for them.
 
 Progress.  The progress thread polls both CQs and the control sockets.  It
-never blocks while holding the GIL: when idle it arms both CQs for a
-completion event and waits in ``selector.select`` on their completion
+never blocks while holding the GIL: it arms each CQ for a completion event
+as soon as a poll drains it, and then waits in ``selector.select`` on their completion
 channels' descriptors and the sockets, which releases the GIL and wakes at
 once for a completion or control traffic (and every 20 ms while transfers
 are pending, to enforce deadlines).  pyverbs does not expose a channel's
