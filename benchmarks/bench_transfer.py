@@ -819,21 +819,16 @@ def main(argv: list[str] | None = None) -> int:
     progress.finish()
 
     summary = summarize(measurements, sizes)
-    for r in summary:  # Python time per put_async call, median over repeats
-        posts = [
-            m["post_us"]
-            for m in measurements
-            if m["size"] == r["size"] and m["kind"] == "write" and "post_us" in m
-        ]
-        if "write" in r:
-            r["write"]["post_us"] = median(posts)
-        puts = [
-            m["put_us"]
-            for m in measurements
-            if m["size"] == r["size"] and m["kind"] == "lat" and "put_us" in m
-        ]
-        if "lat" in r:
-            r["lat"]["put_us"] = median(puts)
+    for r in summary:  # Python time per put_async call, and per blocking put: medians
+        for kind, field in (("write", "post_us"), ("lat", "put_us")):
+            if kind in r:
+                r[kind][field] = median(
+                    [
+                        m[field]
+                        for m in measurements
+                        if m["size"] == r["size"] and m["kind"] == kind and field in m
+                    ]
+                )
 
     diagnosis = []
     if args.diagnose:

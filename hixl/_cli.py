@@ -192,15 +192,12 @@ def _cmd_vm_hosts(args: argparse.Namespace) -> int:
     return run_hosts(commands, _hosts_config(args), mtus=args.mtu)
 
 
+def _mtu_option(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--mtu", type=int, action="append", default=[], metavar="BYTES", help=help)
+
+
 def _hosts_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--mtu",
-        type=int,
-        action="append",
-        default=[],
-        metavar="BYTES",
-        help="NIC MTU: once for all hosts or once per host (default 1500)",
-    )
+    _mtu_option(p, "NIC MTU: once for all hosts or once per host (default 1500)")
     p.add_argument(
         "--logs",
         metavar="DIR",
@@ -385,14 +382,7 @@ def _add_demo(sub: _Subparsers) -> None:
         help="2: decode and prefill on two VMs (own kernels and rxe, one "
         "virtual wire) instead of two processes on one device",
     )
-    p.add_argument(
-        "--mtu",
-        type=int,
-        action="append",
-        default=[],
-        metavar="BYTES",
-        help="with --hosts 2: NIC MTU, once for both or once per host",
-    )
+    _mtu_option(p, "with --hosts 2: NIC MTU, once for both or once per host")
     p.set_defaults(handler=_cmd_demo, demo_handler=cmd_demo)
 
 

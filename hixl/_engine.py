@@ -819,8 +819,9 @@ class Engine:
             self._on_control(conn, msg)
         # Regions registered or released since the handshake carried ours were announced
         # only to live connections, which this one was not yet: tell the peer now.
-        if self._exposed() != conn._sent_regions:
-            self._send_control(conn, _wire.encode(_wire.Regions(regions=self._exposed())))
+        exposed = self._exposed()
+        if exposed != conn._sent_regions:
+            self._send_control(conn, _wire.encode(_wire.Regions(regions=exposed)))
 
     def _serve_handshake(self, sock: socket.socket, addr: Any) -> None:
         """Server side of the handshake, in its own short-lived thread."""

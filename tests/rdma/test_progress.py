@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 
@@ -13,11 +12,7 @@ from hixl import _verbs
 from hixl._descriptors import StridedDesc
 from hixl._engine import Access, Engine
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .test_engine import free_port
 
 
 def connected_pair() -> tuple[Engine, Engine]:
