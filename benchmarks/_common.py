@@ -524,7 +524,7 @@ def where() -> str:
 
 def device_info(name: str | None = None) -> dict[str, Any]:
     """The device, port, GID and MTU hixl (and these benchmarks) use."""
-    from hixl._devices import select_device
+    from hixl.verbs.devices import select_device
 
     sel = select_device(name)
     return {

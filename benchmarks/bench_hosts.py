@@ -20,7 +20,7 @@ Run it from the repository root (it boots the VMs itself)::
     .venv/bin/python benchmarks/bench_hosts.py [--sizes 64K,1M] [--repeats 3] [--json F]
 
 Inside the VMs it re-runs itself with ``--role`` (host0 serves, host1 drives), and the
-two talk over :class:`hixl._hosts.Control` with a deadline on every wait.
+two talk over :class:`hixl.testbed.hosts.Control` with a deadline on every wait.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import numpy as np
 from _common import fmt_rate, fmt_size, parse_bw, parse_sizes
 
 from hixl import Access, ContiguousDesc, Engine
-from hixl._hosts import Control, HostEnv, host_address, run_hosts
-from hixl._vm import VMConfig, listening_ports
+from hixl.testbed.hosts import Control, HostEnv, host_address, run_hosts
+from hixl.testbed.vm import VMConfig, listening_ports
 
 CONTROL_PORT = 7200
 ENGINE_PORT = 5700

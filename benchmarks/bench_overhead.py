@@ -62,7 +62,7 @@ from hixl import (
     PagedKVLayout,
     plan_transfer,
 )
-from hixl._descriptors import Descriptor
+from hixl.core.descriptors import Descriptor
 
 CHAINS = (1, 16, 128)
 ENGINE_WRS = 256
@@ -173,7 +173,7 @@ def post_costs(repeat: int) -> list[dict[str, Any]]:
     """Per-WR cost of pyverbs objects and of ``QueuePair.post_send`` on a looped-back QP."""
     import pyverbs.wr as pwr
 
-    from hixl import _verbs
+    from hixl.verbs import adapter as _verbs
 
     rows = []
 

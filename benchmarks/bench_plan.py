@@ -28,9 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hixl._descriptors import Segments  # noqa: E402
-from hixl._errors import DescriptorError  # noqa: E402
-from hixl._plan import DeviceLimits, Op, Plan, plan_transfer  # noqa: E402
+from hixl.core.descriptors import Segments  # noqa: E402
+from hixl.core.plan import DeviceLimits, Op, Plan, plan_transfer  # noqa: E402
+from hixl.errors import DescriptorError  # noqa: E402
 
 RATIO_TARGET = 20.0
 RATE_TARGET = 1_000_000.0
@@ -40,7 +40,7 @@ RATE_TARGET = 1_000_000.0
 
 
 def reference_plan(local: Segments, remote: Segments, op: Op, limits: DeviceLimits) -> Plan:
-    """The same plan as :func:`hixl._plan.plan_transfer`, one Python step per segment.
+    """The same plan as :func:`hixl.core.plan.plan_transfer`, one Python step per segment.
 
     Kept deliberately plain: it is both the speed baseline and an independent oracle for
     the tests (which load this file).

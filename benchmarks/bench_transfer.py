@@ -85,7 +85,7 @@ PERFTEST_TOOL = {"write": "ib_write_bw", "read": "ib_read_bw", "lat": "ib_write_
 HIXL_NAME = {"write": "hixl put", "read": "hixl get", "lat": "hixl ping-pong"}
 BW_TARGET = 0.90
 BW_TARGET_FROM = 64 * KIB
-HIXL_RD_ATOMIC = 16  # what hixl's queue pairs ask for (hixl._verbs.QueuePair.connect)
+HIXL_RD_ATOMIC = 16  # what hixl's queue pairs ask for (hixl.verbs.adapter.QueuePair.connect)
 
 DEFAULT_SIZES = "4K,64K,256K,1M,8M"
 QUICK_SIZES = "4K,64K,1M"
@@ -379,7 +379,7 @@ class RawVerbs:
     """
 
     def __init__(self, max_size: int, depth: int) -> None:
-        from hixl import _verbs
+        from hixl.verbs import adapter as _verbs
 
         self.v = _verbs
         self.dev = _verbs.open_device()

@@ -10,7 +10,7 @@ only numpy); opening an engine then raises :class:`DeviceError` saying why.
 
 from __future__ import annotations
 
-from hixl._descriptors import (
+from hixl.core.descriptors import (
     DEFAULT_ALIGNMENT,
     BlockListDesc,
     ContiguousDesc,
@@ -20,7 +20,9 @@ from hixl._descriptors import (
     StridedDesc,
     desc_from_view,
 )
-from hixl._engine import (
+from hixl.core.kv import ContiguousKVLayout, PagedKVLayout, padded_stride
+from hixl.core.plan import DeviceLimits, Op, Plan, plan_transfer
+from hixl.engine import (
     Access,
     Connection,
     ConnState,
@@ -32,7 +34,7 @@ from hixl._engine import (
     TransferRequest,
     TransferStatus,
 )
-from hixl._errors import (
+from hixl.errors import (
     AlignmentError,
     ArgumentError,
     BoundsError,
@@ -47,10 +49,7 @@ from hixl._errors import (
     StateError,
     TransferTimeout,
     VerbsError,
-    VMError,
 )
-from hixl._kv import ContiguousKVLayout, PagedKVLayout, padded_stride
-from hixl._plan import DeviceLimits, Op, Plan, plan_transfer
 
 __version__ = "0.1.0"
 
@@ -90,7 +89,6 @@ __all__ = [
     "TransferRequest",
     "TransferStatus",
     "TransferTimeout",
-    "VMError",
     "VerbsError",
     "__version__",
     "desc_from_view",

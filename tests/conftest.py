@@ -28,7 +28,7 @@ def _rdma_required() -> bool:
 
 
 def _device_problem() -> str | None:
-    from hixl import _verbs
+    from hixl.verbs import adapter as _verbs
 
     try:
         if not _verbs.device_names():

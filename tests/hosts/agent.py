@@ -1,7 +1,7 @@
 """The far end of the two-host tests: a hixl engine on host1, driven from host0.
 
 Run on host1 of a two-host run (``make test-hosts`` starts it). It serves one control
-channel (JSON lines, :class:`hixl._hosts.Control`) on ``HIXL_HOST_ADDR:CONTROL_PORT``
+channel (JSON lines, :class:`hixl.testbed.hosts.Control`) on ``HIXL_HOST_ADDR:CONTROL_PORT``
 and answers requests ``{"op": ..., ...}`` with ``{"ok": true, ...}`` or
 ``{"error": "..."}``. Every wait has a deadline; an agent nobody talks to for
 ``IDLE_S`` seconds exits 1, so a driver that dies never leaves it hanging.
@@ -26,8 +26,8 @@ import numpy as np
 import numpy.typing as npt
 
 from hixl import Access, Engine, HixlError
-from hixl._devices import select_device
-from hixl._hosts import Control, HostEnv, set_link, vanish
+from hixl.testbed.hosts import Control, HostEnv, set_link, vanish
+from hixl.verbs.devices import select_device
 
 CONTROL_PORT = 7100
 ENGINE_PORT = 5000

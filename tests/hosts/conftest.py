@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from hixl import ConnectionFailed, Engine, TransferTimeout
-from hixl._hosts import Control, HostEnv
+from hixl.testbed.hosts import Control, HostEnv
 
 from .agent import CONTROL_PORT, ENGINE_PORT
 

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from hixl import Engine, RegistrationError
-from hixl._hosts import Control
+from hixl.testbed.hosts import Control
 
 
 def remote_buffer(

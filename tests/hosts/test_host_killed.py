@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hixl import Access, CompletionError, ConnectionFailed, ConnState, Engine, TransferTimeout
-from hixl._hosts import Control, HostEnv
+from hixl.testbed.hosts import Control, HostEnv
 
 from .agent import pattern
 from .driver import remote_buffer

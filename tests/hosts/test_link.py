@@ -21,7 +21,7 @@ import numpy.typing as npt
 import pytest
 
 from hixl import ConnectionFailed, ConnState, Engine, TransferTimeout
-from hixl._hosts import Control
+from hixl.testbed.hosts import Control
 
 from .agent import pattern
 from .driver import remote_buffer

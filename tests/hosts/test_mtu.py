@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 
 from hixl import ContiguousDesc, Engine
-from hixl._hosts import Control
+from hixl.testbed.hosts import Control
 
 from .agent import pattern, port_state
 from .driver import remote_buffer

@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 
 from hixl import Access, ContiguousDesc, Engine, StridedDesc
-from hixl._hosts import Control
+from hixl.testbed.hosts import Control
 
 from .agent import pattern
 from .driver import remote_buffer

@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hixl import _verbs
+from hixl.verbs import adapter as _verbs
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

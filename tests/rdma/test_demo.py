@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hixl._demo import DemoConfig, run_decode, run_demo, run_prefill
-from hixl._errors import TransferTimeout
+from hixl.demo.kvdemo import DemoConfig, run_decode, run_demo, run_prefill
+from hixl.errors import TransferTimeout
 
 SMALL = DemoConfig(layers=4, heads=8, head_dim=64, d_model=32, tokens=48, gen_tokens=4, seed=3)
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from hixl import _engine, _wire
-from hixl._descriptors import BlockListDesc, ContiguousDesc, StridedDesc
-from hixl._engine import Access, ConnState, Engine, TransferRequest, TransferStatus
-from hixl._errors import (
+from hixl.core.descriptors import BlockListDesc, ContiguousDesc, StridedDesc
+from hixl.engine import Access, ConnState, Engine, TransferRequest, TransferStatus
+from hixl.errors import (
     AlignmentError,
     BoundsError,
     CompletionError,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hixl import Access, ConnState, ContiguousDesc, Engine, StridedDesc
-from hixl._errors import ConnectionFailed, TransferTimeout
+from hixl.errors import ConnectionFailed, TransferTimeout
 
 from .peerproc import PeerProcess
 from .test_engine import free_port

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from hixl import _verbs
-from hixl._descriptors import StridedDesc
-from hixl._engine import Access, Engine
+from hixl.core.descriptors import StridedDesc
+from hixl.engine import Access, Engine
+from hixl.verbs import adapter as _verbs
 
 from .test_engine import free_port
 

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from hixl import _verbs
-from hixl._errors import StateError
+from hixl.errors import StateError
+from hixl.verbs import adapter as _verbs
 
 
 def _wait_one(cq: _verbs.CompletionQueue, timeout: float = 10.0) -> _verbs.Completion:

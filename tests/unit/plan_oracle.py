@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hixl._plan import Op, Plan
+from hixl.core.plan import Op, Plan
 
 
 def _bytes(buf: object) -> memoryview:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hixl import _cli
+from hixl import cli as _cli
 
 MAPPED = "0000:0000:0000:0000:0000:ffff:c0a8:4d01"
 

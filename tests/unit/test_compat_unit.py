@@ -17,20 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hixl import compat
-from hixl._errors import (
-    AlignmentError,
-    ArgumentError,
-    BoundsError,
-    CompletionError,
-    ConnectionFailed,
-    DescriptorError,
-    DeviceError,
-    HandshakeError,
-    RegistrationError,
-    StateError,
-    TransferTimeout,
-    VerbsError,
-)
 from hixl.compat import (
     FAILED,
     PARAM_INVALID,
@@ -51,6 +37,20 @@ from hixl.compat import (
     group_op_descs,
     parse_options,
     status_of,
+)
+from hixl.errors import (
+    AlignmentError,
+    ArgumentError,
+    BoundsError,
+    CompletionError,
+    ConnectionFailed,
+    DescriptorError,
+    DeviceError,
+    HandshakeError,
+    RegistrationError,
+    StateError,
+    TransferTimeout,
+    VerbsError,
 )
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The pure core (descriptors, planner, KV layouts) imports without pyverbs or sockets.
+"""The pure core (``hixl/core``) imports without pyverbs or sockets.
 
 The subprocess blocks ``pyverbs`` and ``socket`` in ``sys.modules`` and loads the core
 modules through a bare ``hixl`` package object, so what the package root imports (the
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CORE = ("_descriptors", "_plan", "_kv")
+CORE = sorted(p.stem for p in (ROOT / "hixl" / "core").glob("*.py"))
 FORBIDDEN = {"pyverbs", "socket", "time", "os", "subprocess", "select", "selectors", "threading"}
 
 PROBE = f"""
@@ -26,9 +26,9 @@ for name in ("pyverbs", "socket"):
 pkg = types.ModuleType("hixl")
 pkg.__path__ = [{str(ROOT / "hixl")!r}]
 sys.modules["hixl"] = pkg
-import hixl._descriptors, hixl._plan, hixl._kv
-from hixl._descriptors import StridedDesc, ContiguousDesc
-from hixl._plan import Op, plan_transfer
+import hixl.core.descriptors, hixl.core.plan, hixl.core.kv, hixl.core.wire
+from hixl.core.descriptors import StridedDesc, ContiguousDesc
+from hixl.core.plan import Op, plan_transfer
 plan = plan_transfer(
     StridedDesc(offset=0, count=64, size=256, stride=1024),
     ContiguousDesc(offset=0, nbytes=64 * 256),
@@ -54,11 +54,11 @@ def test_core_imports_without_pyverbs_or_sockets() -> None:
 
 @pytest.mark.parametrize("module", CORE)
 def test_core_module_imports_no_io(module: str) -> None:
-    tree = ast.parse((ROOT / "hixl" / f"{module}.py").read_text())
+    tree = ast.parse((ROOT / "hixl" / "core" / f"{module}.py").read_text())
     imported: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             imported |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             imported.add(node.module.split(".")[0])
-    assert not imported & FORBIDDEN, f"hixl/{module}.py imports {imported & FORBIDDEN}"
+    assert not imported & FORBIDDEN, f"hixl/core/{module}.py imports {imported & FORBIDDEN}"

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hixl import _demo
-from hixl._demo import (
+from hixl.core.plan import DeviceLimits, Op, plan_transfer
+from hixl.demo import kvdemo as _demo
+from hixl.demo.kvdemo import (
     DecodeSession,
     DemoConfig,
     PagedKV,
@@ -36,8 +37,7 @@ from hixl._demo import (
     summarize,
     union,
 )
-from hixl._errors import ArgumentError, HixlError
-from hixl._plan import DeviceLimits, Op, plan_transfer
+from hixl.errors import ArgumentError, HixlError
 
 SMALL = DemoConfig(layers=3, heads=4, head_dim=96, d_model=32, tokens=40, gen_tokens=6, seed=7)
 
@@ -360,8 +360,8 @@ def test_supervise_enforces_the_deadline() -> None:
 def test_demo_without_rdma_reruns_itself_in_the_vm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hixl._vm as vm
-    from hixl import _cli
+    import hixl.testbed.vm as vm
+    from hixl import cli as _cli
 
     calls: list[tuple[list[str], Any]] = []
     monkeypatch.delenv("HIXL_IN_VM", raising=False)
@@ -383,7 +383,7 @@ def test_demo_without_rdma_reruns_itself_in_the_vm(
 def test_demo_rejects_a_json_path_in_a_missing_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from hixl import _cli
+    from hixl import cli as _cli
 
     assert _cli.main(["demo", "--json", str(tmp_path / "no" / "s.json")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hixl._descriptors import (
+from hixl.core.descriptors import (
     DEFAULT_ALIGNMENT,
     INT64_MAX,
     BlockListDesc,
@@ -23,7 +23,7 @@ from hixl._descriptors import (
     desc_from_view,
     normalize_alignment,
 )
-from hixl._errors import AlignmentError, DescriptorError, HixlError
+from hixl.errors import AlignmentError, DescriptorError, HixlError
 
 PROPS = settings(max_examples=200, deadline=None)
 

@@ -13,7 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl._devices import (
+from hixl.errors import DeviceError
+from hixl.testbed.rxe import Netdev, parse_ip_addr_json, pick_netdev
+from hixl.verbs.devices import (
     Gid,
     choose_gid,
     devices_to_json,
@@ -24,8 +26,6 @@ from hixl._devices import (
     roce_active_mtu,
     select_device,
 )
-from hixl._errors import DeviceError
-from hixl._rxe import Netdev, parse_ip_addr_json, pick_netdev
 
 LINK_LOCAL = "fe80:0000:0000:0000:001a:feff:fe39:e25a"
 MAPPED_77_1 = "0000:0000:0000:0000:0000:ffff:c0a8:4d01"  # ::ffff:192.168.77.1
@@ -287,7 +287,7 @@ def test_parse_ip_addr_json_rejects_garbage() -> None:
 def test_rxe_up_reuses_a_usable_device_without_running_anything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hixl._rxe as rxe
+    import hixl.testbed.rxe as rxe
 
     def no_commands(argv: list[str], **_: object) -> None:
         raise AssertionError(f"rxe_up ran {argv}")

@@ -12,8 +12,7 @@ import dataclasses
 import gzip
 from pathlib import Path
 
-from hixl._devices import Device, Gid, Port
-from hixl._doctor import (
+from hixl.testbed.doctor import (
     Facts,
     PyverbsProbe,
     Report,
@@ -26,6 +25,7 @@ from hixl._doctor import (
     probe_pyverbs,
     report_to_json,
 )
+from hixl.verbs.devices import Device, Gid, Port
 
 MAPPED = "0000:0000:0000:0000:0000:ffff:c0a8:4d01"
 LINK_LOCAL = "fe80:0000:0000:0000:001a:feff:fe39:e25a"

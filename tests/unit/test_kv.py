@@ -14,10 +14,10 @@ import numpy.typing as npt
 import pytest
 from plan_oracle import apply_plan
 
-from hixl._descriptors import NdStridedDesc, Segments, desc_from_view
-from hixl._errors import AlignmentError, DescriptorError
-from hixl._kv import ContiguousKVLayout, PagedKVLayout, padded_stride
-from hixl._plan import DeviceLimits, Op, check_bounds, plan_transfer
+from hixl.core.descriptors import NdStridedDesc, Segments, desc_from_view
+from hixl.core.kv import ContiguousKVLayout, PagedKVLayout, padded_stride
+from hixl.core.plan import DeviceLimits, Op, check_bounds, plan_transfer
+from hixl.errors import AlignmentError, DescriptorError
 
 
 def stream_of(buf: bytes, seg: Segments) -> bytes:

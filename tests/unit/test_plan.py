@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from plan_oracle import apply_plan
 
-from hixl._descriptors import ContiguousDesc, NdStridedDesc, Segments, StridedDesc
-from hixl._errors import AlignmentError, BoundsError, DescriptorError, HixlError
-from hixl._plan import (
+from hixl.core.descriptors import ContiguousDesc, NdStridedDesc, Segments, StridedDesc
+from hixl.core.plan import (
     DEFAULT_LIMITS,
     DeviceLimits,
     Op,
@@ -22,6 +21,7 @@ from hixl._plan import (
     check_bounds,
     plan_transfer,
 )
+from hixl.errors import AlignmentError, BoundsError, DescriptorError, HixlError
 
 MiB = 1 << 20
 

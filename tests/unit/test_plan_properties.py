@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from plan_oracle import apply_plan
 
-from hixl._descriptors import INT64_MAX, Segments, StridedDesc
-from hixl._errors import DescriptorError
-from hixl._plan import DeviceLimits, Op, Plan, plan_transfer
+from hixl.core.descriptors import INT64_MAX, Segments, StridedDesc
+from hixl.core.plan import DeviceLimits, Op, Plan, plan_transfer
+from hixl.errors import DescriptorError
 
 PROPS = settings(
     max_examples=250,

@@ -10,7 +10,7 @@ def test_importing_hixl_leaves_the_root_logger_alone() -> None:
     # Debian's pyverbs calls logging.basicConfig() on import; hixl must undo that.
     code = (
         "import logging\n"
-        "import hixl._verbs as v\n"
+        "import hixl.verbs.adapter as v\n"
         "ok, why = v.available()\n"
         "root = logging.getLogger()\n"
         "print(ok, len(root.handlers), root.level)\n"
@@ -22,7 +22,7 @@ def test_importing_hixl_leaves_the_root_logger_alone() -> None:
 
 
 def test_status_names_cover_the_verbs_enum() -> None:
-    from hixl._verbs import WC_STATUS_NAMES
+    from hixl.verbs.adapter import WC_STATUS_NAMES
 
     assert WC_STATUS_NAMES[10] == "IBV_WC_REM_ACCESS_ERR"
     assert WC_STATUS_NAMES[12] == "IBV_WC_RETRY_EXC_ERR"

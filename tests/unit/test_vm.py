@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from hixl._errors import ArgumentError, HixlError, TransferTimeout, VMError
-from hixl._hosts import (
+from hixl.errors import ArgumentError, HixlError, TransferTimeout, VMError
+from hixl.testbed.hosts import (
     Control,
     FrameHub,
     HostEnv,
@@ -23,7 +23,7 @@ from hixl._hosts import (
     plan_hosts,
     vanish,
 )
-from hixl._vm import (
+from hixl.testbed.vm import (
     STOPPED,
     VANISHED,
     GuestNet,

@@ -54,10 +54,10 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
-from hixl._descriptors import BlockListDesc, NdStridedDesc
-from hixl._errors import ArgumentError, HixlError
-from hixl._kv import ContiguousKVLayout, PagedKVLayout, padded_stride
-from hixl._plan import DeviceLimits, Op, plan_transfer
+from hixl.core.descriptors import BlockListDesc, NdStridedDesc
+from hixl.core.kv import ContiguousKVLayout, PagedKVLayout, padded_stride
+from hixl.core.plan import DeviceLimits, Op, plan_transfer
+from hixl.errors import ArgumentError, HixlError
 
 __all__ = [
     "DEFAULT_PROMPT",
@@ -795,7 +795,7 @@ class _Deadline:
         self.at = time.monotonic() + seconds
 
     def left(self, what: str) -> float:
-        from hixl._errors import TransferTimeout
+        from hixl.errors import TransferTimeout
 
         left = self.at - time.monotonic()
         if left <= 0:
@@ -805,8 +805,8 @@ class _Deadline:
 
 def _wait_note(engine: Any, name: str, peer: str, deadline: _Deadline) -> Any:
     """Wait for notification ``name`` from ``peer``; fail early if the connection fails."""
-    from hixl._engine import ConnState
-    from hixl._errors import ConnectionFailed, TransferTimeout
+    from hixl.engine import ConnState
+    from hixl.errors import ConnectionFailed, TransferTimeout
 
     while True:
         left = deadline.left(f"waiting for notification {name!r} from {peer}")
@@ -823,7 +823,7 @@ def _wait_note(engine: Any, name: str, peer: str, deadline: _Deadline) -> Any:
 
 def run_decode(cfg: DemoConfig, listen: str, seconds: float, emit: Emit) -> dict[str, Any]:
     """The decode role: receive, verify, recompute, generate, compare. Returns results."""
-    from hixl._engine import Access, ConnState, Engine
+    from hixl.engine import Access, ConnState, Engine
 
     deadline = _Deadline(seconds)
     t = time.monotonic()
@@ -928,7 +928,7 @@ def run_decode(cfg: DemoConfig, listen: str, seconds: float, emit: Emit) -> dict
 
 
 def _connect(engine: Any, peer: str, deadline: _Deadline) -> Any:
-    from hixl._errors import ConnectionFailed, TransferTimeout
+    from hixl.errors import ConnectionFailed, TransferTimeout
 
     last: Exception | None = None
     while True:
@@ -945,7 +945,7 @@ def _await_hangup(engine: Any, peer: str, deadline: _Deadline, limit: float = 10
     notification races with its delivery: the peer's engine may read our goodbye on the
     control socket before it polls that notification's receive completion, and it drops
     receive completions of a connection that is no longer ready."""
-    from hixl._engine import ConnState
+    from hixl.engine import ConnState
 
     end = time.monotonic() + min(limit, max(0.0, deadline.at - time.monotonic()))
     while time.monotonic() < end:
@@ -1074,7 +1074,7 @@ class _LayerSender:
 
 def run_prefill(cfg: DemoConfig, peer: str, seconds: float, emit: Emit) -> dict[str, Any]:
     """The prefill role: compute layer by layer, put each layer at once. Returns results."""
-    from hixl._engine import Access, Engine
+    from hixl.engine import Access, Engine
 
     deadline = _Deadline(seconds)
     t = time.monotonic()
@@ -1284,7 +1284,7 @@ def run_demo(
     listen = f"127.0.0.1:{_free_port()}"
     budget = f"{max(1.0, timeout - 5.0):.1f}"
     with tempfile.TemporaryDirectory(prefix="hixl-demo-") as tmp:
-        base = [sys.executable, "-u", "-m", "hixl._demo"]
+        base = [sys.executable, "-u", "-m", "hixl.demo.kvdemo"]
         roles = {
             "decode": [*base, "decode", "--listen", listen],
             "prefill": [*base, "prefill", "--peer", listen],
@@ -1370,7 +1370,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     json_path = str(Path(args.json).resolve()) if args.json else None
     if json_path and not Path(json_path).parent.is_dir():
         raise ArgumentError(f"--json: directory {Path(json_path).parent} does not exist")
-    from hixl._vm import VMConfig, host_has_rdma, run_with_rdma
+    from hixl.testbed.vm import VMConfig, host_has_rdma, run_with_rdma
 
     if os.environ.get("HIXL_IN_VM") != "1" and not host_has_rdma():
         print(
@@ -1392,9 +1392,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Worker entry point: ``python -m hixl._demo {decode,prefill} ...`` (used by
+    """Worker entry point: ``python -m hixl.demo.kvdemo {decode,prefill} ...`` (used by
     :func:`run_demo`); writes its result as JSON to ``--result``."""
-    p = argparse.ArgumentParser(prog="python -m hixl._demo")
+    p = argparse.ArgumentParser(prog="python -m hixl.demo.kvdemo")
     p.add_argument("role", choices=("decode", "prefill"))
     p.add_argument("--listen", help="decode: engine id to listen on")
     p.add_argument("--peer", help="prefill: decode's engine id")

@@ -4,10 +4,10 @@ Two layouts, both in one registered region whose start is offset ``base_offset``
 
 * :class:`ContiguousKVLayout`: ``[layers][K|V][heads][tokens][head_dim]``, with an
   optional padded token stride (head_dim 96 in fp16 is 192 bytes; padded to 256 it is a
-  power of two). Its descriptors are :class:`~hixl._descriptors.NdStridedDesc`.
+  power of two). Its descriptors are :class:`~hixl.core.descriptors.NdStridedDesc`.
 * :class:`PagedKVLayout`: vLLM-style paged blocks; per layer, K and V are each
   ``[num_blocks, block_size, heads, head_dim]``, and a request owns a list of block ids.
-  Its descriptors are :class:`~hixl._descriptors.BlockListDesc`.
+  Its descriptors are :class:`~hixl.core.descriptors.BlockListDesc`.
 
 Both take a token range, so that only new tokens are sent, and a head range (tensor
 parallel slices). A transfer pairs two streams byte for byte, so both sides must list the
@@ -26,14 +26,14 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from hixl._descriptors import (
+from hixl.core.descriptors import (
     DEFAULT_ALIGNMENT,
     INT64_MAX,
     BlockListDesc,
     NdStridedDesc,
     _int,
 )
-from hixl._errors import DescriptorError
+from hixl.errors import DescriptorError
 
 __all__ = [
     "ContiguousKVLayout",

@@ -6,7 +6,7 @@ a pyverbs probe in a child process, the VM tools) and returns plain values.
 one-line finding and an exact fix command, plus a verdict.  ``diagnose`` does no I/O, so
 tests feed it the facts of machines they are not running on.
 
-pyverbs is probed in a child Python (``sys.executable``): only ``hixl._verbs`` imports
+pyverbs is probed in a child Python (``sys.executable``): only ``hixl.verbs.adapter`` imports
 pyverbs in-process, and a broken binding (an ABI mismatch, a crash) cannot take the
 doctor down with it.
 """
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hixl._devices import SYSFS_ROOT, Device, Selection, list_devices, select_from
-from hixl._errors import DeviceError
+from hixl.errors import DeviceError
+from hixl.verbs.devices import SYSFS_ROOT, Device, Selection, list_devices, select_from
 
 __all__ = [
     "Check",
@@ -232,8 +232,8 @@ def _modprobe_dry_run() -> tuple[bool, str] | None:
 
 
 def _vm_facts(boot: Path, modules: Path) -> VmFacts:
-    from hixl._errors import VMError
-    from hixl._vm import find_vng, rxe_capable_kernels
+    from hixl.errors import VMError
+    from hixl.testbed.vm import find_vng, rxe_capable_kernels
 
     kernels: list[str] = []
     unreadable: list[str] = []

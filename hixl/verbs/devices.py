@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hixl._errors import DeviceError
+from hixl.errors import DeviceError
 
 __all__ = [
     "SYSFS_ROOT",

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-:func:`plan_hosts` turns N commands into N :class:`~hixl._vm.GuestSpec` values (pure: no
+:func:`plan_hosts` turns N commands into N :class:`~hixl.testbed.vm.GuestSpec` values (pure: no
 I/O). Host ``i`` is named ``host<i>``, gets the NIC ``52:54:00:88:00:<i+1>`` with
 ``10.88.0.<i+1>/24`` and the MTU asked for, and its command sees
 
@@ -17,10 +17,10 @@ other hosts (an Ethernet hub). Each frame one guest sends arrives at the others 
 so the RoCEv2 packets cross a real (virtual) Ethernet between kernels: MTU, ARP, GIDs
 and routing are the real ones, and a guest whose VM is cut off (:func:`vanish`) is gone
 without a TCP FIN, as a crashed machine would be. Datagrams never block a QEMU or the
-hub (see :class:`~hixl._vm.GuestNet`); one that finds no room is dropped, as on a
+hub (see :class:`~hixl.testbed.vm.GuestNet`); one that finds no room is dropped, as on a
 congested wire.
 
-:func:`run_hosts` boots them all with :func:`hixl._vm.run_guests` (same deadlines,
+:func:`run_hosts` boots them all with :func:`hixl.testbed.vm.run_guests` (same deadlines,
 output prefixed per host, all VMs killed at the end); the run fails when any host's
 command fails. A host that is *meant* to disappear calls :func:`vanish`, which leaves a
 note for the runner; the runner kills that guest's VM at once and reports it as exit 0.
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hixl._errors import ArgumentError, HixlError, TransferTimeout, VMError
-from hixl._vm import VANISHED, GuestNet, GuestSpec, VMConfig, run_guests
+from hixl.errors import ArgumentError, HixlError, TransferTimeout, VMError
+from hixl.testbed.vm import VANISHED, GuestNet, GuestSpec, VMConfig, run_guests
 
 __all__ = [
     "SUBNET",
@@ -477,8 +477,8 @@ def run_demo_hosts(
 ) -> dict[str, Any]:
     """The prefill/decode demo with decode on host0 and prefill on host1.
 
-    ``cfg`` is a :class:`hixl._demo.DemoConfig`. Each role runs as ``python -m
-    hixl._demo`` in its own VM and writes its result into a directory shared with this
+    ``cfg`` is a :class:`hixl.demo.kvdemo.DemoConfig`. Each role runs as ``python -m
+    hixl.demo.kvdemo`` in its own VM and writes its result into a directory shared with this
     process, which combines them with the demo's own ``summarize``, prints the summary
     and returns it (also as JSON to ``json_path``). Raises :class:`HixlError` when a host
     fails or leaves no result.
@@ -487,7 +487,7 @@ def run_demo_hosts(
     import shutil
     import tempfile
 
-    from hixl._demo import format_summary, summarize
+    from hixl.demo.kvdemo import format_summary, summarize
 
     _require_vm_path()
     base = VMConfig(cpus=1, memory="2G", timeout=timeout + 300.0) if vm is None else vm
@@ -495,7 +495,7 @@ def run_demo_hosts(
     try:
         vmcfg = dataclasses.replace(base, rw_dirs=(*base.rw_dirs, share))
         decode_id = f"{host_address(0)}:{DEMO_PORT}"
-        worker = [sys.executable, "-u", "-m", "hixl._demo"]
+        worker = [sys.executable, "-u", "-m", "hixl.demo.kvdemo"]
         common = ["--seconds", f"{max(1.0, timeout - 5.0):.1f}", *cfg.to_argv()]
         commands = [
             [*worker, "decode", "--listen", decode_id, "--result", str(share / "decode.json")],

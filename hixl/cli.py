@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hixl._errors import HixlError
+from hixl.errors import HixlError
 
 __all__ = ["main"]
 
@@ -31,7 +31,7 @@ def _print_json(data: object) -> None:
 
 
 def _cmd_devices(args: argparse.Namespace) -> int:
-    from hixl._devices import devices_to_json, format_devices, list_devices
+    from hixl.verbs.devices import devices_to_json, format_devices, list_devices
 
     devices = list_devices(args.sysfs)
     if args.json:
@@ -60,7 +60,7 @@ def _add_devices(sub: _Subparsers) -> None:
 
 
 def _cmd_rxe_up(args: argparse.Namespace) -> int:
-    from hixl._rxe import rxe_up
+    from hixl.testbed.rxe import rxe_up
 
     result = rxe_up(args.netdev, name=args.name, timeout=args.timeout)
     print(result.message)
@@ -68,7 +68,7 @@ def _cmd_rxe_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_rxe_down(args: argparse.Namespace) -> int:
-    from hixl._rxe import rxe_down
+    from hixl.testbed.rxe import rxe_down
 
     print(rxe_down(args.name).message)
     return 0
@@ -113,7 +113,7 @@ def _add_rxe(sub: _Subparsers) -> None:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from hixl._doctor import diagnose, format_report, gather_facts, report_to_json
+    from hixl.testbed.doctor import diagnose, format_report, gather_facts, report_to_json
 
     report = diagnose(gather_facts())
     if args.json:
@@ -141,7 +141,7 @@ def _add_doctor(sub: _Subparsers) -> None:
 def _vm_config(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
-    from hixl._vm import VMConfig
+    from hixl.testbed.vm import VMConfig
 
     return VMConfig(
         memory=args.memory,
@@ -163,10 +163,10 @@ def _command_after_dashes(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_vm_run(args: argparse.Namespace) -> int:
-    from hixl._vm import run
+    from hixl.testbed.vm import run
 
     if args.hosts > 1:
-        from hixl._hosts import run_hosts
+        from hixl.testbed.hosts import run_hosts
 
         cmd = _command_after_dashes(args)
         return run_hosts([cmd] * args.hosts, _hosts_config(args), mtus=args.mtu)
@@ -184,7 +184,7 @@ def _hosts_config(args: argparse.Namespace) -> Any:
 def _cmd_vm_hosts(args: argparse.Namespace) -> int:
     import shlex
 
-    from hixl._hosts import run_hosts
+    from hixl.testbed.hosts import run_hosts
 
     if args.cmd:
         raise HixlError("give each host's command with --host 'CMD', not after '--'")
@@ -206,7 +206,7 @@ def _hosts_options(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from hixl._vm import run_with_rdma
+    from hixl.testbed.vm import run_with_rdma
 
     return run_with_rdma(_command_after_dashes(args), _vm_config(args))
 
@@ -310,7 +310,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import subprocess
     from pathlib import Path
 
-    from hixl._vm import run_with_rdma
+    from hixl.testbed.vm import run_with_rdma
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "run_all.py"
     if not script.is_file():
@@ -361,7 +361,7 @@ def _add_bench(sub: _Subparsers) -> None:
 
 
 def _add_demo(sub: _Subparsers) -> None:
-    from hixl._demo import add_demo_options, cmd_demo
+    from hixl.demo.kvdemo import add_demo_options, cmd_demo
 
     p = sub.add_parser(
         "demo",
@@ -396,8 +396,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_demo_hosts(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hixl._demo import config_from_args
-    from hixl._hosts import run_demo_hosts
+    from hixl.demo.kvdemo import config_from_args
+    from hixl.testbed.hosts import run_demo_hosts
 
     json_path = str(Path(args.json).resolve()) if args.json else None
     summary = run_demo_hosts(

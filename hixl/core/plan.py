@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 A transfer pairs the local stream with the remote stream byte for byte (see
-``hixl._descriptors``): stream byte ``p`` lives at local offset ``L(p)`` and remote offset
+``hixl.core.descriptors``): stream byte ``p`` lives at local offset ``L(p)`` and remote offset
 ``R(p)``. A work request (WR) is one contiguous remote range plus a list of local
 scatter/gather entries (SGEs); a WRITE gathers the SGEs into the remote range, a READ
 scatters the remote range into the SGEs. Limits, per WR:
@@ -53,13 +53,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from hixl._descriptors import (
+from hixl.core.descriptors import (
     Descriptor,
     Segments,
     as_segments,
     normalize_alignment,
 )
-from hixl._errors import AlignmentError, BoundsError, DescriptorError
+from hixl.errors import AlignmentError, BoundsError, DescriptorError
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -494,7 +494,7 @@ def check_bounds(segments: Descriptor, region_length: int, what: str = "remote")
 
     ``segments`` is a descriptor or :class:`Segments` with offsets in bytes relative to the
     region; ``region_length`` is the region's length in bytes. Raises
-    :class:`hixl._errors.BoundsError` naming the first segment that reaches past the end,
+    :class:`hixl.errors.BoundsError` naming the first segment that reaches past the end,
     e.g. ``remote out of bounds: offset=4096 nbytes=8192 region_length=8192``; raises
     :class:`DescriptorError` for a negative or non-integer ``region_length``.
     """

@@ -1,6 +1,6 @@
-"""Guest side of the hixl VM (``python -m hixl._guest XDIR``).
+"""Guest side of the hixl VM (``python -m hixl.testbed.guest XDIR``).
 
-Runs inside the VM that :mod:`hixl._vm` boots.  It reads ``XDIR/request.json``
+Runs inside the VM that :mod:`hixl.testbed.vm` boots.  It reads ``XDIR/request.json``
 (written by the host), marks ``XDIR/booted``, brings up a soft-RoCE device,
 runs the requested command with its output in ``XDIR/stdout`` and
 ``XDIR/stderr``, and finally writes the exit status to ``XDIR/rc``.  The host

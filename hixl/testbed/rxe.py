@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hixl._devices import (
+from hixl.errors import DeviceError
+from hixl.verbs.devices import (
     SYSFS_ROOT,
     Device,
     Selection,
@@ -30,7 +31,6 @@ from hixl._devices import (
     select_device,
     select_from,
 )
-from hixl._errors import DeviceError
 
 __all__ = [
     "DUMMY_ADDRESS",

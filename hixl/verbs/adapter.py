@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from hixl._errors import DeviceError, HixlError, StateError, VerbsError
+from hixl.errors import DeviceError, HixlError, StateError, VerbsError
 
 # pyverbs' base module calls logging.basicConfig() on import, which would configure the
 # application's root logger behind its back.  A library must not do that, so the root
@@ -351,7 +351,7 @@ def open_device(
     """Open a verbs device.
 
     With no arguments, the device, port and GID follow the rule ``hixl
-    devices`` marks (:func:`hixl._devices.choose_gid`): the first ACTIVE port
+    devices`` marks (:func:`hixl.verbs.devices.choose_gid`): the first ACTIVE port
     with an IPv4-mapped RoCEv2 GID bound to a netdev, as perftest chooses.
     Explicit ``name``, ``port`` and ``gid_index`` narrow or override that.
     The GID table is read with one ``ibv_query_gid_table`` call rather than
@@ -390,7 +390,7 @@ def _choose_port_gid(
     ctx: Any, name: str, port: int | None, gid_index: int | None, problems: list[str]
 ) -> tuple[int, int] | None:
     """``(port, gid_index)`` to use on an opened device, or None (reason in ``problems``)."""
-    from hixl._devices import ROCE_V2, Gid, choose_gid
+    from hixl.verbs.devices import ROCE_V2, Gid, choose_gid
 
     with _translate("query_device"):
         nports = int(ctx.query_device().phys_port_cnt)

@@ -44,8 +44,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from hixl._descriptors import BlockListDesc
-from hixl._engine import (
+from hixl.core.descriptors import BlockListDesc
+from hixl.engine import (
     Access,
     Connection,
     ConnState,
@@ -54,8 +54,8 @@ from hixl._engine import (
     TransferHandle,
     TransferRequest,
 )
-from hixl._engine import TransferStatus as _EngineStatus
-from hixl._errors import (
+from hixl.engine import TransferStatus as _EngineStatus
+from hixl.errors import (
     ArgumentError,
     DescriptorError,
     HixlError,

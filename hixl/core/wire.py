@@ -3,7 +3,7 @@
 This module is pure: no sockets, no clock, no pyverbs. It turns message values into bytes
 (:func:`encode`) and bytes from the network into message values (:class:`Decoder`, sans-I/O
 in the style of h11). Everything a peer sends is untrusted: a frame is checked field by field,
-and anything malformed raises :class:`~hixl._errors.HandshakeError` (never ``KeyError``,
+and anything malformed raises :class:`~hixl.errors.HandshakeError` (never ``KeyError``,
 ``TypeError``, ``UnicodeError``, ``RecursionError``...), with the field and value named.
 
 Frames
@@ -85,7 +85,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from hixl._errors import HandshakeError
+from hixl.errors import HandshakeError
 
 __all__ = [
     "ERROR_CODES",
@@ -266,7 +266,7 @@ def parse_engine_id(text: str) -> tuple[str, int]:
     and is not returned.
 
     Raises :class:`ValueError` naming the id and the broken part. The message decoders turn
-    it into :class:`~hixl._errors.HandshakeError`.
+    it into :class:`~hixl.errors.HandshakeError`.
     """
     if not isinstance(text, str):
         raise ValueError(f"engine id must be a str, got {type(text).__name__} {_show(text)}")

@@ -9,7 +9,7 @@ stream with the remote stream byte for byte, so only the stream order matters, n
 it was cut into elements.
 
 All descriptor types normalize to one form, :class:`Segments`: two int64 numpy arrays,
-``offsets`` and ``lengths``, one entry per element. The planner (``hixl._plan``) works on
+``offsets`` and ``lengths``, one entry per element. The planner (``hixl.core.plan``) works on
 that form only.
 
 =====================  ==================================================================
@@ -24,8 +24,8 @@ type                   elements
 Values are frozen and validated when built: a descriptor that exists is well formed
 (positive sizes, no int64 overflow, inside ``[0, 2**63)``, aligned under its policy).
 Whether it may be a *destination* (no byte written twice) and whether it fits a region are
-checked where that is known: :func:`hixl._plan.plan_transfer` and
-:func:`hixl._plan.check_bounds`.
+checked where that is known: :func:`hixl.core.plan.plan_transfer` and
+:func:`hixl.core.plan.check_bounds`.
 
 This module is pure: no I/O, no clock, no pyverbs.
 """
@@ -41,7 +41,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from hixl._errors import AlignmentError, DescriptorError
+from hixl.errors import AlignmentError, DescriptorError
 
 __all__ = [
     "DEFAULT_ALIGNMENT",

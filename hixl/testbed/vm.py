@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from hixl._errors import VMError
+from hixl.errors import VMError
 
 log = logging.getLogger("hixl.vm")
 
@@ -80,7 +80,7 @@ class GuestNet:
 
     QEMU receives the guest's frames on 127.0.0.1:``port`` and sends each frame the guest
     transmits as one datagram to 127.0.0.1:``peer_port`` (the other host's port, or a
-    :class:`hixl._hosts.FrameHub` port). ``address`` is the guest's IPv4/prefix.
+    :class:`hixl.testbed.hosts.FrameHub` port). ``address`` is the guest's IPv4/prefix.
 
     Why datagrams: no QEMU can ever block on another. Over a TCP socket pair the
     accepting QEMU's socket is a blocking one, so a peer guest that stopped draining its
@@ -131,7 +131,7 @@ class GuestSpec:
 #: Exit status reported for a guest the runner stopped because another guest failed.
 STOPPED = 143
 #: The file a guest command writes (via ``HIXL_VM_XDIR``) to have its VM cut off on
-#: purpose (:func:`hixl._hosts.vanish`): the runner kills the guest's QEMU at once and
+#: purpose (:func:`hixl.testbed.hosts.vanish`): the runner kills the guest's QEMU at once and
 #: reports the guest as having exited 0.
 VANISHED = "vanished"
 
@@ -329,7 +329,7 @@ def _launch(
         else {"address": spec.net.address, "mtu": spec.net.mtu, "mac": spec.net.mac},
     }
     (xdir / "request.json").write_text(json.dumps(request))
-    guest = f"{shlex.quote(sys.executable)} -m hixl._guest {shlex.quote(str(xdir))}"
+    guest = f"{shlex.quote(sys.executable)} -m hixl.testbed.guest {shlex.quote(str(xdir))}"
     cmd = _vng_base(vng, kernel, cfg, kvm)
     for d in (xdir, *cfg.rw_dirs):
         cmd += ["--rwdir", str(d)]
@@ -521,8 +521,8 @@ def run(command: Sequence[str], cfg: VMConfig | None = None) -> int:
 
 def host_has_rdma() -> bool:
     """Whether this host has an ACTIVE verbs port with a usable GID right now."""
-    from hixl._devices import select_device
-    from hixl._errors import DeviceError
+    from hixl.errors import DeviceError
+    from hixl.verbs.devices import select_device
 
     try:
         select_device()

@@ -9,7 +9,7 @@ ran on; that socket stays open as the control channel (region updates,
 goodbyes) and tells us at once when the peer process dies (EOF).
 
 Data path.  ``put``/``get`` plan the transfer with the pure descriptor core
-(:mod:`hixl._plan`), check local and remote bounds, access and alignment
+(:mod:`hixl.core.plan`), check local and remote bounds, access and alignment
 *before* anything is posted, and turn each planned work request into a
 ``SendRequest`` with the registered addresses and keys.  Work requests go
 out in chunks; only the last of each chunk is signaled, and since an RC
@@ -29,7 +29,7 @@ as soon as a poll drains it, and then waits in ``selector.select`` on their comp
 channels' descriptors and the sockets, which releases the GIL and wakes at
 once for a completion or control traffic (and every 20 ms while transfers
 are pending, to enforce deadlines).  pyverbs does not expose a channel's
-descriptor; :mod:`hixl._verbs` finds it in ``/proc/self/fd``, and where it
+descriptor; :mod:`hixl.verbs.adapter` finds it in ``/proc/self/fd``, and where it
 cannot, the thread polls with a back-off of up to 2 ms instead.  Application
 threads never poll; ``TransferHandle.wait`` sleeps on an event.
 
@@ -71,9 +71,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from hixl import _verbs, _wire
-from hixl._descriptors import ContiguousDesc, Descriptor, as_segments
-from hixl._errors import (
+from hixl.core import wire as _wire
+from hixl.core.descriptors import ContiguousDesc, Descriptor, as_segments
+from hixl.core.plan import DeviceLimits, Op, check_alignment, check_bounds, plan_transfer
+from hixl.core.wire import RemoteRegion
+from hixl.errors import (
     ArgumentError,
     ConnectionFailed,
     HandshakeError,
@@ -82,8 +84,7 @@ from hixl._errors import (
     StateError,
     TransferTimeout,
 )
-from hixl._plan import DeviceLimits, Op, check_alignment, check_bounds, plan_transfer
-from hixl._wire import RemoteRegion
+from hixl.verbs import adapter as _verbs
 
 log = logging.getLogger("hixl.engine")
 
@@ -1499,7 +1500,7 @@ def _printable(text: str, limit: int) -> str:
 
 
 def _completion_error(op: str, wc: _verbs.Completion, peer: str) -> HixlError:
-    from hixl._errors import CompletionError
+    from hixl.errors import CompletionError
 
     return CompletionError(f"{op} to {peer}", wc.status, wc.status_name, wc.wr_id, wc.vendor_err)
 

@@ -1,0 +1,1 @@
+"""The one adapter over the verbs binding, and sysfs device discovery."""
