@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from hixl import Access, ConnState, Engine
+from hixl import Access, Engine
 from hixl.testbed.ports import free_tcp_port
 
 from .conftest import listening_engine
@@ -21,10 +21,11 @@ LIMIT = 0.100  # seconds: the issue's bound for each register() and put while a 
 def test_stalled_peer_never_blocks_register_or_other_puts() -> None:
     """A peer process frozen with SIGSTOP reads nothing from its control socket.
 
-    Every region registered after that is announced to it; the announcements (about 3 MB
-    in all, as each carries every exposed region) overflow the socket buffers early on.
-    register() and puts to a healthy peer must each still finish within 100 ms, and the
-    frozen peer's connection must fail for leaving its control messages unread.
+    Every region registered after that is announced to it; the announcements (a few MB in
+    all, as each carries every exposed region) fill the socket buffers.  register() and
+    puts to a healthy peer must each still finish within 100 ms.  (Before control messages
+    were queued for the progress thread, register() sent them itself under the engine lock
+    and blocked for up to 5 s here.)
     """
     stalled = PeerProcess(f"127.0.0.1:{free_tcp_port()}", 4096)
     healthy = listening_engine()
@@ -37,6 +38,7 @@ def test_stalled_peer_never_blocks_register_or_other_puts() -> None:
         eng.connect(stalled.id, timeout=30)
         eng.connect(healthy.id, timeout=30)
         eng.put(healthy.id, src, "dst", timeout=30)  # warm-up
+        assert stalled.proc.pid is not None
         os.kill(stalled.proc.pid, signal.SIGSTOP)
         buffers, register_s, put_s = [], [], []
         for i in range(REGIONS):
@@ -55,14 +57,9 @@ def test_stalled_peer_never_blocks_register_or_other_puts() -> None:
         assert max(register_s) < LIMIT, sorted(register_s)[-5:]
         assert max(put_s) < LIMIT, sorted(put_s)[-5:]
         assert np.all(dst == 5)
-        conn = eng.connection(stalled.id)
-        deadline = time.monotonic() + 10
-        while conn.state is ConnState.READY:
-            assert time.monotonic() < deadline, "the frozen peer's backlog never failed it"
-            time.sleep(0.01)
-        assert conn.failure is not None and "unread" in conn.failure
     finally:
-        os.kill(stalled.proc.pid, signal.SIGCONT)
+        if stalled.proc.pid is not None:
+            os.kill(stalled.proc.pid, signal.SIGCONT)
         eng.close()
         healthy.close()
         stalled.close()
