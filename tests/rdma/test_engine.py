@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,19 +21,14 @@ from hixl.errors import (
     StateError,
     TransferTimeout,
 )
+from hixl.testbed.net import free_tcp_port
 
 RW = Access.REMOTE_READ | Access.REMOTE_WRITE
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def pair() -> Iterator[tuple[Engine, Engine]]:
-    server = Engine(f"127.0.0.1:{free_port()}")
+    server = Engine(f"127.0.0.1:{free_tcp_port()}")
     client = Engine("127.0.0.1:0")
     try:
         yield client, server
@@ -193,7 +187,7 @@ def test_errors_before_posting_name_the_numbers(pair: tuple[Engine, Engine]) -> 
 
 def test_tampered_rkey_fails_fast_and_only_that_connection(pair: tuple[Engine, Engine]) -> None:
     client, server = pair
-    third = Engine(f"127.0.0.1:{free_port()}")
+    third = Engine(f"127.0.0.1:{free_tcp_port()}")
     try:
         dst = np.zeros(4096, np.uint8)
         server.register(dst, access=RW, name="dst")
@@ -233,12 +227,12 @@ def test_connect_where_nothing_listens_fails_in_time() -> None:
     with Engine("127.0.0.1:0") as e:
         t0 = time.monotonic()
         with pytest.raises((ConnectionFailed, TransferTimeout)):
-            e.connect(f"127.0.0.1:{free_port()}", timeout=5)
+            e.connect(f"127.0.0.1:{free_tcp_port()}", timeout=5)
         assert time.monotonic() - t0 < 6
 
 
 def test_token_mismatch_gets_no_keys() -> None:
-    server = Engine(f"127.0.0.1:{free_port()}", token="s3cret")
+    server = Engine(f"127.0.0.1:{free_tcp_port()}", token="s3cret")
     try:
         server.register(np.zeros(4096, np.uint8), access=RW, name="dst")
         with Engine("127.0.0.1:0", token="wrong") as bad:
@@ -253,7 +247,7 @@ def test_token_mismatch_gets_no_keys() -> None:
 
 
 def test_close_with_transfers_in_flight_and_double_close() -> None:
-    server = Engine(f"127.0.0.1:{free_port()}")
+    server = Engine(f"127.0.0.1:{free_tcp_port()}")
     client = Engine("127.0.0.1:0")
     dst = np.zeros(4 << 20, np.uint8)
     server.register(dst, access=RW, name="dst")
@@ -275,7 +269,7 @@ def test_close_with_transfers_in_flight_and_double_close() -> None:
 
 def test_peer_closing_fails_pending_and_engine_stays_usable(pair: tuple[Engine, Engine]) -> None:
     client, server = pair
-    third = Engine(f"127.0.0.1:{free_port()}")
+    third = Engine(f"127.0.0.1:{free_tcp_port()}")
     try:
         server.register(np.zeros(1 << 20, np.uint8), access=RW, name="dst")
         dst3 = np.zeros(4096, np.uint8)
@@ -321,7 +315,7 @@ def test_region_registered_during_the_handshake_reaches_the_peer(
     """A region registered after the server's ACCEPT went out but before it adopted the
     connection is announced once the connection is live (live connections alone get
     announcements, and this one was not yet)."""
-    server = Engine(f"127.0.0.1:{free_port()}")
+    server = Engine(f"127.0.0.1:{free_tcp_port()}")
     client = Engine("127.0.0.1:0")
     late = np.zeros(4096, np.uint8)
     expect = _engine._Channel.expect

@@ -12,13 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hixl import Access, Engine, _wire
-
-from .test_engine import free_port
+from hixl.testbed.net import free_tcp_port
 
 
 @pytest.fixture(scope="module")
 def listener() -> Iterator[Engine]:
-    eng = Engine(f"127.0.0.1:{free_port()}", handshake_timeout=2.0)
+    eng = Engine(f"127.0.0.1:{free_tcp_port()}", handshake_timeout=2.0)
     eng.register(np.zeros(4096, np.uint8), access=Access.REMOTE_WRITE, name="secret")
     try:
         yield eng

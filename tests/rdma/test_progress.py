@@ -10,13 +10,12 @@ import pytest
 
 from hixl.core.descriptors import StridedDesc
 from hixl.engine import Access, Engine
+from hixl.testbed.net import free_tcp_port
 from hixl.verbs import adapter as _verbs
-
-from .test_engine import free_port
 
 
 def connected_pair() -> tuple[Engine, Engine]:
-    server = Engine(f"127.0.0.1:{free_port()}")
+    server = Engine(f"127.0.0.1:{free_tcp_port()}")
     client = Engine("127.0.0.1:0")
     client.connect(server.id, timeout=30.0)
     return client, server
@@ -78,7 +77,7 @@ def test_idle_engines_cost_less_with_events_than_polling(pair: tuple[Engine, Eng
 def test_polling_fallback_moves_data_and_notifications(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where a channel's descriptor cannot be found, engines poll, and everything works."""
     monkeypatch.setattr(_verbs, "_event_fds", lambda: set())
-    server = Engine(f"127.0.0.1:{free_port()}")
+    server = Engine(f"127.0.0.1:{free_tcp_port()}")
     client = Engine("127.0.0.1:0")
     try:
         assert not client._event_cqs and not server._event_cqs
