@@ -32,7 +32,7 @@ from hixl.compat import (
     TransferOpDesc,
     TransferStatus,
 )
-from hixl.testbed.ports import free_tcp_port
+from hixl.testbed.net import free_tcp_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "hixl_style_script.py"
