@@ -133,7 +133,10 @@ def test_chain_longer_than_the_send_queue_writes_and_reads_back(dev: ibv.Device)
         regions=(ms,),
     )
     assert run_chain(a, cq, chain, every=8) == []
-    rows = lambda x: x.reshape(count, stride)  # noqa: E731
+
+    def rows(x: np.ndarray[Any, np.dtype[np.uint8]]) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        return x.reshape(count, stride)
+
     assert np.array_equal(rows(dst)[:, :size], rows(src)[:, :size])
     assert not rows(dst)[:, size:].any()
     # the same chain memory, refilled as READs of the destination into `back`

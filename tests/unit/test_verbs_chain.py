@@ -55,6 +55,7 @@ def plans(draw: st.DrawFn) -> Plan:
     local = StridedDesc(
         offset=draw(st.integers(0, 512)), count=count, size=size, stride=lstride, alignment=None
     )
+    remote: ContiguousDesc | StridedDesc
     if draw(st.booleans()):
         remote = ContiguousDesc(
             offset=draw(st.integers(0, 512)), nbytes=count * size, alignment=None
