@@ -25,7 +25,7 @@ cffi releases the GIL around every call it makes, including calls through
 function pointers read from a struct, so a long ``post_send`` (rxe runs the
 transfer inside it) never stops other Python threads.
 
-This module is private: :mod:`hixl.verbs.adapter` is the only user.
+This module is private: :mod:`hixl.verbs.adapter` and :mod:`hixl.verbs.chain` use it.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ an RC send queue completes in order, one completion frees a whole group, and a W
 that fails mid-group completes (signaled or not) under the id of its own group,
 so its error status reaches the transfer that owns it.
 
-A chain is posted piecewise by :meth:`hixl.verbs.ibv.QueuePair.post_chain`, which
+A chain is posted piecewise by :meth:`hixl.verbs.adapter.QueuePair.post_chain`, which
 cuts the link after the last WR it posts and restores it afterwards.  The
 provider copies WRs into its send queue during ``post_send``, so the chain's
 memory may be rewritten as soon as that call returns.  A chain must not be
@@ -280,31 +280,39 @@ class SendChain:
         chain.fill_plan(plan, **kwargs)
         return chain
 
-    def set_signals(self, first_id: int, every: int) -> int:
-        """Cut the WRs into groups of ``every``; signal each group's last WR.
+    def set_signals(
+        self, first_id: int, every: int, start: int = 0, stop: int | None = None
+    ) -> int:
+        """Cut WRs ``start .. stop-1`` into groups of ``every``; signal each group's last WR.
 
-        Every WR of group ``g`` gets ``wr_id = first_id + g``.  Returns the number
-        of groups, ``ceil(num_wrs / every)``.  Only these two fields change, so a
+        Every WR of group ``g`` gets ``wr_id = first_id + g``.  Returns the number of
+        groups, ``ceil((stop - start) / every)``.  Only these two fields change, so a
         chain built once is reused by calling this again with new ids.
         """
         n = self.num_wrs
-        if n == 0:
-            raise ArgumentError("set_signals on an empty chain")
+        stop = n if stop is None else stop
+        if not 0 <= start < stop <= n:
+            raise ArgumentError(f"set_signals: WRs {start}..{stop} outside the chain's 0..{n}")
         if every < 1:
             raise ArgumentError(f"signal interval must be >= 1 WR, got {every}")
-        if first_id < 0 or first_id + (n - 1) // every > 0xFFFF_FFFF_FFFF_FFFF:
-            raise ArgumentError(f"wr_id {first_id} does not fit 64 bits for {n} WRs")
+        m = stop - start
+        if first_id < 0 or first_id + (m - 1) // every > 0xFFFF_FFFF_FFFF_FFFF:
+            raise ArgumentError(f"wr_id {first_id} does not fit 64 bits for {m} WRs")
+        if m == 1:  # a single WR (notifications): no arrays needed
+            w1 = self.head[start]
+            w1.wr_id, w1.send_flags = first_id, SEND_SIGNALED
+            return 1
         cache = self._group_cache
-        if cache is None or cache[0] != n or cache[1] != every:
-            cache = (n, every, np.arange(n, dtype=np.uint64) // np.uint64(every))
+        if cache is None or cache[0] != m or cache[1] != every:
+            cache = (m, every, np.arange(m, dtype=np.uint64) // np.uint64(every))
             self._group_cache = cache
-        w = self._wrs[:n]
+        w = self._wrs[start:stop]
         np.add(cache[2], np.uint64(first_id), out=w["wr_id"])
         flags = w["send_flags"]
         flags[:] = 0
         flags[every - 1 :: every] = SEND_SIGNALED
-        flags[n - 1] = SEND_SIGNALED
-        return (n + every - 1) // every
+        flags[m - 1] = SEND_SIGNALED
+        return (m + every - 1) // every
 
     def check_regions(self) -> None:
         """Raise :class:`RegistrationError` when a region the chain uses was closed."""

@@ -20,7 +20,7 @@ import pytest
 from hixl.core.descriptors import ContiguousDesc, StridedDesc
 from hixl.core.plan import DeviceLimits, Op, Plan, plan_transfer
 from hixl.errors import ArgumentError, RegistrationError, StateError
-from hixl.verbs import ibv
+from hixl.verbs import adapter as ibv
 from hixl.verbs.chain import SendChain
 
 RW = ibv.ACCESS_LOCAL_WRITE | ibv.ACCESS_REMOTE_WRITE | ibv.ACCESS_REMOTE_READ

@@ -127,6 +127,26 @@ def test_signals_one_per_group_and_ids_name_the_group(plan: Plan, every: int, fi
 
 
 @PROPS
+@given(plan=plans(), data=st.data())
+def test_signals_on_a_sub_range_leave_the_rest_alone(plan: Plan, data: st.DataObject) -> None:
+    chain = SendChain.for_plan(plan, opcode=0, local_addr=LADDR, lkey=1, remote_addr=RADDR, rkey=2)
+    n = plan.num_wrs
+    start = data.draw(st.integers(0, n - 1))
+    stop = data.draw(st.integers(start + 1, n))
+    every = data.draw(st.integers(1, 40))
+    groups = chain.set_signals(77, every, start, stop)
+    assert groups == -(-(stop - start) // every)
+    for i, g in enumerate(walk(chain)):
+        if start <= i < stop:
+            k = i - start
+            assert g["wr_id"] == 77 + k // every
+            last = (k + 1) % every == 0 or i == stop - 1
+            assert g["flags"] == (SEND_SIGNALED if last else 0)
+        else:
+            assert g["wr_id"] == 0 and g["flags"] == 0
+
+
+@PROPS
 @given(a=plans(), b=plans())
 def test_refill_with_another_plan_reuses_the_memory(a: Plan, b: Plan) -> None:
     """A chain refilled in place reads exactly as a fresh one built from the new plan."""
@@ -204,7 +224,7 @@ def test_bad_fills_are_refused_with_their_numbers() -> None:
             sge_length=[1],
             lkey=1,
         )
-    with pytest.raises(ArgumentError, match="empty"):
+    with pytest.raises(ArgumentError, match="outside"):
         chain.set_signals(0, 1)
 
 
