@@ -342,14 +342,32 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from hixl.testbed.vm import run_with_rdma
 
-    script = bench_checkout(args.source) / "benchmarks" / "run_all.py"
+    checkout = bench_checkout(args.source)
+    script = checkout / "benchmarks" / "run_all.py"
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d_%H%M%S")
     run_dir = Path(args.out).resolve() / stamp
     run_dir.mkdir(parents=True, exist_ok=True)
     extra = list(args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd)
     flags = ["--quick"] if args.quick else []
-    flags += ["--sections", args.sections] if args.sections else []
-    invocation = shlex.join(["hixl", "bench", *flags, *(["--", *extra] if extra else [])])
+    sections = args.sections
+    if args.peers:
+        listed = (sections or "transfer,layer,overhead").split(",")
+        sections = ",".join([*listed, "peers"] if "peers" not in listed else listed)
+        # The VM sees the host's files read-only: install the peers here, first. A peer
+        # that fails to install is recorded in the run directory and reported, not fatal.
+        subprocess.run(
+            [
+                sys.executable,
+                str(checkout / "benchmarks" / "bench_peers.py"),
+                "--install",
+                "--run-dir",
+                str(run_dir),
+            ],
+            check=False,
+        )
+    flags += ["--sections", sections] if sections else []
+    shown = [*flags, "--peers"] if args.peers else flags
+    invocation = shlex.join(["hixl", "bench", *shown, *(["--", *extra] if extra else [])])
     base = [sys.executable, str(script), "--run-dir", str(run_dir), "--invocation", invocation]
     # Measure where rxe is (the VM writes only into the run directory), report on this host.
     cfg = _vm_config(args)
@@ -373,7 +391,17 @@ def _add_bench(sub: _Subparsers) -> None:
         "Arguments after '--' go to run_all.py.",
     )
     p.add_argument("--quick", action="store_true", help="a short smoke run")
-    p.add_argument("--sections", metavar="LIST", help="of transfer,layer,overhead (default all)")
+    p.add_argument(
+        "--sections",
+        metavar="LIST",
+        help="of transfer,layer,overhead,peers (default transfer,layer,overhead)",
+    )
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="also run hixl beside its peers (Mooncake Transfer Engine), installed on demand "
+        "into .venv-peers of the checkout, in the same VM boot",
+    )
     p.add_argument(
         "--out",
         default="results/bench",
