@@ -249,6 +249,7 @@ class MooncakeSide(Side):
 
 
 BACKENDS: dict[str, type[Side]] = {"hixl": HixlSide, "mooncake": MooncakeSide}
+OPS = ("init", "connect", "fill", "digest", "cpu", "run", "latency", "quit")
 
 
 def serve(backend: str) -> int:
@@ -266,6 +267,8 @@ def serve(backend: str) -> int:
         try:
             if op == "quit":
                 break
+            if op not in OPS:
+                raise ValueError(f"unknown op {op!r} (known: {', '.join(OPS)})")
             if op == "init":
                 buf = Buffer(int(cmd["nbytes"]))
                 side = BACKENDS[backend](str(cmd["role"]), buf, str(cmd["device"]))
@@ -297,8 +300,6 @@ def serve(backend: str) -> int:
                     if i >= warm:
                         samples.append((time.perf_counter() - t0) * 1e6)
                 reply["samples_us"] = samples
-            else:
-                raise ValueError(f"unknown op {op!r}")
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the driver
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             traceback.print_exc(file=sys.stderr)

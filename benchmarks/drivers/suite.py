@@ -199,6 +199,12 @@ def _commands_block(data: dict[str, dict[str, Any]]) -> str:
         if name == "overhead":
             for size, b in d.get("baseline", {}).items():
                 lines.append(f"  - {fmt_size(int(size))}: `{b['command']}`")
+        if name == "peers":
+            shown = set()
+            for m in d.get("measurements", []):
+                if m["impl"] == "perftest" and m.get("command") and m["case"] not in shown:
+                    shown.add(m["case"])
+                    lines.append(f"  - {m['case']}: `{m['command']}`")
     return "\n".join(lines)
 
 
