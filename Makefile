@@ -43,8 +43,9 @@ bench:
 
 ## bench-peers: hixl beside Mooncake's Transfer Engine and perftest in one VM boot; installs the
 ## peers on demand into .venv-peers (never into .venv). A peer that fails is reported, not fatal.
+## NIXL=1 adds NVIDIA NIXL (opt in), as installed and tuned.
 bench-peers:
-	$(HIXL) bench --peers --sections peers $(BENCH_ARGS)
+	$(HIXL) bench --peers $(if $(NIXL),--nixl) --sections peers $(BENCH_ARGS)
 
 ## bench-smoke: every benchmark's --help (by path and with -m) and every path that needs no
 ## device, natively and in well under a minute, so that none can rot (CI runs it)

@@ -349,25 +349,32 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     extra = list(args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd)
     flags = ["--quick"] if args.quick else []
+    # The command as the user gave it, for the record.
+    shown = [*flags, *(["--sections", args.sections] if args.sections else [])]
+    shown += ["--peers"] if args.peers else []
+    shown += ["--nixl"] if args.peers and args.nixl else []
+    invocation = shlex.join(["hixl", "bench", *shown, *(["--", *extra] if extra else [])])
     sections = args.sections
     if args.peers:
         listed = (sections or "transfer,layer,overhead").split(",")
         sections = ",".join([*listed, "peers"] if "peers" not in listed else listed)
         # The VM sees the host's files read-only: install the peers here, first. A peer
         # that fails to install is recorded in the run directory and reported, not fatal.
+        peers = "mooncake,nixl" if args.nixl else "mooncake"
         subprocess.run(
             [
                 sys.executable,
                 str(checkout / "benchmarks" / "bench_peers.py"),
                 "--install",
+                "--peers",
+                peers,
                 "--run-dir",
                 str(run_dir),
             ],
             check=False,
         )
+        extra = ["--peers-args", f"--peers {peers}", *extra]
     flags += ["--sections", sections] if sections else []
-    shown = [*flags, "--peers"] if args.peers else flags
-    invocation = shlex.join(["hixl", "bench", *shown, *(["--", *extra] if extra else [])])
     base = [sys.executable, str(script), "--run-dir", str(run_dir), "--invocation", invocation]
     # Measure where rxe is (the VM writes only into the run directory), report on this host.
     cfg = _vm_config(args)
@@ -401,6 +408,12 @@ def _add_bench(sub: _Subparsers) -> None:
         action="store_true",
         help="also run hixl beside its peers (Mooncake Transfer Engine), installed on demand "
         "into .venv-peers of the checkout, in the same VM boot",
+    )
+    p.add_argument(
+        "--nixl",
+        action="store_true",
+        help="with --peers: NVIDIA NIXL too, as installed and tuned (opt in: its wheel bundles "
+        "UCX and its own libibverbs; installed without torch, about 70 MB)",
     )
     p.add_argument(
         "--out",

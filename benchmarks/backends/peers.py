@@ -29,30 +29,103 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 
 @dataclass(frozen=True, slots=True)
 class PeerSpec:
-    """How to install, check and run one peer."""
+    """How to install, check and run one peer.
+
+    ``pip`` is one ``pip install`` argument list per step. ``env`` is what its processes
+    need; ``{device}``, ``{port}`` and ``{shim}`` in a value become the device and port
+    under test and the peers' libibverbs shim directory. ``variants`` are contenders run
+    with the same install and extra environment (e.g. a tuned configuration).
+    """
 
     name: str
     title: str
-    packages: tuple[str, ...]
+    pip: tuple[tuple[str, ...], ...]
     dist: str  # the distribution whose version is reported
     check: str  # Python that must run in the peers' venv once installed
-    env: dict[str, str] = field(default_factory=dict)  # environment its processes need
-    opt_in: bool = False  # installed only when asked for by name (size)
+    env: dict[str, str] = field(default_factory=dict)
+    variants: dict[str, dict[str, str]] = field(default_factory=dict)
+    opt_in: bool = False  # installed only when asked for by name
+    verbs_shim: bool = False  # its wheel bundles a libibverbs that must be the system's
     note: str = ""
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        return tuple(a for step in self.pip for a in step if not a.startswith("-"))
+
+    def contenders(self) -> dict[str, dict[str, str]]:
+        """Contender name -> environment (before templating), the plain one first."""
+        return {self.name: dict(self.env)} | {
+            name: {**self.env, **extra} for name, extra in self.variants.items()
+        }
 
 
 PEERS: dict[str, PeerSpec] = {
     "mooncake": PeerSpec(
         name="mooncake",
         title="Mooncake Transfer Engine",
-        packages=("mooncake-transfer-engine-non-cuda",),
+        pip=(("mooncake-transfer-engine-non-cuda",),),
         dist="mooncake-transfer-engine-non-cuda",
         check="from mooncake.engine import TransferEngine",
         env={"MC_LOG_LEVEL": "WARNING"},
         note="host memory, P2PHANDSHAKE metadata (no etcd), RDMA on the device hixl uses, "
         "system libibverbs; about 170 MB download",
     ),
+    "nixl": PeerSpec(
+        name="nixl",
+        title="NVIDIA NIXL (UCX backend)",
+        # nixl-cu12 declares torch (CUDA wheels, about 5.8 GB) but never imports it for
+        # host memory: install it without dependencies, then the one it uses (numpy).
+        pip=(("--no-deps", "nixl-cu12"), ("numpy",)),
+        dist="nixl-cu12",
+        check="from nixl_cu12._api import nixl_agent",
+        env={
+            "LD_LIBRARY_PATH": "{shim}",
+            "UCX_TLS": "rc_verbs,ud_verbs",
+            "UCX_NET_DEVICES": "{device}:{port}",
+        },
+        variants={"nixl-tuned": {"UCX_ZCOPY_THRESH": "0"}},
+        opt_in=True,
+        verbs_shim=True,
+        note="opt in (--peers mooncake,nixl); host memory over UCX rc_verbs; its wheel's "
+        "libibverbs is pointed at the system's (which has the rxe provider) through a "
+        "symlink on LD_LIBRARY_PATH; without UCX_TLS/UCX_NET_DEVICES UCX copies through cma "
+        "and rxe carries nothing; 'nixl-tuned' adds UCX_ZCOPY_THRESH=0; about 70 MB "
+        "without torch",
+    ),
 }
+#: The system libibverbs, which finds the distribution's providers (rxe among them).
+SYSTEM_VERBS = Path("/usr/lib/x86_64-linux-gnu/libibverbs.so.1")
+
+
+def shim_dir(venv: Path = PEERS_VENV) -> Path:
+    """The directory put on a peer's LD_LIBRARY_PATH (see :func:`make_verbs_shim`)."""
+    return venv / "verbs-shim"
+
+
+def make_verbs_shim(venv: Path = PEERS_VENV) -> str | None:
+    """Symlink every bundled ``libibverbs-<hash>.so.*`` of the peers' wheels to the system
+    library, in :func:`shim_dir`; None when done, else why not."""
+    bundled = sorted(venv.glob("lib/python3*/site-packages/*.libs/libibverbs-*.so*"))
+    if not bundled:
+        return f"no bundled libibverbs under {venv}/lib/python3*/site-packages/*.libs"
+    if not SYSTEM_VERBS.exists():
+        return f"{SYSTEM_VERBS} is missing (apt-get install libibverbs1)"
+    shim = shim_dir(venv)
+    shim.mkdir(parents=True, exist_ok=True)
+    for lib in bundled:
+        link = shim / lib.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(SYSTEM_VERBS)
+    return None
+
+
+def render_env(
+    env: dict[str, str], device: str, port: int, venv: Path = PEERS_VENV
+) -> dict[str, str]:
+    """``env`` with ``{device}``, ``{port}`` and ``{shim}`` filled in."""
+    values = {"device": device, "port": str(port), "shim": str(shim_dir(venv))}
+    return {k: v.format(**values) for k, v in env.items()}
 
 
 @dataclass(slots=True)
@@ -126,18 +199,21 @@ def install(spec: PeerSpec, venv: Path = PEERS_VENV, timeout: float = 1800) -> P
         return PeerStatus(spec.name, False, error=err, seconds=time.monotonic() - t0)
     status = probe(spec, venv)
     if not status.ok:
-        rc, out = _run(
-            [str(venv_python(venv)), "-m", "pip", "install", "-q", *spec.packages], timeout
-        )
-        if rc != 0:
-            return PeerStatus(
-                spec.name,
-                False,
-                python=str(venv_python(venv)),
-                error=f"pip install {' '.join(spec.packages)} failed (exit {rc}):\n{_tail(out)}",
-                seconds=time.monotonic() - t0,
-            )
+        for step in spec.pip:
+            rc, out = _run([str(venv_python(venv)), "-m", "pip", "install", "-q", *step], timeout)
+            if rc != 0:
+                return PeerStatus(
+                    spec.name,
+                    False,
+                    python=str(venv_python(venv)),
+                    error=f"pip install {' '.join(step)} failed (exit {rc}):\n{_tail(out)}",
+                    seconds=time.monotonic() - t0,
+                )
         status = probe(spec, venv)
+    if status.ok and spec.verbs_shim:
+        err = make_verbs_shim(venv)
+        if err is not None:
+            status = PeerStatus(spec.name, False, python=status.python, error=err)
     status.seconds = time.monotonic() - t0
     return status
 

@@ -74,9 +74,13 @@ class Buffer:
 
 
 class Side:
-    """What every backend provides; the buffer is the source (initiator) or sink (target)."""
+    """What every backend provides; the buffer is the source (initiator) or sink (target).
+
+    ``blocking`` says whether the library has a blocking write (for the latency test).
+    """
 
     version = "unknown"
+    blocking = True
 
     def __init__(self, role: str, buf: Buffer, device: str) -> None:
         self.role = role
@@ -248,7 +252,84 @@ class MooncakeSide(Side):
         )
 
 
-BACKENDS: dict[str, type[Side]] = {"hixl": HixlSide, "mooncake": MooncakeSide}
+class NixlSide(Side):
+    """NVIDIA NIXL with its UCX backend, host memory ("DRAM").
+
+    The target passes its agent metadata (base64) and buffer address; the initiator adds
+    it as a remote agent. Every transfer is a NIXL request (``initialize_xfer``), posted
+    and polled with ``check_xfer_state`` until DONE; it has no blocking call.
+    """
+
+    blocking = False
+
+    def __init__(self, role: str, buf: Buffer, device: str) -> None:
+        super().__init__(role, buf, device)
+        from importlib.metadata import version
+
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+        self.version = version("nixl-cu12")
+        self.name = f"{role}-{os.getpid()}"
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self.agent.register_memory([(buf.address, buf.nbytes, 0, "")], "DRAM")
+        self.remote = ""
+        self.remote_base = 0
+
+    def info(self) -> dict[str, Any]:
+        import base64
+
+        meta = base64.b64encode(self.agent.get_agent_metadata()).decode()
+        return {"meta": meta, "base": self.buf.address}
+
+    def connect(self, peer: dict[str, Any]) -> None:
+        import base64
+
+        name = self.agent.add_remote_agent(base64.b64decode(peer["meta"]))
+        self.remote = name.decode() if isinstance(name, bytes) else str(name)
+        self.remote_base = int(peer["base"])
+        self._wait(self._post([[0, 0, 64]]))  # the first transfer opens the connection
+
+    def _post(self, segments: list[list[int]]) -> Any:
+        base, rbase = self.buf.address, self.remote_base
+        local = self.agent.get_xfer_descs([(base + s[0], s[2], 0) for s in segments], "DRAM")
+        remote = self.agent.get_xfer_descs([(rbase + s[1], s[2], 0) for s in segments], "DRAM")
+        handle = self.agent.initialize_xfer("WRITE", local, remote, self.remote)
+        if self.agent.transfer(handle) == "ERR":
+            raise RuntimeError("nixl transfer() returned ERR")
+        return handle
+
+    def _wait(self, handle: Any, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        n = 0
+        while True:
+            state = self.agent.check_xfer_state(handle)
+            if state == "DONE":
+                break
+            if state == "ERR":
+                raise RuntimeError("nixl transfer failed (check_xfer_state: ERR)")
+            n += 1
+            if not n & 0xFFF and time.monotonic() > deadline:
+                raise RuntimeError(f"nixl transfer not done after {timeout} s")
+        self.agent.release_xfer_handle(handle)
+
+    def stream(self, segments: list[list[int]], depth: int) -> None:
+        window: deque[Any] = deque()
+        for seg in segments:
+            if len(window) >= depth:
+                self._wait(window.popleft())
+            window.append(self._post([seg]))
+        while window:
+            self._wait(window.popleft())
+
+    def request(self, segments: list[list[int]]) -> None:
+        self._wait(self._post(segments))
+
+
+BACKENDS: dict[str, type[Side]] = {
+    "hixl": HixlSide,
+    "mooncake": MooncakeSide,
+    "nixl": NixlSide,
+}
 OPS = ("init", "connect", "fill", "digest", "cpu", "run", "latency", "quit")
 
 
@@ -272,7 +353,7 @@ def serve(backend: str) -> int:
             if op == "init":
                 buf = Buffer(int(cmd["nbytes"]))
                 side = BACKENDS[backend](str(cmd["role"]), buf, str(cmd["device"]))
-                reply.update(info=side.info(), version=side.version)
+                reply.update(info=side.info(), version=side.version, blocking=side.blocking)
             elif side is None or buf is None:
                 raise RuntimeError(f"{op!r} before init")
             elif op == "connect":

@@ -43,6 +43,7 @@ import os
 import random
 import select
 import shlex
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ from ..backends.peers import (
     install_all,
     load_statuses,
     probe,
+    render_env,
     venv_python,
 )
 from ..backends.perftest import Perftest, bw_wall_check, parse_bw
@@ -236,7 +238,13 @@ class Worker:
             raise BenchError(f"{self.label}: {op} failed: {reply.get('error')}")
         return reply
 
+    def pause(self, stop: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the process; see :meth:`Contender.pause`."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGSTOP if stop else signal.SIGCONT)
+
     def close(self) -> None:
+        self.pause(False)
         if self.proc.poll() is None:
             with contextlib.suppress(OSError, BenchError):
                 assert self.proc.stdin is not None
@@ -256,7 +264,9 @@ class Contender:
     name: str
     python: str
     env: dict[str, str]
+    backend: str = ""  # the worker backend (default: the name)
     version: str | None = None
+    blocking: bool = False
     error: str | None = None
     target: Worker | None = None
     initiator: Worker | None = None
@@ -264,15 +274,25 @@ class Contender:
 
     def start(self, device: str, nbytes: int, log: IO[str]) -> None:
         try:
-            self.target = Worker(self.name, "target", self.python, self.env, log)
-            self.initiator = Worker(self.name, "initiator", self.python, self.env, log)
+            backend = self.backend or self.name
+            self.target = Worker(backend, "target", self.python, self.env, log)
+            self.initiator = Worker(backend, "initiator", self.python, self.env, log)
             t = self.target.call("init", role="target", nbytes=nbytes, device=device)
             i = self.initiator.call("init", role="initiator", nbytes=nbytes, device=device)
             self.version = str(i.get("version") or t.get("version"))
+            self.blocking = bool(i.get("blocking"))
             self.initiator.call("connect", peer=t["info"], timeout=120.0)
         except (BenchError, OSError) as exc:
             self.error = str(exc)
             self.close()
+
+    def pause(self, stop: bool) -> None:
+        """Freeze both processes while another contender is measured, and thaw them for
+        this one's turn. An idle peer must not take CPU from the one being measured:
+        NIXL's progress thread spins a full CPU per agent even when idle."""
+        for w in (self.target, self.initiator):
+            if w is not None:
+                w.pause(stop)
 
     @property
     def running(self) -> bool:
@@ -393,6 +413,7 @@ def summarize(
 def markdown(data: dict[str, Any]) -> str:
     """The peers' tables from one run's JSON."""
     names = [c["name"] for c in data["contenders"] if c.get("ran")]
+    blocking = [n for n in names if any(n in r["us"] for r in data.get("latency") or [])]
     lines = []
     headers = [
         "case",
@@ -430,20 +451,20 @@ def markdown(data: dict[str, Any]) -> str:
             )
     lines.append(markdown_table(headers, rows, "ll" + "r" * 7))
     lat = data.get("latency") or []
-    if lat:
+    if lat and blocking:
         lines += ["", "Latency of one blocking write (post to completion seen by the caller):", ""]
         lheaders = [
             "size",
-            *[f"{_title(n)}" for n in names],
-            *[f"{_title(n)} / hixl" for n in names if n != "hixl"],
+            *[f"{_title(n)}" for n in blocking],
+            *[f"{_title(n)} / hixl" for n in blocking if n != "hixl"],
         ]
         lrows = []
         for row in lat:
             cells = [fmt_size(row["size"])]
-            cells += [fmt_us(row["us"].get(n)) for n in names]
+            cells += [fmt_us(row["us"].get(n)) for n in blocking]
             cells += [
                 fmt_ratio(ratio(row["us"].get(n), row["us"].get("hixl")))
-                for n in names
+                for n in blocking
                 if n != "hixl"
             ]
             lrows.append(cells)
@@ -466,8 +487,9 @@ def markdown(data: dict[str, Any]) -> str:
         "this run (order rotated each repeat); higher is better. Rates are context only "
         "(MB/s = 10^6 bytes/s).",
         f"- In flight: at most {p['depth']} messages (perftest `-t`, hixl `put_async` handles, "
-        "Mooncake two batches of depth/2). `segments` and `paged` are one request each; "
-        "perftest moves the same number of same-size messages there.",
+        "Mooncake two batches of depth/2, NIXL one request per message). `segments` and "
+        "`paged` are one request each; perftest moves the same number of same-size messages "
+        "there. Each contender's processes are frozen (SIGSTOP) while another is measured.",
         "- CPU: user + system seconds of each process during the stream (`getrusage`); for "
         "perftest, of the client and server processes over their whole run (set-up included).",
         "- bytes: both sides hash the ranges after every stream (perftest does not check). "
@@ -478,7 +500,14 @@ def markdown(data: dict[str, Any]) -> str:
 
 
 def _title(name: str) -> str:
-    return {"perftest": "`ib_write_bw`", "hixl": "hixl", "mooncake": "Mooncake TE"}.get(name, name)
+    titles = {
+        "perftest": "`ib_write_bw`",
+        "hixl": "hixl",
+        "mooncake": "Mooncake TE",
+        "nixl": "NIXL (as installed)",
+        "nixl-tuned": "NIXL (tuned)",
+    }
+    return titles.get(name, name)
 
 
 def _cpu(x: float | None) -> str:
@@ -625,7 +654,11 @@ def main(argv: list[str] | None = None) -> int:
 
     log_path = (args.json.parent if args.json else Path(".")) / "peers-workers.log"
     contenders = [Contender("hixl", sys.executable, {})]
-    contenders += [Contender(s.name, s.python or "", s.env) for s in statuses if s.ok]
+    for st in statuses:
+        if st.ok:
+            for name, env in PEERS[st.name].contenders().items():
+                env = render_env(env, dev["device"], dev["port"])
+                contenders.append(Contender(name, st.python or "", env, backend=st.name))
     failed_installs = [s for s in statuses if not s.ok]
     measurements: list[dict[str, Any]] = []
     latency: list[dict[str, Any]] = []
@@ -635,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
             c.start(str(dev["device"]), nbytes, log)
             if c.error:
                 print(f"[peers] {c.name} did not start: {c.error}", flush=True)
+            else:
+                c.pause(True)
         try:
             running = [c for c in contenders if c.running]
             impls = ["perftest", *[c.name for c in running]]
@@ -651,7 +686,11 @@ def main(argv: list[str] | None = None) -> int:
                             else:
                                 c = next(x for x in running if x.name == impl)
                                 seed = 1000 * rep + 10 * ci
-                                m.update(stream(c, case, args.depth, seed, dev))
+                                c.pause(False)
+                                try:
+                                    m.update(stream(c, case, args.depth, seed, dev))
+                                finally:
+                                    c.pause(True)
                         except BenchError as exc:
                             m["error"] = str(exc)
                             progress.note(f"  FAILED {impl} {case.name}: {exc}")
@@ -663,13 +702,18 @@ def main(argv: list[str] | None = None) -> int:
             for size in sizes:
                 row: dict[str, Any] = {"size": size, "us": {}, "samples": {}}
                 for c in running:
+                    if not c.blocking:
+                        continue
                     assert c.initiator is not None
+                    c.pause(False)
                     try:
                         r = c.initiator.call("latency", size=size, iters=lat_iters, warmup=3)
                         row["us"][c.name] = median(r["samples_us"])
                         row["samples"][c.name] = r["samples_us"]
                     except BenchError as exc:
                         row.setdefault("errors", {})[c.name] = str(exc)
+                    finally:
+                        c.pause(True)
                 latency.append(row)
         finally:
             for c in contenders:

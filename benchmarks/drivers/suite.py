@@ -51,7 +51,7 @@ SECTIONS = {
     "transfer": ("bench_transfer", "(a) Bandwidth and latency against perftest"),
     "layer": ("bench_layer", "(b) Four ways to send a KV layer"),
     "overhead": ("bench_overhead", "(c) Overheads: planning and per-work-request cost"),
-    "peers": ("bench_peers", "(d) Beside the peers: Mooncake Transfer Engine"),
+    "peers": ("bench_peers", "(d) Beside the peers: Mooncake Transfer Engine, NIXL"),
 }
 #: What runs unless --sections says otherwise (the peers need their own venv: opt in).
 DEFAULT_SECTIONS = ("transfer", "layer", "overhead")

@@ -177,3 +177,29 @@ def test_a_peer_that_cannot_be_installed_is_reported_not_raised(tmp_path: Path) 
     assert not st.ok and "mooncake" in (st.error or "")
     bad = peer_env.ensure_venv(Path("/proc/no-such-dir/venv"))
     assert bad is not None and "venv" in bad
+
+
+def test_nixl_runs_as_installed_and_tuned_with_its_environment_filled_in(tmp_path: Path) -> None:
+    spec = peer_env.PEERS["nixl"]
+    assert spec.opt_in and "torch" not in spec.packages
+    runs = spec.contenders()
+    assert list(runs) == ["nixl", "nixl-tuned"]
+    assert "UCX_ZCOPY_THRESH" not in runs["nixl"] and runs["nixl-tuned"]["UCX_ZCOPY_THRESH"] == "0"
+    env = peer_env.render_env(runs["nixl"], "rxe0", 1, tmp_path)
+    assert env["UCX_NET_DEVICES"] == "rxe0:1"
+    assert env["UCX_TLS"] == "rc_verbs,ud_verbs"
+    assert env["LD_LIBRARY_PATH"] == str(tmp_path / "verbs-shim")
+
+
+def test_the_verbs_shim_points_the_bundled_library_at_the_system_one(tmp_path: Path) -> None:
+    assert peer_env.make_verbs_shim(tmp_path) is not None  # nothing bundled: says so
+    libs = tmp_path / "lib" / "python3.11" / "site-packages" / "nixl_cu12.libs"
+    libs.mkdir(parents=True)
+    (libs / "libibverbs-1de1263b.so.1.14.48.0").write_bytes(b"")
+    if not peer_env.SYSTEM_VERBS.exists():
+        assert "missing" in (peer_env.make_verbs_shim(tmp_path) or "")
+        return
+    assert peer_env.make_verbs_shim(tmp_path) is None
+    link = peer_env.shim_dir(tmp_path) / "libibverbs-1de1263b.so.1.14.48.0"
+    assert link.is_symlink() and link.resolve() == peer_env.SYSTEM_VERBS.resolve()
+    assert peer_env.make_verbs_shim(tmp_path) is None  # again: replaces the link
