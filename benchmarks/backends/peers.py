@@ -82,6 +82,10 @@ PEERS: dict[str, PeerSpec] = {
             "LD_LIBRARY_PATH": "{shim}",
             "UCX_TLS": "rc_verbs,ud_verbs",
             "UCX_NET_DEVICES": "{device}:{port}",
+            # The benchmark freezes idle contenders (SIGSTOP) for tens of seconds; without
+            # these, UCX's keepalive and UD timeout declare the frozen peer gone.
+            "UCX_KEEPALIVE_INTERVAL": "inf",
+            "UCX_UD_TIMEOUT": "600s",
         },
         variants={"nixl-tuned": {"UCX_ZCOPY_THRESH": "0"}},
         opt_in=True,
