@@ -110,6 +110,8 @@ __all__ = [
     "Message",
     "MsgType",
     "Notify",
+    "Ping",
+    "Pong",
     "QpInfo",
     "Ready",
     "Regions",
@@ -175,6 +177,8 @@ class MsgType(enum.IntEnum):
     ERROR = 7
     BYE = 8
     NOTIFY = 9
+    PING = 10
+    PONG = 11
 
 
 class ErrorCode(enum.StrEnum):
@@ -185,6 +189,9 @@ class ErrorCode(enum.StrEnum):
     MALFORMED = "MALFORMED"
     ALREADY_CONNECTED = "ALREADY_CONNECTED"
     BUSY = "BUSY"
+    LIMIT = "LIMIT"
+    TIMEOUT = "TIMEOUT"
+    OVERFLOW = "OVERFLOW"
     INTERNAL = "INTERNAL"
 
 
@@ -564,10 +571,36 @@ class Notify:
         )
 
 
-Message = Hello | Challenge | Info | Accept | Ready | Regions | Error | Bye | Notify
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ping:
+    """Either direction, after READY: is the other end alive? Answered by :class:`Pong`.
+
+    ``nonce`` is 16 bytes, echoed in the answer.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.PING
+    nonce: bytes
+
+    def __post_init__(self) -> None:
+        _set(self, "nonce", _bytes("Ping.nonce", self.nonce, (NONCE_SIZE,)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pong:
+    """The answer to a :class:`Ping`, carrying its ``nonce``."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PONG
+    nonce: bytes
+
+    def __post_init__(self) -> None:
+        _set(self, "nonce", _bytes("Pong.nonce", self.nonce, (NONCE_SIZE,)))
+
+
+Message = Hello | Challenge | Info | Accept | Ready | Regions | Error | Bye | Notify | Ping | Pong
 
 _CLASSES: dict[MsgType, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, Challenge, Info, Accept, Ready, Regions, Error, Bye, Notify)
+    cls.TYPE: cls
+    for cls in (Hello, Challenge, Info, Accept, Ready, Regions, Error, Bye, Notify, Ping, Pong)
 }
 assert set(_CLASSES) == set(MsgType)
 
@@ -916,7 +949,7 @@ def decode(frame: bytes | bytearray | memoryview, *, max_payload: int = MAX_PAYL
     return messages[0]
 
 
-_M = TypeVar("_M", Hello, Challenge, Info, Accept, Ready, Regions, Error, Bye, Notify)
+_M = TypeVar("_M", Hello, Challenge, Info, Accept, Ready, Regions, Error, Bye, Notify, Ping, Pong)
 
 
 def expect(msg: Message, kind: type[_M]) -> _M:

@@ -38,6 +38,8 @@ from hixl.core.wire import (
     Message,
     MsgType,
     Notify,
+    Ping,
+    Pong,
     Ready,
     Regions,
     RemoteRegion,
@@ -129,6 +131,8 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(Error, code=st.sampled_from(sorted(ErrorCode)), message=texts),
     st.builds(Bye, reason=texts),
     st.builds(Notify, name=printable(1, 256), message=st.binary(max_size=4096)),
+    st.builds(Ping, nonce=nonces),
+    st.builds(Pong, nonce=nonces),
 )
 
 
@@ -185,6 +189,8 @@ def sample(msg_type: MsgType) -> Message:
         MsgType.ERROR: Error(code="BUSY", message="try later"),
         MsgType.BYE: Bye(reason="done"),
         MsgType.NOTIFY: Notify(name="layer0", message=b"\x00\x01"),
+        MsgType.PING: Ping(nonce=bytes(16)),
+        MsgType.PONG: Pong(nonce=bytes(range(16))),
     }
     return samples[msg_type]
 
@@ -506,9 +512,9 @@ def test_version_mismatch_names_both_versions() -> None:
         decoder.feed(b"")
 
 
-@pytest.mark.parametrize("raw_type", [0, 10, 0xFFFF])
+@pytest.mark.parametrize("raw_type", [0, 12, 0xFFFF])
 def test_unknown_type(raw_type: int) -> None:
-    with pytest.raises(HandshakeError, match=rf"unknown message type {raw_type} \(known: 1..9\)"):
+    with pytest.raises(HandshakeError, match=rf"unknown message type {raw_type} \(known: 1..11\)"):
         Decoder().feed(frame(raw_type, b"{}"))
 
 
