@@ -105,3 +105,14 @@ def test_doctor_json_runs_here(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(capsys.readouterr().out)
     assert code == data["exit_code"] and data["mode"] in ("direct", "vm", "none")
     assert {c["status"] for c in data["checks"]} <= {"ok", "warn", "fail"}
+
+
+def test_token_prints_a_fresh_256_bit_token(capsys: pytest.CaptureFixture[str]) -> None:
+    tokens = []
+    for _ in range(3):
+        assert _cli.main(["token"]) == 0
+        out = capsys.readouterr().out
+        assert out.endswith("\n") and out.count("\n") == 1
+        tokens.append(out.strip())
+    assert all(len(t) == 64 and int(t, 16) >= 0 and t == t.lower() for t in tokens)
+    assert len(set(tokens)) == 3
