@@ -126,10 +126,16 @@ def fake_info(gid: bytes, proof: bytes = b"") -> wire.Info:
 
 
 def raw_handshake(
-    target: str, claim: str, gid: bytes, *, proof: bytes = b"", source: str | None = None
+    target: str,
+    claim: str,
+    gid: bytes,
+    *,
+    proof: bytes = b"",
+    source: str | None = None,
+    timeout: float = 5.0,
 ) -> RawClient:
     """HELLO as ``claim``, then INFO with ``proof``; the replies are in ``.received``."""
-    c = RawClient(target, source)
+    c = RawClient(target, source, timeout)
     c.send(wire.Hello(engine_id=claim, nonce=wire.make_nonce()))
     if isinstance(c.recv(), wire.Challenge):
         c.send(fake_info(gid, proof))
@@ -275,8 +281,8 @@ def test_idle_socket_flood_does_not_lock_out_peers(sources: int) -> None:
                     cli.connect(srv.id, timeout=3.0)
                     cli.put(srv.id, src, "dst", timeout=3.0)
                     times.append(time.monotonic() - t0)
-                except HixlError as exc:
-                    failures.append(f"{time.monotonic() - t0:.2f} s: {exc}")
+                except Exception as exc:  # noqa: BLE001 - any failure counts, and is shown
+                    failures.append(f"{time.monotonic() - t0:.2f} s: {type(exc).__name__}: {exc}")
                 finally:
                     cli.disconnect(srv.id)
             here.send("stop")
@@ -319,7 +325,7 @@ def test_id_takeover_is_refused_without_eviction_or_stall(server: Engine) -> Non
             time.sleep(0.5)
             before = len(lat)
             t0 = time.monotonic()
-            thief = raw_handshake(server.id, a.id, server.device.gid)
+            thief = raw_handshake(server.id, a.id, server.device.gid, timeout=10)
             answered = time.monotonic() - t0
             time.sleep(0.5)
             during = lat[before:]
@@ -527,7 +533,7 @@ def test_connect_raises_only_hixl_errors(client: Engine, behaviour: str) -> None
     try:
         client.connect(peer, timeout=1.5)
     except HixlError:
-        pass
+        elapsed = time.monotonic() - t0
     except BaseException as exc:  # noqa: BLE001 - that is the failure under test
         pytest.fail(f"connect() raised {type(exc).__name__}: {exc}")
     else:
@@ -535,7 +541,7 @@ def test_connect_raises_only_hixl_errors(client: Engine, behaviour: str) -> None
     finally:
         lsock.close()
         t.join(5)
-    assert time.monotonic() - t0 < 2.5
+    assert elapsed < 2.5, f"connect(timeout=1.5) took {elapsed:.2f} s"
 
 
 def test_first_failing_request_reports_its_own_status(server: Engine, client: Engine) -> None:
