@@ -283,7 +283,7 @@ class ServerHandshake(_Machine):
         """Take the client's HELLO; return the CHALLENGE to send (no proof in it)."""
         self._advance(_Step.START, _Step.CHALLENGE, "HELLO")
         self.hello = msg
-        self._challenge = _challenge(self.engine_id, self._nonce)
+        self._challenge = wire.Challenge(engine_id=self.engine_id, nonce=self._nonce)
         return self._challenge
 
     def on_info(self, msg: wire.Info) -> wire.Info:
@@ -334,7 +334,3 @@ class ServerHandshake(_Machine):
     def on_ready(self, msg: wire.Ready) -> None:
         """Take the client's READY: the handshake is complete."""
         self._advance(_Step.ACCEPT, _Step.DONE, "READY")
-
-
-def _challenge(engine_id: str, nonce: bytes) -> wire.Challenge:
-    return wire.Challenge(engine_id=engine_id, nonce=nonce, proof=b"")  # no proof: see above

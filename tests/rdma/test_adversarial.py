@@ -318,7 +318,7 @@ def test_id_takeover_is_refused_without_eviction_or_stall(server: Engine) -> Non
         src_s = server.register(np.full(4096, 9, np.uint8), access=Access.NONE)
         a.connect(server.id)
         server.connect(b.id)
-        stop, lat = threading.Event(), []
+        stop, lat = threading.Event(), list[float]()
         worker = threading.Thread(target=_put_loop, args=(server, b.id, src_s, stop, lat))
         worker.start()
         try:
@@ -439,7 +439,9 @@ def test_no_proof_or_key_before_the_client_proves() -> None:
         c = raw_handshake(srv.id, "127.0.0.1:0~abc", srv.device.gid, proof=secrets.token_bytes(32))
         c.close()
         leaked = [
-            (type(m).__name__, m.proof.hex()) for m in c.received if getattr(m, "proof", b"") != b""
+            (type(m).__name__, getattr(m, "proof", b"").hex())
+            for m in c.received
+            if getattr(m, "proof", b"") != b""
         ]
         assert not leaked, f"the server handed out proofs to an unproven client: {leaked}"
         assert not accepted(c)

@@ -150,7 +150,7 @@ def tampers(draw: st.DrawFn) -> tuple[type[Any], str, Tamper]:
     value = draw(FIELD_VALUES[name])
 
     def change(msg: wire.Message) -> wire.Message:
-        return dataclasses.replace(msg, **{name: value})  # type: ignore[type-var]
+        return dataclasses.replace(msg, **{name: value})
 
     return kind, name, change
 
@@ -172,12 +172,13 @@ def test_any_tampered_field_fails_verification(
     # Only a real change counts: the value drawn may equal the one sent.
     probe = ServerHandshake(ids[1], token, nonce=bytes(16))
     client = ClientHandshake(ids[0], token, nonce=bytes(16))
-    sent = {
+    options: dict[type[Any], wire.Message] = {
         wire.Hello: client.hello,
         wire.Challenge: probe.on_hello(client.hello),
         wire.Info: drafts[0],
         wire.Accept: drafts[1],
-    }[kind]
+    }
+    sent = options[kind]
     # (INFO and ACCEPT carry a 32-byte proof once sent; no drawn value equals it.)
     proven = kind in (wire.Info, wire.Accept) and name == "proof"
     assume(proven or getattr(sent, name) != getattr(change(sent), name))
