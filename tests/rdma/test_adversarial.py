@@ -293,6 +293,10 @@ def test_idle_socket_flood_does_not_lock_out_peers(sources: int) -> None:
         if proc.is_alive():
             proc.kill()
     ok = [t for t in times if t <= 3.0]
+    print(
+        f"flood from {sources} source(s): {len(ok)}/{attempts} connect+put within 3 s, "
+        f"slowest {max(times, default=0):.3f} s, attacker {stats}"
+    )
     assert len(ok) >= 0.95 * attempts, (
         f"{len(ok)} of {attempts} connect+put within 3 s under a flood of 200 idle sockets "
         f"from {sources} source(s) ({stats}); failures: {failures[:3]}; times: {times}"
@@ -335,6 +339,10 @@ def test_id_takeover_is_refused_without_eviction_or_stall(server: Engine) -> Non
         codes = [e.code for e in errors(thief)]
         thief.close()
         state = server.connection(a.id).state if a.id in server.peers else None
+        print(
+            f"takeover: impostor answered {codes} after {answered:.3f} s; "
+            f"{len(during)} puts to another peer meanwhile, slowest {max(during):.4f} s"
+        )
         assert not accepted(thief), "the impostor was ACCEPTED and got the rkeys"
         assert codes == [wire.ErrorCode.ALREADY_CONNECTED], f"impostor got {codes}"
         assert answered < 1.0, f"the impostor waited {answered:.2f} s for its answer"
@@ -382,6 +390,7 @@ def test_rdma_notification_flood_is_capped(server: Engine, client: Engine) -> No
     gc.collect()
     grown = rss_bytes() - rss0
     queued = len(server.notifications())
+    print(f"notification flood: {sent} sent, {queued} queued, RSS +{grown / 2**20:.1f} MiB")
     assert grown < 8 << 20, f"RSS grew {grown / 2**20:.1f} MiB after {sent} notifications"
     assert queued <= 4096, f"{queued} notifications queued for one peer"
     assert error is not None, f"the flooding sender was never stopped ({sent} sent)"
@@ -649,6 +658,7 @@ def test_register_cost_does_not_grow_with_regions(server: Engine, client: Engine
     times = _register_many(server, buf, 1000, budget=60)
     first = float(np.median(times[:100]))
     last = float(np.median(times[-100:]))
+    print(f"register(): median {first * 1e3:.2f} ms (1-100), {last * 1e3:.2f} ms (901-1000)")
     assert last < 3 * first + 0.001, (
         f"register() median {first * 1e3:.2f} ms for regions 1-100, {last * 1e3:.2f} ms "
         "for regions 901-1000"
