@@ -1,7 +1,8 @@
 """The progress thread: completions, control traffic, deadlines and the listener.
 
 One thread per engine sleeps in a selector on the completion channels' descriptors,
-the listening socket, every connection's control socket and a wake-up socket pair, so
+the listening socket, every unfinished handshake's socket, every connection's control
+socket and a wake-up socket pair, so
 it releases the GIL while idle and wakes at once for a completion, a peer's message,
 an incoming connection or a control message to send.  It wakes every 20 ms while
 transfers are pending (deadlines) and every 100 ms otherwise.  Where completion
