@@ -283,6 +283,7 @@ class Listener:
         self._timeout = timeout
         self._pending: dict[socket.socket, Incoming] = {}
         self._per_source: dict[str, int] = {}
+        self._claimed: set[str] = set()  # ids of admitted peers not READY yet
         self._buffered = 0
         self.refused_busy = 0  # sockets answered ERROR(BUSY), for diagnostics
 
@@ -292,8 +293,11 @@ class Listener:
         return len(self._pending)
 
     def claims(self) -> set[str]:
-        """Ids of peers admitted and not yet READY (their ids are taken)."""
-        return {i.peer for i in self._pending.values() if i.conn is not None}
+        """Ids of peers admitted and not yet READY (their ids are taken).
+
+        Any thread: the copy is one C-level operation, atomic under the GIL.
+        """
+        return set(self._claimed)
 
     # -- accepting -------------------------------------------------------------------------
     def accept(self) -> None:
@@ -406,6 +410,7 @@ class Listener:
             self._refuse(inc, verdict.code, verdict.message)
             return
         inc.conn = verdict.conn
+        self._claimed.add(inc.peer)
         try:
             accept = inc.hs.accept(inc.conn.local_info(wire.Accept, b"", self._engine._exposed()))
             frame = wire.encode(accept)
@@ -510,6 +515,8 @@ class Listener:
     def _forget(self, inc: Incoming) -> None:
         if self._pending.pop(inc.sock, None) is None:
             return
+        if inc.conn is not None:
+            self._claimed.discard(inc.peer)
         self._buffered -= inc.decoder.buffered
         left = self._per_source.get(inc.source, 1) - 1
         if left:
