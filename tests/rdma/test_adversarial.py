@@ -398,6 +398,48 @@ def test_rdma_notification_flood_is_capped(server: Engine, client: Engine) -> No
     assert conn.state is ConnState.FAILED and "notification" in (conn.failure or "")
 
 
+def _send_notes(sender: Engine, peer: str, count: int) -> HixlError | None:
+    try:
+        for h in [sender.transfer_async(peer, [], notify="n") for _ in range(count)]:
+            h.wait(30)
+    except HixlError as exc:
+        return exc
+    return None
+
+
+def _wait_failed(eng: Engine, peer: str) -> str:
+    deadline = time.monotonic() + 10
+    while (conn := eng.connection(peer)).state is not ConnState.FAILED:
+        assert time.monotonic() < deadline, f"{conn} was not failed"
+        time.sleep(0.02)
+    return conn.failure or ""
+
+
+def test_notification_caps_per_peer_and_in_total_are_configurable() -> None:
+    with (
+        Engine(
+            f"127.0.0.1:{free_port()}", max_notifications_per_peer=50, max_notifications=80
+        ) as srv,
+        Engine() as a,
+        Engine() as b,
+    ):
+        a.connect(srv.id)
+        b.connect(srv.id)
+        assert _send_notes(a, srv.id, 50) is None  # exactly the per-peer cap: kept
+        assert srv.diagnostics().notifications == 50
+        _send_notes(a, srv.id, 1)
+        assert "max_notifications_per_peer=50" in _wait_failed(a, srv.id)
+        assert _send_notes(b, srv.id, 30) is None  # 80 in all: kept
+        _send_notes(b, srv.id, 1)
+        assert "max_notifications=80" in _wait_failed(b, srv.id)
+        notes = srv.notifications()
+        assert [n.peer for n in notes] == [a.id] * 50 + [b.id] * 30
+        # taken: room again, for a new connection of the peer that was cut off
+        a.disconnect(srv.id)
+        a.connect(srv.id, timeout=10)
+        assert _send_notes(a, srv.id, 50) is None
+
+
 def test_tcp_notify_frames_are_not_accepted(server: Engine) -> None:
     c = raw_handshake(server.id, "127.0.0.1:0~bad", server.device.gid)
     assert accepted(c)
