@@ -73,6 +73,7 @@ PROBE_S = 2.0  # a live connection must answer a PING this soon to keep its id, 
 BUSY_RETRY_S = 0.05  # first pause before a client asks a BUSY server again, seconds
 ACCEPTS_PER_ROUND = 64  # connections taken from the listen queue per progress round
 MAX_PENDING_BYTES = 32 << 20  # bytes buffered by all unfinished handshakes together
+HELLO_MAX_PAYLOAD = 4096  # a HELLO is small: a first frame announcing more is refused
 
 
 def printable(text: str, limit: int) -> str:
@@ -238,7 +239,7 @@ class Incoming:
         self.sock = sock
         self.source = source
         self.hs = hs
-        self.decoder = wire.Decoder(max_payload=wire.MAX_PAYLOAD)
+        self.decoder = wire.Decoder(max_payload=HELLO_MAX_PAYLOAD)
         self.outbox = bytearray()
         self.accepted_at = now
         self.deadline = now + FIRST_FRAME_S
@@ -371,6 +372,14 @@ class Listener:
             return
         finally:
             self._buffered += inc.decoder.buffered - before
+        if self._buffered > MAX_PENDING_BYTES and inc.decoder.buffered:
+            self._refuse(
+                inc,
+                wire.ErrorCode.BUSY,
+                f"handshakes under way hold {self._buffered} bytes (at most "
+                f"{MAX_PENDING_BYTES}); try again",
+            )
+            return
         for i, msg in enumerate(msgs):
             if inc.sock not in self._pending:
                 return
@@ -386,6 +395,10 @@ class Listener:
         try:
             if inc.expect == "HELLO":
                 challenge = inc.hs.on_hello(wire.expect(msg, wire.Hello))
+                if inc.decoder.buffered:
+                    raise HandshakeError("the client sent more before it had the CHALLENGE")
+                # INFO carries the client's regions: up to a full frame from now on.
+                inc.decoder = wire.Decoder(max_payload=wire.MAX_PAYLOAD)
                 inc.expect, inc.deadline = "INFO", self._step_deadline(inc)
                 self._send(inc, wire.encode(challenge))
             elif inc.expect == "INFO":
