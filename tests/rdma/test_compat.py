@@ -481,6 +481,7 @@ def test_relay_write_and_read_of_unregistered_memory_byte_exact(server: Hixl) ->
     peer = server_id(server)
     client = pool_client({hixl.OPTION_BUFFER_POOL: "2:1"})  # 2 buffers of 1 MiB
     try:
+        assert client.connect(peer, 10_000) == SUCCESS, client.last_error
         src = pattern(remote.nbytes, 31)  # never registered
         # one big desc (split over buffers) and many small ones (packed into one buffer)
         big = 3 * 1024 * 1024 - 1000
@@ -513,6 +514,7 @@ def test_relay_mixes_with_registered_descs_in_one_call(server: Hixl) -> None:
     peer = server_id(server)
     client = pool_client({})  # hixl's default pool, 4:8
     try:
+        assert client.connect(peer, 10_000) == SUCCESS, client.last_error
         registered = pattern(4096, 32)
         register(client, registered)
         loose = pattern(4096, 33)
