@@ -38,6 +38,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from hixl import Access, ConnState, Engine, Region, TransferHandle, TransferRequest
+from hixl import TransferStatus as _EngineStatus
 from hixl.compat._connect import ConnectExecutor
 from hixl.compat._descs import checked_desc, group_op_descs
 from hixl.compat._notify import FRAGMENT_NAME, Reassembler, check_notify, encode_notify
@@ -65,8 +67,6 @@ from hixl.compat._types import (
     TransferResult,
     TransferStatus,
 )
-from hixl.engine import Access, ConnState, Engine, Region, TransferHandle, TransferRequest
-from hixl.engine import TransferStatus as _EngineStatus
 from hixl.errors import ArgumentError, HixlError, RegistrationError, StateError, VerbsError
 
 __all__ = ["Hixl", "get_capability"]

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hixl import Access, Engine, Region, RemoteRegion, TransferHandle, TransferRequest
 from hixl.compat._descs import RelayPiece, plan_relay
 from hixl.core.descriptors import BlockListDesc
-from hixl.engine import Access, Engine, Region, RemoteRegion, TransferHandle, TransferRequest
 from hixl.errors import StateError, TransferTimeout
 
 __all__ = ["BufferPool", "StagingBuffer", "run_relay"]
