@@ -4,7 +4,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 PY := $(BIN)/python
 HIXL := $(BIN)/hixl
 
-.PHONY: setup test test-unit test-rdma test-hosts check demo bench
+.PHONY: setup test test-unit test-rdma test-hosts check demo bench bench-smoke
 
 ## setup: system packages (and the VM path if the kernel lacks rdma_rxe), then .venv
 setup:
@@ -29,7 +29,7 @@ test-hosts:
 		--host '$(PY) -m pytest -p no:cacheprovider tests/hosts -v -rA --durations=0' \
 		--host '$(PY) tests/hosts/agent.py'
 
-## check: format, lint and types
+## check: format, lint and types (mypy --strict over hixl, benchmarks and tests; see pyproject)
 check:
 	$(BIN)/ruff format --check hixl tests benchmarks
 	$(BIN)/ruff check hixl tests benchmarks
@@ -40,6 +40,11 @@ check:
 ## BENCH_ARGS=--quick for a short smoke run.
 bench:
 	$(HIXL) bench $(BENCH_ARGS)
+
+## bench-smoke: every benchmark's --help (by path and with -m) and every path that needs no
+## device, natively and in well under a minute, so that none can rot (CI runs it)
+bench-smoke:
+	$(PY) -m benchmarks.drivers.smoke
 
 ## demo: prefill -> decode KV cache transfer of a small transformer, verified (host or VM)
 demo:
