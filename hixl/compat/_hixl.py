@@ -42,7 +42,7 @@ from hixl import Access, ConnState, Engine, Region, TransferHandle, TransferRequ
 from hixl import TransferStatus as _EngineStatus
 from hixl.compat._connect import ConnectExecutor
 from hixl.compat._descs import checked_desc, group_op_descs
-from hixl.compat._notify import FRAGMENT_NAME, Reassembler, check_notify, encode_notify
+from hixl.compat._notify import ENVELOPE_NAME, check_notify, encode_notify, open_envelope
 from hixl.compat._options import (
     CompatOptions,
     Refusal,
@@ -179,8 +179,6 @@ class Hixl:
         self._relays: ThreadPoolExecutor | None = None
         self._connector: ConnectExecutor | None = None
         self._notes: deque[NotifyDesc] = deque()
-        self._joiner = Reassembler()
-        self._next_notify = 1
         self._device_noted = False
         self.last_error = ""
 
@@ -298,7 +296,6 @@ class Hixl:
             self._busy.clear()
             self._last_use.clear()
             self._notes.clear()
-            self._joiner = Reassembler()
         if pool is not None:
             pool.close()
         if engine is not None:
@@ -791,15 +788,8 @@ class Hixl:
             peer = _peer(remote_engine)
             name, message = check_notify(notify)
             self._link(engine, peer)
-            with self._lock:
-                ident = self._next_notify
-                self._next_notify += 1
-            deadline = time.monotonic() + timeout
-            for engine_name, part in encode_notify(ident, name, message):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Refusal(Status.TIMEOUT, f"send_notify: deadline of {timeout} s passed")
-                engine.notify(peer, engine_name, part, timeout=left)
+            engine_name, body = encode_notify(name, message)
+            engine.notify(peer, engine_name, body, timeout=timeout)
             return Status.SUCCESS
         except Exception as exc:
             return self._fail("send_notify", exc)
@@ -816,15 +806,12 @@ class Hixl:
             notes = engine.notifications()
             with self._lock:
                 for note in notes:
-                    if note.name == FRAGMENT_NAME:
+                    if note.name == ENVELOPE_NAME:
                         try:
-                            joined = self._joiner.feed(note.peer, note.message)
+                            desc = NotifyDesc(*open_envelope(note.message))
                         except ValueError as exc:
                             log.warning("dropped a malformed notify from %s: %s", note.peer, exc)
                             continue
-                        if joined is None:
-                            continue
-                        desc = NotifyDesc(*joined)
                     else:
                         desc = NotifyDesc(note.name, note.message.decode("utf-8", "replace"))
                     if len(self._notes) >= _MAX_NOTIFY_QUEUE:

@@ -1,43 +1,35 @@
-"""Notifications with hixl's limits over the engine's smaller ones (pure).
+"""Notifications with hixl's limits, carried by engine notifications (pure).
 
 hixl allows a ``NotifyDesc`` name and message of up to 1024 bytes each, and
 an empty name (hicann/hixl ``src/hixl/engine/hixl_impl.cc``, ``kMaxNotifyLength``).
-One engine notification carries a name of 1..256 characters and at most
-1024 bytes of name, NUL and message.  A notify that fits goes as one engine
-notification under its own name; any other is cut into fragments sent under
-the reserved name :data:`FRAGMENT_NAME`, which the receiving compat layer
-joins again.  Fragments of one notify travel on one reliable connection, in
-order, so they arrive after all data posted before the notify.
+An engine notification carries a non-empty, printable name without NUL and
+up to :data:`hixl.core.notify.SLOT_BYTES` bytes in all.  A notify whose name
+the engine can carry goes as one engine notification under that name.  Any
+other (an empty name, a name that is not printable UTF-8, or the reserved
+name itself) goes in an *envelope*: one engine notification named
+:data:`ENVELOPE_NAME` whose message holds both lengths, the name and the
+message.  The receiving compat layer opens it again.  Either way a notify is
+one engine notification, so it arrives after all data posted before it.
 
-Everything received is untrusted: a fragment with a bad header, a count or
-size over the limits, or a payload that does not decode is dropped (with a
-warning by the caller), and partial notifies are kept in a bounded table.
+Everything received is untrusted: an envelope with a bad header, lengths over
+the limits or a size that does not add up is refused with :class:`ValueError`.
 """
 
 from __future__ import annotations
 
 import struct
-from collections import OrderedDict
-from dataclasses import dataclass
 
+from hixl.core.notify import MAX_NAME_CHARS, SLOT_BYTES
 from hixl.errors import ArgumentError
 
-__all__ = [
-    "FRAGMENT_NAME",
-    "MAX_NOTIFY_BYTES",
-    "Reassembler",
-    "check_notify",
-    "encode_notify",
-]
+__all__ = ["ENVELOPE_NAME", "MAX_NOTIFY_BYTES", "check_notify", "encode_notify", "open_envelope"]
 
 MAX_NOTIFY_BYTES = 1024  # hixl: name and notify_msg, each, in bytes
-FRAGMENT_NAME = "hixl.compat.fragment"
-_ENGINE_NAME_CHARS = 256
-_ENGINE_SLOT = 1024  # engine: name + NUL + message, bytes
-_HEADER = struct.Struct("!IHH")  # notify id, fragment index, fragment count
-_LENGTHS = struct.Struct("!HH")  # name bytes, message bytes (start of the joined payload)
-_PER_FRAGMENT = _ENGINE_SLOT - len(FRAGMENT_NAME.encode()) - 1 - _HEADER.size
-_MAX_FRAGMENTS = -(-(_LENGTHS.size + 2 * MAX_NOTIFY_BYTES) // _PER_FRAGMENT)
+ENVELOPE_NAME = "hixl.compat.notify"
+_LENGTHS = struct.Struct("!HH")  # name bytes, message bytes
+
+# The largest envelope must fit one engine notification.
+assert len(ENVELOPE_NAME) + 1 + _LENGTHS.size + 2 * MAX_NOTIFY_BYTES <= SLOT_BYTES
 
 
 def check_notify(notify: object) -> tuple[bytes, bytes]:
@@ -60,79 +52,31 @@ def check_notify(notify: object) -> tuple[bytes, bytes]:
     return raw_name, raw_msg
 
 
-def encode_notify(notify_id: int, name: bytes, message: bytes) -> list[tuple[str, bytes]]:
-    """The engine notifications ``(name, message)`` that carry one hixl notify, in order."""
+def encode_notify(name: bytes, message: bytes) -> tuple[str, bytes]:
+    """The engine notification ``(name, message)`` that carries one hixl notify."""
     text = name.decode("utf-8", "surrogateescape")
     if (
-        0 < len(text) <= _ENGINE_NAME_CHARS
-        and b"\0" not in name
-        and text != FRAGMENT_NAME
-        and len(name) + 1 + len(message) <= _ENGINE_SLOT
+        0 < len(text) <= MAX_NAME_CHARS
+        and text != ENVELOPE_NAME
         and text.isprintable()
+        and len(name) + 1 + len(message) <= SLOT_BYTES
     ):
-        return [(text, message)]
-    payload = _LENGTHS.pack(len(name), len(message)) + name + message
-    parts = [payload[i : i + _PER_FRAGMENT] for i in range(0, len(payload), _PER_FRAGMENT)]
-    ident = notify_id & 0xFFFFFFFF
-    return [
-        (FRAGMENT_NAME, _HEADER.pack(ident, i, len(parts)) + part) for i, part in enumerate(parts)
-    ]
+        return text, message
+    return ENVELOPE_NAME, _LENGTHS.pack(len(name), len(message)) + name + message
 
 
-@dataclass(slots=True)
-class _Partial:
-    count: int
-    parts: dict[int, bytes]
-
-
-class Reassembler:
-    """Joins fragments back into ``(name, message)`` notifies; holds at most ``max_partial``."""
-
-    def __init__(self, max_partial: int = 256) -> None:
-        self._partial: OrderedDict[tuple[str, int], _Partial] = OrderedDict()
-        self._max = max_partial
-        self.dropped = 0
-
-    def __len__(self) -> int:
-        return len(self._partial)
-
-    def feed(self, peer: str, message: bytes) -> tuple[str, str] | None:
-        """Take one fragment from ``peer``; return the notify it completes, else None.
-
-        Raises :class:`ValueError` (with the reason) for a malformed fragment.
-        """
-        if len(message) < _HEADER.size:
-            raise ValueError(f"fragment of {len(message)} bytes is shorter than its header")
-        ident, index, count = _HEADER.unpack_from(message)
-        if not 0 < count <= _MAX_FRAGMENTS or index >= count:
-            raise ValueError(f"fragment {index} of {count}: at most {_MAX_FRAGMENTS} allowed")
-        body = message[_HEADER.size :]
-        if len(body) > _PER_FRAGMENT:
-            raise ValueError(f"fragment body of {len(body)} bytes, at most {_PER_FRAGMENT}")
-        key = (peer, ident)
-        partial = self._partial.get(key)
-        if partial is None or partial.count != count:
-            partial = _Partial(count, {})
-            self._partial[key] = partial
-            while len(self._partial) > self._max:
-                self._partial.popitem(last=False)
-                self.dropped += 1
-        partial.parts[index] = body
-        if len(partial.parts) < count:
-            return None
-        del self._partial[key]
-        payload = b"".join(partial.parts[i] for i in range(count))
-        if len(payload) < _LENGTHS.size:
-            raise ValueError("joined notify shorter than its length header")
-        name_len, msg_len = _LENGTHS.unpack_from(payload)
-        if name_len > MAX_NOTIFY_BYTES or msg_len > MAX_NOTIFY_BYTES:
-            raise ValueError(f"joined notify claims {name_len}/{msg_len} bytes, limit 1024")
-        if _LENGTHS.size + name_len + msg_len != len(payload):
-            raise ValueError(
-                f"joined notify is {len(payload)} bytes, header says "
-                f"{_LENGTHS.size}+{name_len}+{msg_len}"
-            )
-        start = _LENGTHS.size
-        name = payload[start : start + name_len].decode("utf-8", "replace")
-        msg = payload[start + name_len :].decode("utf-8", "replace")
-        return name, msg
+def open_envelope(message: bytes) -> tuple[str, str]:
+    """``(name, notify_msg)`` from an envelope's message; :class:`ValueError` if malformed."""
+    if len(message) < _LENGTHS.size:
+        raise ValueError(f"envelope of {len(message)} bytes is shorter than its header")
+    name_len, msg_len = _LENGTHS.unpack_from(message)
+    if name_len > MAX_NOTIFY_BYTES or msg_len > MAX_NOTIFY_BYTES:
+        raise ValueError(f"envelope claims {name_len}/{msg_len} bytes, limit 1024 each")
+    if _LENGTHS.size + name_len + msg_len != len(message):
+        raise ValueError(
+            f"envelope is {len(message)} bytes, header says {_LENGTHS.size}+{name_len}+{msg_len}"
+        )
+    start = _LENGTHS.size
+    name = message[start : start + name_len].decode("utf-8", "replace")
+    msg = message[start + name_len :].decode("utf-8", "replace")
+    return name, msg

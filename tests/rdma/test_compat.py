@@ -615,7 +615,7 @@ def test_async_connect_status_sequence_on_a_real_link(server: Hixl, client: Hixl
     assert client.get_all_async_connect_status() == (SUCCESS, {})
     assert client.transfer_sync(peer, hixl.READ, d, 10_000) == NOT_CONNECTED
 
-    nobody = f"127.0.0.1:{free_port()}"
+    nobody = f"127.0.0.1:{free_tcp_port()}"
     assert client.connect_async(nobody, 2000) == SUCCESS
     got = eventually(lambda: client.get_async_connect_status(nobody), (SUCCESS, acs.CONNECT_FAILED))
     assert got == (SUCCESS, acs.CONNECT_FAILED)
@@ -655,7 +655,7 @@ def test_channel_pool_connects_implicitly_and_caps_links() -> None:
         assert client.options.channel_pool.high_mark == 2
         remotes = []
         for s in servers:
-            assert s.initialize(f"127.0.0.1:{free_port()}", {}) == SUCCESS, s.last_error
+            assert s.initialize(f"127.0.0.1:{free_tcp_port()}", {}) == SUCCESS, s.last_error
             r = np.zeros(1024, np.uint8)
             register(s, r)
             remotes.append(r)

@@ -45,8 +45,9 @@ from hixl.compat import (
     status_of,
 )
 from hixl.compat._connect import ConnectExecutor
-from hixl.compat._notify import FRAGMENT_NAME, Reassembler, encode_notify
+from hixl.compat._notify import ENVELOPE_NAME, encode_notify, open_envelope
 from hixl.compat._options import Refusal
+from hixl.core import notify as core_notify
 from hixl.errors import (
     AlignmentError,
     ArgumentError,
@@ -732,65 +733,48 @@ def test_plan_relay_packs_many_small_descs_in_one_buffer() -> None:
         plan_relay(descs, 0)
 
 
-# ------------------------------------------------------------------ notify fragments
+# ------------------------------------------------------------------ notify envelopes
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.text(max_size=300), st.text(max_size=300), st.text(max_size=40))
-def test_notify_round_trip_through_engine_sized_pieces(name: str, msg: str, other: str) -> None:
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=400), st.text(max_size=400))
+def test_every_notify_within_hixls_limits_survives_the_engine(name: str, msg: str) -> None:
     raw_name, raw_msg = name.encode(errors="surrogateescape"), msg.encode(errors="surrogateescape")
     if len(raw_name) > 1024 or len(raw_msg) > 1024:
         return
-    parts = encode_notify(5, raw_name, raw_msg)
-    for engine_name, body in parts:  # every piece fits one engine notification
-        assert 1 <= len(engine_name) <= 256 and "\0" not in engine_name
-        assert len(engine_name.encode()) + 1 + len(body) <= 1024
-    joiner = Reassembler()
-    # another notify's fragments interleaved with ours must not disturb it
-    noise = encode_notify(6, b"", other.encode(errors="surrogateescape"))
-    got = []
-    for k, (engine_name, body) in enumerate(parts):
-        if k < len(noise) and noise[k][0] == FRAGMENT_NAME:
-            joiner.feed("peer", noise[k][1])
-        if engine_name == FRAGMENT_NAME:
-            out = joiner.feed("peer", body)
-            if out is not None:
-                got.append(out)
-        else:
-            got.append((engine_name, body.decode()))
-    want_name = raw_name.decode("utf-8", "replace")
-    want_msg = raw_msg.decode("utf-8", "replace")
-    assert got == [(want_name, want_msg)]
+    engine_name, body = encode_notify(raw_name, raw_msg)
+    # what the engine sends and what its receiver parses back
+    note = core_notify.decode("peer", core_notify.encode(engine_name, body))
+    assert note is not None and (note.name, note.message) == (engine_name, body)
+    if note.name == ENVELOPE_NAME:
+        got = open_envelope(note.message)
+    else:
+        got = (note.name, note.message.decode("utf-8", "replace"))
+    assert got == (raw_name.decode("utf-8", "replace"), raw_msg.decode("utf-8", "replace"))
 
 
-def test_notify_that_fits_goes_as_one_engine_notification() -> None:
-    assert encode_notify(1, b"ready", b"block_0") == [("ready", b"block_0")]
-    assert (
-        len(encode_notify(1, b"", b"x")) == 1 and encode_notify(1, b"", b"x")[0][0] == FRAGMENT_NAME
-    )
-    assert len(encode_notify(1, b"n" * 1024, b"m" * 1024)) == 3
-    # a user name equal to the reserved one is carried in fragments, never confused
-    assert encode_notify(1, FRAGMENT_NAME.encode(), b"")[0][0] == FRAGMENT_NAME
+def test_only_names_the_engine_cannot_carry_go_in_an_envelope() -> None:
+    assert encode_notify(b"ready", b"block_0") == ("ready", b"block_0")
+    assert encode_notify(b"n" * 1024, b"m" * 1024) == ("n" * 1024, b"m" * 1024)
+    for name in [b"", b"\xff", b"a\nb", ENVELOPE_NAME.encode()]:
+        engine_name, body = encode_notify(name, b"x")
+        assert engine_name == ENVELOPE_NAME
+        assert open_envelope(body) == (name.decode("utf-8", "replace"), "x")
 
 
-def test_malformed_fragments_are_refused_and_partials_bounded() -> None:
-    j = Reassembler(max_partial=4)
-    for bad, needle in [
-        (b"\x00\x01", "shorter than its header"),
-        (struct.pack("!IHH", 1, 0, 0), "at most"),
-        (struct.pack("!IHH", 1, 3, 3), "at most"),
-        (struct.pack("!IHH", 1, 0, 50), "at most"),
-        (struct.pack("!IHH", 1, 0, 1) + b"\x00", "shorter than its length header"),
-        (struct.pack("!IHH", 1, 0, 1) + struct.pack("!HH", 2000, 0), "limit 1024"),
-        (struct.pack("!IHH", 1, 0, 1) + struct.pack("!HH", 3, 0) + b"ab", "header says"),
-    ]:
-        with pytest.raises(ValueError, match=needle):
-            j.feed("p", bad)
-    first = encode_notify(1, b"n" * 1000, b"m" * 1000)
-    for ident in range(10):  # ten half-sent notifies: only the newest four are kept
-        j.feed("p", encode_notify(ident, b"n" * 1000, b"m" * 1000)[0][1])
-    assert len(j) == 4 and j.dropped == 6
-    assert first[0][0] == FRAGMENT_NAME
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"\x00", "shorter than its header"),
+        (struct.pack("!HH", 2000, 0), "limit 1024"),
+        (struct.pack("!HH", 0, 1025) + b"m" * 1025, "limit 1024"),
+        (struct.pack("!HH", 3, 0) + b"ab", "header says"),
+        (struct.pack("!HH", 1, 1) + b"abc", "header says"),
+    ],
+)
+def test_malformed_envelopes_are_refused(raw: bytes, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        open_envelope(raw)
 
 
 # ------------------------------------------------------------------ async connect pool
