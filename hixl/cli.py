@@ -481,6 +481,28 @@ def _cmd_demo_hosts(args: argparse.Namespace) -> int:
     return 0 if summary["ok"] else 1
 
 
+# --- token -----------------------------------------------------------------------------
+
+
+def _cmd_token(args: argparse.Namespace) -> int:
+    import secrets
+
+    print(secrets.token_hex(32))
+    return 0
+
+
+def _add_token(sub: _Subparsers) -> None:
+    p = sub.add_parser(
+        "token",
+        help="print a fresh random 256-bit token for Engine(token=...)",
+        description="Print 64 hex digits (256 bits from the system's secure random "
+        "source), to give every engine of a deployment as Engine(token=...). "
+        "With a token, engines prove to each other that they know it before "
+        "any region key is sent; see docs/architecture.md for what it protects.",
+    )
+    p.set_defaults(handler=_cmd_token)
+
+
 # --- entry point -----------------------------------------------------------------------
 
 _COMMANDS: list[Callable[[_Subparsers], None]] = [
@@ -491,6 +513,7 @@ _COMMANDS: list[Callable[[_Subparsers], None]] = [
     _add_run,
     _add_bench,
     _add_demo,
+    _add_token,
 ]
 
 

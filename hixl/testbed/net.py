@@ -1,4 +1,4 @@
-"""Small TCP helpers for tests, benchmarks and the demo: a free port, and who is listening.
+"""Small network helpers for tests, benchmarks and the demo: free ports, who is listening.
 
 Both are test-bed conveniences, not part of the transfer API. ``free_tcp_port`` is racy by
 nature (another process may take the port between the probe and its use), which is fine
@@ -13,14 +13,29 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["free_tcp_port", "listening_ports", "read_listening_ports", "tcp_port_is_free"]
+__all__ = [
+    "free_tcp_port",
+    "free_udp_port",
+    "listening_ports",
+    "read_listening_ports",
+    "tcp_port_is_free",
+]
+
+
+def _free_port(kind: socket.SocketKind, host: str) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that was free a moment ago (bound to port 0, then closed)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return _free_port(socket.SOCK_STREAM, host)
+
+
+def free_udp_port(host: str = "127.0.0.1") -> int:
+    """A UDP port on ``host`` that was free a moment ago."""
+    return _free_port(socket.SOCK_DGRAM, host)
 
 
 def listening_ports(proc_net: Sequence[str]) -> set[int]:

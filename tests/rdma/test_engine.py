@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from hixl import _engine, _wire
 from hixl.core.descriptors import BlockListDesc, ContiguousDesc, StridedDesc
-from hixl.engine import Access, ConnState, Engine, TransferRequest, TransferStatus
+from hixl.engine import Access, ConnState, Engine, TransferRequest, TransferStatus, handshake
 from hixl.errors import (
     AlignmentError,
     BoundsError,
     CompletionError,
     ConnectionFailed,
+    HandshakeError,
     RegistrationError,
     StateError,
     TransferTimeout,
@@ -24,17 +24,6 @@ from hixl.errors import (
 from hixl.testbed.net import free_tcp_port
 
 RW = Access.REMOTE_READ | Access.REMOTE_WRITE
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[Engine, Engine]]:
-    server = Engine(f"127.0.0.1:{free_tcp_port()}")
-    client = Engine("127.0.0.1:0")
-    try:
-        yield client, server
-    finally:
-        client.close()
-        server.close()
 
 
 def pattern(n: int, seed: int) -> np.ndarray:
@@ -202,7 +191,7 @@ def test_tampered_rkey_fails_fast_and_only_that_connection(pair: tuple[Engine, E
         from dataclasses import replace
 
         bad = replace(good, rkey=good.rkey ^ 0x00FF00)
-        conn._remote = (bad,)
+        conn.set_remote_regions((bad,))  # test hook: as if the peer had announced this
         t0 = time.monotonic()
         with pytest.raises(CompletionError) as info:
             client.put(server.id, r, bad, timeout=20)
@@ -236,7 +225,7 @@ def test_token_mismatch_gets_no_keys() -> None:
     try:
         server.register(np.zeros(4096, np.uint8), access=RW, name="dst")
         with Engine("127.0.0.1:0", token="wrong") as bad:
-            with pytest.raises((ConnectionFailed, Exception)):
+            with pytest.raises(HandshakeError):
                 bad.connect(server.id, timeout=10)
             assert bad.peers == []
         with Engine("127.0.0.1:0", token="s3cret") as good:
@@ -298,15 +287,17 @@ def test_unclosed_engine_warns_and_is_closed_when_collected() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         e = Engine("127.0.0.1:0")
-        thread = e._thread
+        tid = e.diagnostics().progress_thread_id
         del e
         deadline = time.monotonic() + 10
         while not any(issubclass(w.category, ResourceWarning) for w in caught):
             assert time.monotonic() < deadline, "no ResourceWarning for an unclosed engine"
             gc.collect()
             time.sleep(0.05)
-    thread.join(10)
-    assert not thread.is_alive()
+    deadline = time.monotonic() + 10
+    while any(t.native_id == tid for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the progress thread outlived its engine"
+        time.sleep(0.05)
 
 
 def test_region_registered_during_the_handshake_reaches_the_peer(
@@ -318,14 +309,14 @@ def test_region_registered_during_the_handshake_reaches_the_peer(
     server = Engine(f"127.0.0.1:{free_tcp_port()}")
     client = Engine("127.0.0.1:0")
     late = np.zeros(4096, np.uint8)
-    expect = _engine._Channel.expect
+    ready = handshake.Listener._ready
 
-    def register_then_expect(chan: Any, kind: Any, deadline: float) -> Any:
-        if kind is _wire.Ready:  # server side, ACCEPT already sent
-            server.register(late, access=Access.REMOTE_WRITE, name="late")
-        return expect(chan, kind, deadline)
+    def register_then_ready(listener: Any, inc: Any, msg: Any, rest: Any) -> None:
+        # server side: the ACCEPT went out, READY arrived, the connection is not live yet
+        server.register(late, access=Access.REMOTE_WRITE, name="late")
+        ready(listener, inc, msg, rest)
 
-    monkeypatch.setattr(_engine._Channel, "expect", register_then_expect)
+    monkeypatch.setattr(handshake.Listener, "_ready", register_then_ready)
     try:
         client.connect(server.id, timeout=30.0)
         conn = client.connection(server.id)
