@@ -42,14 +42,9 @@ from hixl import (
     TransferRequest,
 )
 from hixl.core import wire
+from hixl.testbed.net import free_tcp_port
 
 RW = Access.REMOTE_READ | Access.REMOTE_WRITE
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def addr_of(engine_id: str) -> tuple[str, int]:
@@ -208,7 +203,7 @@ def passthrough(way: str, msg: wire.Message) -> wire.Message:
 
 @pytest.fixture
 def server() -> Iterator[Engine]:
-    eng = Engine(f"127.0.0.1:{free_port()}")
+    eng = Engine(f"127.0.0.1:{free_tcp_port()}")
     eng.register(np.zeros(1 << 16, np.uint8), access=RW, name="dst")
     try:
         yield eng
@@ -261,7 +256,7 @@ def _flood(pipe: Pipe, target: tuple[str, int], sources: list[str], count: int) 
 
 @pytest.mark.parametrize("sources", [1, 4], ids=["one-source", "four-sources"])
 def test_idle_socket_flood_does_not_lock_out_peers(sources: int) -> None:
-    port = free_port()
+    port = free_tcp_port()
     ctx = mp.get_context("fork")
     here, there = ctx.Pipe()
     attacker_ips = [f"127.0.0.{2 + i}" for i in range(sources)]
@@ -315,7 +310,7 @@ def _put_loop(eng: Engine, peer: str, region: Any, stop: threading.Event, out: l
 
 
 def test_id_takeover_is_refused_without_eviction_or_stall(server: Engine) -> None:
-    with Engine(f"127.0.0.1:{free_port()}") as a, Engine(f"127.0.0.1:{free_port()}") as b:
+    with Engine(f"127.0.0.1:{free_tcp_port()}") as a, Engine(f"127.0.0.1:{free_tcp_port()}") as b:
         b_dst = np.zeros(4096, np.uint8)
         b.register(b_dst, access=RW, name="dst")
         src_a = a.register(np.full(4096, 7, np.uint8), access=Access.NONE)
@@ -418,7 +413,7 @@ def _wait_failed(eng: Engine, peer: str) -> str:
 def test_notification_caps_per_peer_and_in_total_are_configurable() -> None:
     with (
         Engine(
-            f"127.0.0.1:{free_port()}", max_notifications_per_peer=50, max_notifications=80
+            f"127.0.0.1:{free_tcp_port()}", max_notifications_per_peer=50, max_notifications=80
         ) as srv,
         Engine() as a,
         Engine() as b,
@@ -465,7 +460,7 @@ def test_tcp_notify_frames_are_not_accepted(server: Engine) -> None:
 
 
 def test_max_peers_is_checked_before_any_rkey_is_sent() -> None:
-    with Engine(f"127.0.0.1:{free_port()}", max_peers=2) as srv:
+    with Engine(f"127.0.0.1:{free_tcp_port()}", max_peers=2) as srv:
         srv.register(np.zeros(4096, np.uint8), access=RW, name="dst")
         with Engine("127.0.0.1:0") as p1, Engine("127.0.0.1:0") as p2:
             p1.connect(srv.id)
@@ -485,7 +480,7 @@ def test_max_peers_is_checked_before_any_rkey_is_sent() -> None:
 
 
 def test_no_proof_or_key_before_the_client_proves() -> None:
-    with Engine(f"127.0.0.1:{free_port()}", token="abc123") as srv:
+    with Engine(f"127.0.0.1:{free_tcp_port()}", token="abc123") as srv:
         srv.register(np.zeros(4096, np.uint8), access=RW, name="dst")
         c = raw_handshake(srv.id, "127.0.0.1:0~abc", srv.device.gid, proof=secrets.token_bytes(32))
         c.close()
@@ -531,7 +526,7 @@ def _tamperer(case: str) -> Callable[[str, wire.Message], wire.Message]:
 @pytest.mark.parametrize("case", [None, *TAMPERS])
 def test_tampered_transcript_is_rejected(case: str | None) -> None:
     token = secrets.token_hex(32)
-    with Engine(f"127.0.0.1:{free_port()}", token=token) as srv, Engine(token=token) as cli:
+    with Engine(f"127.0.0.1:{free_tcp_port()}", token=token) as srv, Engine(token=token) as cli:
         srv.register(np.zeros(4096, np.uint8), access=RW, name="dst")
         proxy = Proxy(srv.id, passthrough if case is None else _tamperer(case))
         try:
@@ -647,7 +642,7 @@ def test_auth_failures_blame_the_right_side(
     server_token: str | None, client_token: str | None, phrase: str
 ) -> None:
     with (
-        Engine(f"127.0.0.1:{free_port()}", token=server_token) as srv,
+        Engine(f"127.0.0.1:{free_tcp_port()}", token=server_token) as srv,
         Engine(token=client_token) as cli,
     ):
         with pytest.raises(HandshakeError) as info:
@@ -725,9 +720,9 @@ def test_exposed_region_limit_fails_that_register(server: Engine) -> None:
 
 def test_listening_without_token_off_loopback_warns(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="hixl"):
-        Engine(f"127.0.0.1:{free_port()}").close()
-        Engine(f"0.0.0.0:{free_port()}", token=secrets.token_hex(32)).close()
+        Engine(f"127.0.0.1:{free_tcp_port()}").close()
+        Engine(f"0.0.0.0:{free_tcp_port()}", token=secrets.token_hex(32)).close()
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-        Engine(f"0.0.0.0:{free_port()}").close()
+        Engine(f"0.0.0.0:{free_tcp_port()}").close()
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "token" in warned[0], warned
