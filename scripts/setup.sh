@@ -11,8 +11,9 @@ if [ "$(id -u)" != 0 ]; then
   fi
 fi
 
+# libibverbs-dev and gcc: a unit test checks hixl's cffi layouts against <infiniband/verbs.h>.
 pkgs=(rdma-core ibverbs-providers ibverbs-utils rdmacm-utils perftest python3-pyverbs
-      python3-venv iproute2 kmod)
+      python3-venv iproute2 kmod libibverbs-dev gcc)
 
 kernel_has_rxe() {
   [ -d /sys/class/infiniband ] && return 0

@@ -3,8 +3,11 @@
 A :class:`Connection` is owned by its engine and mutated only under the engine lock,
 except where a method says otherwise.  It keeps three things behind methods:
 
-* the *send window*: chunks of work requests waiting for send-queue room (backlog), and
-  chunks posted and not yet completed (in flight), with the send-queue slots they use;
+* the *send window*: chunks (ranges of a work-request chain, one per request or
+  notification) waiting for send-queue room (backlog), and chunks with work requests
+  posted and not all completed (sent), with the send-queue slots they use.  A chunk's
+  WRs form signal groups; since an RC queue completes in order, a group's completion
+  frees every slot up to it, and belongs to the oldest chunk still sent;
 * the *receive slots*: buffers posted for notifications, one :data:`notify.SLOT_BYTES`
   each;
 * the *control channel*: the TCP socket the handshake ran on, its decoder, and an outbox
@@ -19,7 +22,6 @@ import contextlib
 import secrets
 import socket
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -30,8 +32,10 @@ from hixl.core.states import ConnEvent, ConnState, next_state
 from hixl.core.wire import RemoteRegion
 from hixl.errors import ConnectionFailed, HandshakeError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
+from hixl.verbs.chain import SendChain
 
 if TYPE_CHECKING:
+    from hixl.engine.datapath import Built
     from hixl.engine.engine import Engine
     from hixl.engine.handles import TransferHandle
 
@@ -43,14 +47,30 @@ MAX_OUTBOX = 1 << 20  # bytes of control messages a peer may leave unread before
 _QI = TypeVar("_QI", wire.Info, wire.Accept)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Chunk:
-    """Consecutive work requests posted together; only the last one is signaled."""
+    """WRs ``start .. stop-1`` of ``chain``, in signal groups of ``every``.
 
-    requests: list[verbs.SendRequest]
+    Group ``g`` completes under ``wr_id = first_id + g``.  ``posted``/``done`` count the
+    chunk's WRs posted and completed so far.  ``built`` (a request's chain) goes back to
+    the planner's pool once every WR is posted.
+    """
+
+    chain: SendChain
+    start: int
+    stop: int
     handle: TransferHandle | None
+    every: int = 1
+    first_id: int = 0
+    groups: int = 0
+    posted: int = 0
+    done: int = 0
     notify_slot: int | None = None
-    wr_id: int = 0  # posted as the last request's wr_id, signaled
+    built: Built | None = None
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
 
 
 class Connection:
@@ -97,8 +117,8 @@ class Connection:
         self.sock: socket.socket | None = None
         self.decoder: wire.Decoder | None = None
         self._outbox = bytearray()
-        self._backlog: deque[Chunk] = deque()
-        self._inflight: dict[int, Chunk] = {}  # wr_id of a chunk's signaled WR -> chunk
+        self._backlog: deque[Chunk] = deque()  # not all posted; the head may be partly
+        self._sent: deque[Chunk] = deque()  # some WRs posted, not all completed; in order
         self._sq_used = 0
 
     # -- what users read -----------------------------------------------------------------
@@ -256,50 +276,68 @@ class Connection:
     def queue(self, chunks: list[Chunk]) -> None:
         self._backlog.extend(chunks)
 
-    def postable(self, sq_depth: int) -> Iterator[Chunk]:
-        """Backlogged chunks that fit in the send queue now, in order.
+    @property
+    def posting(self) -> Chunk | None:
+        """The chunk the next post continues (the head of the backlog)."""
+        return self._backlog[0] if self._backlog else None
 
-        Each chunk yielded must be either posted (then call :meth:`posted`) or the
-        iteration abandoned; it stays at the head of the backlog until :meth:`posted`.
+    def pump(self, sq_depth: int) -> list[Chunk]:
+        """Post backlogged WRs while the send queue has room; return the chunks now all posted.
+
+        One ``post_send`` per chunk (or per piece of one that does not fit).  Raises
+        :class:`HixlError` when the provider or a closed region refuses a post.
         """
+        finished: list[Chunk] = []
         while self._backlog and self.state is ConnState.READY:
             chunk = self._backlog[0]
-            if self._sq_used + len(chunk.requests) > sq_depth:
-                return
-            yield chunk
+            room = sq_depth - self._sq_used
+            if room <= 0:
+                break
+            lo = chunk.start + chunk.posted
+            hi = min(chunk.stop, lo + room)
+            k = self._qp.post_chain(chunk.chain, lo, hi)
+            if k and not chunk.posted:
+                self._sent.append(chunk)
+            chunk.posted += k
+            self._sq_used += k
+            if chunk.posted == chunk.size:
+                self._backlog.popleft()
+                finished.append(chunk)
+            elif k < hi - lo:
+                break  # the provider's queue is full: wait for completions
+        return finished
 
-    def posted(self, chunk: Chunk) -> None:
-        self._backlog.popleft()
-        self._sq_used += len(chunk.requests)
-        self._inflight[chunk.wr_id] = chunk
+    def completed(self, wr_id: int) -> tuple[Chunk, bool] | None:
+        """The chunk a signaled group's completion belongs to, and whether it is all done.
 
-    def post(self, chunk: Chunk) -> None:
-        """Post one chunk on the queue pair; only its last request is signaled."""
-        self._qp.post_send(chunk.requests, chunk.wr_id)
-
-    def oldest_inflight(self) -> Chunk | None:
-        """The chunk posted first among those not completed yet (posting order)."""
-        return next(iter(self._inflight.values()), None)
-
-    def completed(self, wr_id: int) -> Chunk | None:
-        """The in-flight chunk whose signaled request completed, or None if unknown."""
-        chunk = self._inflight.pop(wr_id, None)
-        if chunk is not None:
-            self._sq_used -= len(chunk.requests)
-        return chunk
+        None for a completion of a chunk already forgotten (flushed after a failure).
+        """
+        if not self._sent:
+            return None
+        chunk = self._sent[0]
+        g = wr_id - chunk.first_id
+        if not 0 <= g < chunk.groups:
+            return None
+        upto = min(chunk.size, (g + 1) * chunk.every)
+        self._sq_used -= upto - chunk.done
+        chunk.done = upto
+        if upto == chunk.size:
+            self._sent.popleft()
+            return chunk, True
+        return chunk, False
 
     def drain(self) -> list[Chunk]:
-        """Forget every queued and in-flight chunk (the queue pair is in ERR or gone)."""
-        chunks = list(self._inflight.values()) + list(self._backlog)
-        self._inflight.clear()
+        """Forget every queued and sent chunk (the queue pair is in ERR or gone)."""
+        chunks = list(self._sent) + [c for c in self._backlog if not c.posted]
+        self._sent.clear()
         self._backlog.clear()
         self._sq_used = 0
         return chunks
 
     @property
     def pending(self) -> int:
-        """Chunks queued or in flight."""
-        return len(self._inflight) + len(self._backlog)
+        """Chunks queued or sent."""
+        return len(self._sent) + sum(1 for c in self._backlog if not c.posted)
 
     # -- verbs ---------------------------------------------------------------------------
     def post_recv(self, slot: int) -> None:

@@ -1,34 +1,61 @@
-"""From transfer requests to work requests: checks, cached plans, and notification buffers.
+"""From transfer requests to work-request chains: checks, cached plans and chains, notifications.
 
-Everything here runs without the engine lock: it reads only immutable values (a
-region's keys, the peer's announced region tuple) and the plan cache, whose dict
-operations are atomic.
+A request is checked, planned (:mod:`hixl.core.plan`, cached per descriptor pair and
+region sizes) and written into a :class:`~hixl.verbs.chain.SendChain` -- C arrays of
+``ibv_send_wr``/``ibv_sge`` filled by numpy, no Python object per work request.  Built
+chains are reused: a chain whose WRs are all posted goes back to a pool keyed by the
+plan and the four addresses and keys, and the next request with the same layout takes
+it as it is (the engine only rewrites its ``wr_id``s and signal flags).
+
+``build`` runs without the engine lock: it reads only immutable values (a region's
+keys, the peer's announced region tuple) and the caches, whose dict and list
+operations are atomic.  A chain taken from the pool belongs to one transfer until
+:meth:`Planner.give_back`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hixl.core import notify, wire
 from hixl.core.descriptors import ContiguousDesc, Descriptor, as_segments
-from hixl.core.plan import DeviceLimits, Op, check_alignment, check_bounds, plan_transfer
+from hixl.core.plan import DeviceLimits, Op, Plan, check_alignment, check_bounds, plan_transfer
 from hixl.core.wire import RemoteRegion
 from hixl.engine.regions import Access, Region
 from hixl.errors import ArgumentError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
+from hixl.verbs.chain import SendChain
 
 if TYPE_CHECKING:
     from hixl.engine.connection import Connection
     from hixl.engine.handles import TransferRequest
 
-__all__ = ["CHUNK", "NotifySlots", "Planner"]
+__all__ = ["Built", "NotifySlots", "PLAN_CACHE", "Planner", "signal_interval"]
 
-CHUNK = 16  # work requests per signaled chunk
 PLAN_CACHE = 512  # planned (descriptor pair, region sizes) kept per engine
+CHAIN_CACHE_WRS = 1 << 18  # WRs (x 128 bytes, plus SGEs) of idle built chains kept per engine
+CHAINS_PER_KEY = 4  # idle chains kept for one layout
 
-_PlannedWrs = list[tuple[int, list[tuple[int, int]]]]  # (remote offset, [(local offset, n)])
+
+def signal_interval(sq_depth: int) -> int:
+    """WRs per signaled group: an eighth of the send queue, 16 to 256.
+
+    A completion frees its whole group's send-queue slots, so several groups must fit in
+    the queue at once; fewer completions mean less Python per transfer.
+    """
+    return max(16, min(256, sq_depth // 8))
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """One request as a filled chain: its byte count and the key it goes back under."""
+
+    chain: SendChain
+    nbytes: int
+    key: tuple[Any, ...] | None  # None: built for this request only (unhashable descriptors)
 
 
 class Planner:
@@ -42,12 +69,12 @@ class Planner:
     def __init__(self, limits: DeviceLimits, alignment: int | None) -> None:
         self.limits = limits
         self.alignment = alignment
-        self._plans: dict[tuple[Any, ...], tuple[_PlannedWrs, int]] = {}
+        self._plans: dict[tuple[Any, ...], Plan] = {}
+        self._chains: dict[tuple[Any, ...], list[SendChain]] = {}
+        self._chain_wrs = 0  # WRs held by idle chains (approximate: no lock)
 
-    def build(
-        self, owner: object, conn: Connection, req: TransferRequest, index: int
-    ) -> tuple[list[verbs.SendRequest], int]:
-        """Work requests and byte count of one request; raises before anything is posted."""
+    def build(self, owner: object, conn: Connection, req: TransferRequest, index: int) -> Built:
+        """The filled chain of one request; raises before anything is posted."""
         where = f"request {index}"
         if req.op not in ("write", "read"):
             raise ArgumentError(f"{where}: op must be 'write' or 'read', not {req.op!r}")
@@ -69,17 +96,44 @@ class Planner:
                 f"{where}: peer region {remote.name or hex(remote.addr)} "
                 f"(length={remote.length}) is not remotely {verb}"
             )
-        wrs, nbytes = self._cached(op, req.local_desc, req.remote_desc, local, remote, where)
+        plan, pkey = self._cached(op, req.local_desc, req.remote_desc, local, remote, where)
         opcode = verbs.WR_RDMA_WRITE if op is Op.WRITE else verbs.WR_RDMA_READ
-        laddr, lkey, raddr, rkey = local.addr, local.lkey, remote.addr, remote.rkey
-        send = verbs.SendRequest
-        out = [
-            send(
-                0, opcode, [(laddr + o, n, lkey) for o, n in sges], raddr + roff, rkey, None, False
-            )
-            for roff, sges in wrs
-        ]
-        return out, nbytes
+        key = None
+        if pkey is not None:
+            key = (pkey, local.addr, local.lkey, remote.addr, remote.rkey)
+            pool = self._chains.get(key)
+            if pool:
+                try:
+                    chain = pool.pop()
+                except IndexError:  # another thread took the last one
+                    pass
+                else:
+                    self._chain_wrs -= chain.capacity
+                    if not any(r.closed for r in chain.regions):
+                        return Built(chain, plan.nbytes, key)
+        chain = SendChain.for_plan(
+            plan,
+            opcode=opcode,
+            local_addr=local.addr,
+            lkey=local.lkey,
+            remote_addr=remote.addr,
+            rkey=remote.rkey,
+            regions=(local,),
+        )
+        return Built(chain, plan.nbytes, key)
+
+    def give_back(self, built: Built) -> None:
+        """Return a chain whose WRs are all posted, for the next request with its layout."""
+        key, chain = built.key, built.chain
+        if key is None or any(r.closed for r in chain.regions):
+            return
+        if self._chain_wrs + chain.capacity > CHAIN_CACHE_WRS:
+            self._chains.clear()
+            self._chain_wrs = 0
+        pool = self._chains.setdefault(key, [])
+        if len(pool) < CHAINS_PER_KEY:
+            pool.append(chain)
+            self._chain_wrs += chain.capacity
 
     def _cached(
         self,
@@ -89,20 +143,20 @@ class Planner:
         local: Region,
         remote: RemoteRegion,
         where: str,
-    ) -> tuple[_PlannedWrs, int]:
-        key = (op, ldesc, rdesc, local.length, remote.length)
+    ) -> tuple[Plan, tuple[Any, ...] | None]:
+        """The plan and its cache key (None when the descriptors cannot be hashed)."""
+        key: tuple[Any, ...] | None = (op, ldesc, rdesc, local.length, remote.length)
         try:
-            cached = self._plans.get(key)
-            hashable = True
+            cached = self._plans.get(key)  # type: ignore[arg-type]
         except TypeError:
-            cached, hashable = None, False
+            cached, key = None, None
         if cached is None:
             cached = self._plan(ldesc, rdesc, op, local.length, remote.length, where)
-            if hashable:
+            if key is not None:
                 if len(self._plans) >= PLAN_CACHE:
                     self._plans.clear()
                 self._plans[key] = cached
-        return cached
+        return cached, key
 
     def _plan(
         self,
@@ -112,8 +166,8 @@ class Planner:
         local_len: int,
         remote_len: int,
         where: str,
-    ) -> tuple[_PlannedWrs, int]:
-        """Bounds, alignment and the plan of one request, as ``(work requests, bytes)``."""
+    ) -> Plan:
+        """Bounds, alignment and the plan of one request."""
         if ldesc is None and rdesc is None:
             ldesc = ContiguousDesc(offset=0, nbytes=local_len, alignment=None)
             rdesc = ldesc
@@ -127,8 +181,7 @@ class Planner:
         if self.alignment:
             check_alignment(ldesc, 0, self.alignment, what=f"{where}: local")
             check_alignment(rdesc, 0, self.alignment, what=f"{where}: remote")
-        plan = plan_transfer(ldesc, rdesc, op, self.limits)
-        return list(plan.wrs()), plan.nbytes
+        return plan_transfer(ldesc, rdesc, op, self.limits)
 
 
 def _resolve_remote(conn: Connection, remote: RemoteRegion | str, where: str) -> RemoteRegion:
@@ -144,29 +197,37 @@ def _resolve_remote(conn: Connection, remote: RemoteRegion | str, where: str) ->
 class NotifySlots:
     """Registered send buffers for outgoing notifications, one slot per notification in flight.
 
-    ``take``/``release`` run under the engine lock.
+    One chain holds a SEND work request per slot, built once; a notification posts just
+    its slot's WR (:meth:`take` sets the length).  ``take``/``release`` run under the
+    engine lock.
     """
 
     def __init__(self, device: verbs.Device, count: int) -> None:
         self.count = count
         self._buf = np.zeros(count * notify.SLOT_BYTES, dtype=np.uint8)
         self._mr = device.register(self._buf.ctypes.data, self._buf.nbytes, 0, self._buf)
+        self.chain = SendChain(count, count)
+        slots = np.arange(count, dtype=np.int64)
+        self.chain.fill(
+            opcode=verbs.WR_SEND,
+            remote_addr=np.zeros(count, dtype=np.uint64),
+            rkey=0,
+            sge_start=np.arange(count + 1, dtype=np.int64),
+            sge_addr=self._mr.addr + slots * notify.SLOT_BYTES,
+            sge_length=np.zeros(count, dtype=np.int64),
+            lkey=self._mr.lkey,
+        )
         self._free = list(range(count))
 
-    def take(self, payload: bytes, *, fence: bool = False) -> tuple[int, verbs.SendRequest]:
-        """A slot holding ``payload`` and the SEND work request that carries it.
-
-        ``fence`` (for a notification after READs) makes the SEND wait until the READs
-        before it have completed, so the target hears "done" only once its memory has
-        been read.
-        """
+    def take(self, payload: bytes) -> int:
+        """A slot holding ``payload``; its SEND is WR ``slot`` of :attr:`chain`."""
         if not self._free:
             raise StateError(f"{self.count} notifications already in flight")
         slot = self._free.pop()
         start = slot * notify.SLOT_BYTES
         self._buf[start : start + len(payload)] = np.frombuffer(payload, np.uint8)
-        sge = (self._mr.addr + start, len(payload), self._mr.lkey)
-        return slot, verbs.SendRequest(0, verbs.WR_SEND, [sge], fence=fence)
+        self.chain.head[slot].sg_list[0].length = len(payload)
+        return slot
 
     def release(self, slot: int) -> None:
         self._free.append(slot)

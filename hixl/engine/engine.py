@@ -17,6 +17,9 @@ import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from hixl.core import notify, wire
 from hixl.core.descriptors import Descriptor
@@ -25,7 +28,7 @@ from hixl.core.plan import DeviceLimits
 from hixl.core.states import ConnEvent, ConnState
 from hixl.core.wire import RemoteRegion
 from hixl.engine.connection import RECV_SLOTS, Chunk, Connection
-from hixl.engine.datapath import CHUNK, NotifySlots, Planner
+from hixl.engine.datapath import NotifySlots, Planner, signal_interval
 from hixl.engine.handles import TransferHandle, TransferRequest
 from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
 from hixl.engine.progress import Progress
@@ -152,13 +155,16 @@ class Engine:
         self._dev = verbs.open_device(device, port, gid_index)
         try:
             caps = self._dev.caps
-            self.sq_depth = max(CHUNK * 2, min(send_queue_depth, caps.max_qp_wr))
+            self.sq_depth = max(32, min(send_queue_depth, caps.max_qp_wr))
+            self._every = signal_interval(self.sq_depth)
             self.limits = DeviceLimits(
                 max_sge=caps.max_sge,
                 max_sge_rd=caps.max_sge_rd,
                 max_msg_sz=min(caps.max_msg_sz, 0xFFFF_FFFF),
             )
-            cq_depth = max_peers * (self.sq_depth // CHUNK + RECV_SLOTS + 4)
+            # Signaled WRs of every peer, plus room for one queue's worth of flushed WRs
+            # (a failed queue pair completes every outstanding WR, signaled or not).
+            cq_depth = max_peers * (self.sq_depth // self._every + 4) + self.sq_depth
             self.send_cq = self._dev.create_cq(cq_depth, events=completion_events)
             self.recv_cq = self._dev.create_cq(
                 max_peers * RECV_SLOTS + 16, events=completion_events
@@ -814,30 +820,42 @@ class Engine:
         # Validation, planning and building read only immutable values (regions' keys,
         # the peer's announced region tuple), so they run without the engine lock; the
         # progress thread keeps reaping completions meanwhile.
-        wrs: list[verbs.SendRequest] = []
-        nbytes = 0
-        for i, req in enumerate(requests):
-            built, n = self._planner.build(self, conn, req, i)
-            wrs.extend(built)
-            nbytes += n
+        built = [self._planner.build(self, conn, req, i) for i, req in enumerate(requests)]
+        nbytes = sum(b.nbytes for b in built)
+        num_wrs = sum(b.chain.num_wrs for b in built)
         with self._lock:
-            self._check_open()
-            conn.check_ready()
-            handle = TransferHandle(peer, nbytes, len(wrs), time.monotonic() + timeout)
-            chunks = [Chunk(wrs[i : i + CHUNK], handle) for i in range(0, len(wrs), CHUNK)]
+            try:
+                self._check_open()
+                conn.check_ready()
+            except HixlError:
+                for b in built:
+                    self._planner.give_back(b)
+                raise
+            handle = TransferHandle(peer, nbytes, num_wrs, time.monotonic() + timeout)
+            every = self._every
+            chunks = []
+            for b in built:
+                chunk = Chunk(b.chain, 0, b.chain.num_wrs, handle, every, self._next_wr)
+                chunk.built = b
+                chunk.groups = b.chain.set_signals(self._next_wr, every)
+                self._next_wr += chunk.groups
+                chunks.append(chunk)
             if payload is not None:
+                slot = self._notify_slots.take(payload)
+                chunk = Chunk(self._notify_slots.chain, slot, slot + 1, handle, 1, self._next_wr)
+                chunk.notify_slot = slot
+                chunk.groups = chunk.chain.set_signals(self._next_wr, 1, slot, slot + 1)
                 # After READs the SEND is fenced: it starts only once they have completed,
                 # so the peer is told "done" after its memory was read, not before.
-                fence = any(r.opcode == verbs.WR_RDMA_READ for r in wrs)
-                slot, send = self._notify_slots.take(payload, fence=fence)
-                chunks.append(Chunk([send], handle, slot))
+                fence = any(r.op == "read" for r in requests)
+                if fence:
+                    chunk.chain.fence(slot)
                 log.debug(
                     "notification %r to %s posted%s", notify, peer, " fenced" if fence else ""
                 )
-            handle.chunks_left = len(chunks)
-            for chunk in chunks:
-                chunk.wr_id = self._next_wr
                 self._next_wr += 1
+                chunks.append(chunk)
+            handle.chunks_left = len(chunks)
             conn.queue(chunks)
             self._handles.add(handle)
             self._pump(conn)
@@ -853,14 +871,22 @@ class Engine:
             chunk.notify_slot = None
 
     def _pump(self, conn: Connection) -> None:
-        """Post backlogged chunks while the send queue has room (caller holds the lock)."""
-        for chunk in conn.postable(self.sq_depth):
-            try:
-                conn.post(chunk)
-            except HixlError as exc:
-                self._fail(conn, f"post_send failed: {exc}", exc, culprit=chunk.handle)
-                return
-            conn.posted(chunk)
+        """Post backlogged work requests while the send queue has room (caller holds the lock).
+
+        A chain whose WRs are all posted goes back to the planner's pool: the provider
+        copied them into its send queue, so the memory may be rewritten.
+        """
+        chunk = conn.posting
+        try:
+            finished = conn.pump(self.sq_depth)
+        except HixlError as exc:
+            culprit = chunk.handle if chunk is not None else None
+            self._fail(conn, f"post_send failed: {exc}", exc, culprit=culprit)
+            return
+        for done in finished:
+            if done.built is not None:
+                self._planner.give_back(done.built)
+                done.built = None
 
     def _has_pending(self) -> bool:
         return bool(self._handles)
@@ -932,45 +958,51 @@ class Engine:
         self._notify_cv.notify_all()
 
     # -- progress thread callbacks (all but the socket reads run under the lock) -----------
-    def _reap_send(self, wcs: list[verbs.Completion]) -> int:
-        """Handle send completions; return how many there were."""
-        for wc in wcs:
-            conn = self._by_qpn.get(wc.qp_num)
+    def _reap_send(self, wcs: np.ndarray[Any, Any]) -> int:
+        """Handle send completions (a :data:`~hixl.verbs.chain.WC_DTYPE` array); return how many.
+
+        One completion per signal group, not per work request.  Connections that freed
+        send-queue room post more of their backlog once, after the whole batch.
+        """
+        if wcs.size == 0:
+            return 0
+        pump: dict[int, Connection] = {}
+        rows = zip(
+            wcs["wr_id"].tolist(),
+            wcs["status"].tolist(),
+            wcs["qp_num"].tolist(),
+            wcs["vendor_err"].tolist(),
+            strict=True,
+        )
+        for wr_id, status, qpn, vendor_err in rows:
+            conn = self._by_qpn.get(qpn)
             if conn is None:
                 continue
-            chunk = conn.completed(wc.wr_id)
-            if chunk is None:
-                if not wc.ok and conn.state is ConnState.READY:
-                    # An unsignaled request failed (its wr_id is 0).  RC completes in
-                    # order, so it belongs to the oldest chunk in flight, and its status
-                    # is the real cause: the flushes that follow only echo it.
-                    first = conn.oldest_inflight()
-                    err = CompletionError(
-                        f"RDMA transfer to {conn.peer}",
-                        wc.status,
-                        wc.status_name,
-                        wc.wr_id,
-                        wc.vendor_err,
-                    )
-                    culprit = first.handle if first is not None else None
-                    self._fail(conn, f"completion error {wc.status_name}", err, culprit=culprit)
-                continue  # otherwise: completion of a chunk that was already failed
-            op = "RDMA transfer" if chunk.notify_slot is None else "notification"
+            got = conn.completed(wr_id)
+            if got is None:
+                continue  # completion of a chunk that was already failed
+            chunk, finished = got
+            if status != 0:
+                op = "RDMA transfer" if chunk.notify_slot is None else "notification"
+                self._release_notify(chunk)
+                name = verbs.WC_STATUS_NAMES.get(status, f"IBV_WC_STATUS_{status}")
+                err = CompletionError(f"{op} to {conn.peer}", status, name, wr_id, vendor_err)
+                pump.pop(id(conn), None)
+                self._fail(conn, f"completion error {name}", err, culprit=chunk.handle)
+                continue
+            pump[id(conn)] = conn
+            if not finished:
+                continue
             self._release_notify(chunk)
             handle = chunk.handle
-            if not wc.ok:
-                err = CompletionError(
-                    f"{op} to {conn.peer}", wc.status, wc.status_name, wc.wr_id, wc.vendor_err
-                )
-                self._fail(conn, f"completion error {wc.status_name}", err, culprit=handle)
-                continue
             if handle is not None:
                 handle.chunks_left -= 1
                 if handle.chunks_left == 0:
                     handle.finish(None)
                     self._handles.discard(handle)
+        for conn in pump.values():
             self._pump(conn)
-        return len(wcs)
+        return int(wcs.size)
 
     def _reap_recv(self, wcs: list[verbs.Completion]) -> int:
         """Handle receive completions (notifications); return how many there were."""

@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from hixl.engine.handshake import Incoming
@@ -149,7 +150,7 @@ class Progress:
                 if self.events:
                     busy = self._poll_events(engine)
                 else:
-                    busy |= engine._reap_send(self.send_cq.poll(POLL_BATCH)) == POLL_BATCH
+                    busy |= engine._reap_send(self.send_cq.poll_array(POLL_BATCH)) == POLL_BATCH
                     busy |= engine._reap_recv(self.recv_cq.poll(POLL_BATCH)) == POLL_BATCH
                 now = time.monotonic()
                 if now >= self._next_expiry_check:
@@ -203,15 +204,20 @@ class Progress:
         for what completed before the arming; after that the thread may sleep.
         """
         busy = False
-        for cq, reap in ((self.send_cq, engine._reap_send), (self.recv_cq, engine._reap_recv)):
+        send, recv = self.send_cq, self.recv_cq
+        reapers: tuple[tuple[verbs.CompletionQueue, Callable[[], int]], ...] = (
+            (send, lambda: engine._reap_send(send.poll_array(POLL_BATCH))),
+            (recv, lambda: engine._reap_recv(recv.poll(POLL_BATCH))),
+        )
+        for cq, reap in reapers:
             if cq in self._armed:
                 continue
-            if reap(cq.poll(POLL_BATCH)) == POLL_BATCH:
+            if reap() == POLL_BATCH:
                 busy = True  # maybe more queued: poll again before arming
                 continue
             cq.arm()
             self._armed.add(cq)
-            if reap(cq.poll(POLL_BATCH)) == POLL_BATCH:
+            if reap() == POLL_BATCH:
                 self._armed.discard(cq)  # more may be queued from before the arming
                 busy = True
         return busy

@@ -1,66 +1,78 @@
-"""The one adapter over pyverbs.
+"""The one adapter over verbs: cffi (ABI mode) over the system's ``libibverbs.so.1``.
 
-This is the only module in hixl that imports pyverbs.  It exposes a small,
-typed surface (device, memory region, completion queue, RC queue pair) and
-translates every pyverbs exception into :class:`hixl.VerbsError` or
-:class:`hixl.DeviceError` at this boundary, so no caller ever sees a
-``PyverbsError``.
+This module owns every verbs resource the engine uses -- device context, protection
+domain, memory regions, completion queues with their channels, RC queue pairs -- and
+posts and reaps through the provider's ops table.  The declarations live in
+:mod:`hixl.verbs._ffi` and the work-request arrays in :mod:`hixl.verbs.chain`; nothing
+else in hixl calls into libibverbs (pyverbs serves only the tests, as an independent
+second binding, and ``hixl doctor``'s probe in a child process).  There is one data
+path, in array form, with no Python object per work request:
+:meth:`QueuePair.post_chain` posts a :class:`~hixl.verbs.chain.SendChain` and
+:meth:`CompletionQueue.poll_array` returns completions as a numpy structured array.
 
-Lifetimes: a :class:`Device` owns the protection domain and everything made
-from it.  ``Device.close()`` closes queue pairs, memory regions and completion
-queues (in that order) before the PD and the context.  Every object's
-``close()`` may be called twice.
+Every failure leaves as :class:`hixl.VerbsError` (with ``op`` and ``errno``) or
+:class:`hixl.DeviceError`; completion errors carry their ``ibv_wc_status``.
 
-Theory of operation for work requests: pyverbs' ``SendWR(next_wr=...)`` and
-``SGE`` objects keep no reference to each other, and ``MR(address=...)`` keeps
-none to the buffer it registers.  :meth:`QueuePair.post_send` therefore keeps
-the whole chain alive in a local list until ``ibv_post_send`` has returned,
-and :class:`MemoryRegion` holds a reference to the object that owns the
-memory.  Only the legacy ``post_send`` path is used: rdma-core < 64 has an
-rxe bug in ``ibv_wr_set_sge_list`` with SGEs of unequal lengths.
+Lifetimes: a :class:`Device` owns the protection domain and everything made from it.
+``Device.close()`` closes queue pairs, memory regions and completion queues (in that
+order) before the PD and the context.  Every ``close()`` may be called twice, and an
+open device collected by the garbage collector warns with ``ResourceWarning``.
+
+Threads: cffi releases the GIL for every C call, so posting a long chain (which on rxe
+runs the whole send side inside ``post_send``) and :meth:`CompletionQueue.wait` let
+other Python threads run.  Each object is used under one lock by its caller (the
+engine's): the receive request buffer of a queue pair and the completion array of a CQ
+are reused from call to call.
 """
 
 from __future__ import annotations
 
+import errno as _errno
 import ipaddress
 import logging
 import os
+import select
 import socket
-import threading
+import time
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hixl.errors import DeviceError, HixlError, StateError, VerbsError
+import numpy as np
+import numpy.typing as npt
 
-# pyverbs' base module calls logging.basicConfig() on import, which would configure the
-# application's root logger behind its back.  A library must not do that, so the root
-# logger's handlers and level are put back as they were once pyverbs is loaded.
-_root = logging.getLogger()
-_root_state = (list(_root.handlers), _root.level)
-try:
-    import pyverbs.cq as _cq
-    import pyverbs.device as _device
-    import pyverbs.mr as _mr
-    import pyverbs.pd as _pd
-    import pyverbs.qp as _qp
-    import pyverbs.wr as _wr
-    from pyverbs.addr import AHAttr, GlobalRoute
-    from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
+from hixl.errors import ArgumentError, DeviceError, StateError, VerbsError
+from hixl.verbs._ffi import address, ffi, lib
+from hixl.verbs.chain import SEND_SIGNALED, WC_DTYPE, SendChain
 
-    try:  # the enum module moved between rdma-core releases
-        import pyverbs.libibverbs_enums as _e
-    except ImportError:  # pragma: no cover - depends on rdma-core version
-        import pyverbs.enums as _e
-    _IMPORT_ERROR: BaseException | None = None
-except ImportError as exc:  # pragma: no cover - depends on the machine
-    _IMPORT_ERROR = exc
-finally:
-    _root.handlers[:] = _root_state[0]
-    _root.setLevel(_root_state[1])
-    del _root, _root_state
+__all__ = [
+    "ACCESS_LOCAL_WRITE",
+    "ACCESS_REMOTE_READ",
+    "ACCESS_REMOTE_WRITE",
+    "MTU_BYTES",
+    "MTU_ENUM",
+    "WC_OPCODE_RECV",
+    "WC_OPCODE_RECV_RDMA_WITH_IMM",
+    "WC_STATUS_NAMES",
+    "WR_RDMA_READ",
+    "WR_RDMA_WRITE",
+    "WR_RDMA_WRITE_WITH_IMM",
+    "WR_SEND",
+    "WR_SEND_WITH_IMM",
+    "Completion",
+    "CompletionQueue",
+    "Device",
+    "DeviceCaps",
+    "MemoryRegion",
+    "QueuePair",
+    "SendChain",
+    "SendRequest",
+    "available",
+    "device_names",
+    "gid_to_str",
+    "open_device",
+]
 
 log = logging.getLogger("hixl.verbs")
 
@@ -89,78 +101,113 @@ WC_STATUS_NAMES: dict[int, str] = {
     20: "IBV_WC_RESP_TIMEOUT_ERR",
     21: "IBV_WC_GENERAL_ERR",
 }
+WC_SUCCESS = 0
+WC_WR_FLUSH_ERR = 5
+WC_REM_ACCESS_ERR = 10
 
 # ibv_mtu enum value <-> bytes.
 MTU_BYTES: dict[int, int] = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
 MTU_ENUM: dict[int, int] = {v: k for k, v in MTU_BYTES.items()}
 
-# Access flags (ibv_access_flags values, stable ABI).
+# ibv_access_flags.
 ACCESS_LOCAL_WRITE = 1
 ACCESS_REMOTE_WRITE = 2
 ACCESS_REMOTE_READ = 4
 
-# Opcodes we use (ibv_wr_opcode / ibv_wc_opcode, stable ABI).
+# ibv_wr_opcode / ibv_wc_opcode.
 WR_RDMA_WRITE = 0
 WR_RDMA_WRITE_WITH_IMM = 1
 WR_SEND = 2
 WR_SEND_WITH_IMM = 3
 WR_RDMA_READ = 4
-_RDMA_OPCODES = frozenset((WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, WR_RDMA_READ))
-_SIGNALED = 2  # IBV_SEND_SIGNALED
-_FENCE = 1  # IBV_SEND_FENCE: start only after every earlier READ/atomic has completed
-_WR_CACHE = 256  # pyverbs work requests a queue pair keeps for reuse
+WC_OPCODE_RECV = 128
+WC_OPCODE_RECV_RDMA_WITH_IMM = 129
+_WC_WITH_IMM = 2  # ibv_wc_flags IBV_WC_WITH_IMM
+
+# ibv_port_state, ibv_qp_type, ibv_qp_state, ibv_gid_type.
+_PORT_ACTIVE = 4
+_QPT_RC = 2
+_QPS_INIT, _QPS_RTR, _QPS_RTS, _QPS_ERR = 1, 2, 3, 6
+_QPS_NAMES = {0: "RESET", 1: "INIT", 2: "RTR", 3: "RTS", 4: "SQD", 5: "SQE", 6: "ERR"}
+_GID_TYPE_ROCE_V2 = 2
+
+# ibv_qp_attr_mask bits.
+_QP_STATE = 1 << 0
+_QP_ACCESS_FLAGS = 1 << 3
+_QP_PKEY_INDEX = 1 << 4
+_QP_PORT = 1 << 5
+_QP_AV = 1 << 7
+_QP_PATH_MTU = 1 << 8
+_QP_TIMEOUT = 1 << 9
+_QP_RETRY_CNT = 1 << 10
+_QP_RNR_RETRY = 1 << 11
+_QP_RQ_PSN = 1 << 12
+_QP_MAX_QP_RD_ATOMIC = 1 << 13
+_QP_MIN_RNR_TIMER = 1 << 15
+_QP_SQ_PSN = 1 << 16
+_QP_MAX_DEST_RD_ATOMIC = 1 << 17
+_QP_DEST_QPN = 1 << 20
+
+_WR_SIZE: int = ffi.sizeof("struct ibv_send_wr")
 
 
 def available() -> tuple[bool, str]:
-    """Return ``(True, "")`` when pyverbs imports, else ``(False, reason)``."""
-    if _IMPORT_ERROR is not None:
-        return False, f"pyverbs cannot be imported: {_IMPORT_ERROR}"
+    """Return ``(True, "")`` when libibverbs loads, else ``(False, reason)``."""
+    try:
+        lib()
+    except OSError as exc:
+        return False, f"libibverbs.so.1 cannot be loaded ({exc}); install rdma-core"
     return True, ""
 
 
-def _require() -> None:
-    if _IMPORT_ERROR is not None:
-        raise DeviceError(
-            f"pyverbs cannot be imported ({_IMPORT_ERROR}). Install the distribution's "
-            "python3-pyverbs and use a venv made with --system-site-packages; "
-            "run 'hixl doctor' for details"
-        )
-
-
-@contextmanager
-def _translate(op: str) -> Iterator[None]:
-    """Turn any pyverbs exception raised inside the block into a VerbsError."""
+def _lib() -> Any:
     try:
-        yield
-    except HixlError:
-        raise
-    except PyverbsError as exc:
-        raise _verbs_error(op, exc) from exc
+        return lib()
+    except OSError as exc:
+        raise DeviceError(
+            f"libibverbs.so.1 cannot be loaded ({exc}); install rdma-core "
+            "(make setup does); run 'hixl doctor' for details"
+        ) from exc
 
 
-def _verbs_error(op: str, exc: Exception) -> VerbsError:
-    """The :class:`VerbsError` for a pyverbs exception raised by ``op``."""
-    if isinstance(exc, PyverbsRDMAError):
-        code = exc.error_code if exc.error_code != -1 else None
-        return VerbsError(op, str(exc), code)
-    return VerbsError(op, str(exc))
+def _err(op: str, code: int | None = None) -> VerbsError:
+    """A VerbsError for ``op`` from ``code`` or, when None, from the C errno of the call."""
+    if code is None:
+        code = ffi.errno
+    message = os.strerror(code) if code else "failed without an errno"
+    return VerbsError(op, message, code or None)
 
 
 def device_names() -> list[str]:
-    """Names of the verbs devices on this machine.
+    """Names of the verbs devices on this machine (``ibv_get_device_list``).
 
-    Raises :class:`DeviceError` when the kernel has no RDMA support at all
-    (pyverbs raises rather than returning an empty list in that case).
+    Raises :class:`DeviceError` when the kernel has no RDMA support at all.
     """
-    _require()
-    try:
-        devs = _device.get_device_list()
-    except PyverbsError as exc:
-        raise DeviceError(
-            f"cannot list verbs devices ({exc}); this kernel may have no RDMA support. "
-            "Run 'hixl doctor', or run under 'hixl vm run -- CMD'"
-        ) from exc
-    return [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devs]
+    with _DeviceList() as devs:
+        return list(devs)
+
+
+class _DeviceList:
+    """``ibv_get_device_list`` as a context manager: ``{name: struct ibv_device *}``."""
+
+    def __enter__(self) -> dict[str, Any]:
+        L = _lib()
+        num = ffi.new("int *")
+        self._list = L.ibv_get_device_list(num)
+        if self._list == ffi.NULL:
+            code = ffi.errno
+            raise DeviceError(
+                f"cannot list verbs devices ({os.strerror(code)}); this kernel may have no "
+                "RDMA support. Run 'hixl doctor', or run under 'hixl vm run -- CMD'"
+            )
+        out = {}
+        for i in range(num[0]):
+            dev = self._list[i]
+            out[ffi.string(L.ibv_get_device_name(dev)).decode()] = dev
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        _lib().ibv_free_device_list(self._list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,16 +236,27 @@ class Device:
     """
 
     def __init__(self, ctx: Any, name: str, port: int, gid_index: int) -> None:
+        L = _lib()
         self._ctx = ctx
         self.name = name
         self.port = port
         self._children: list[Any] = []  # QueuePair, MemoryRegion, CompletionQueue
         self._closed = False
-        with _translate("alloc_pd"):
-            self._pd = _pd.PD(ctx)
-        with _translate("query_device/query_port"):
-            dattr = ctx.query_device()
-            pattr = ctx.query_port(port)
+        self._pd = L.ibv_alloc_pd(ctx)
+        if self._pd == ffi.NULL:
+            exc = _err("alloc_pd")
+            self._release()
+            raise exc
+        dattr = ffi.new("struct ibv_device_attr *")
+        rc = L.ibv_query_device(ctx, dattr)
+        if rc:
+            self._release()
+            raise _err("query_device", rc)
+        pattr = ffi.new("struct ibv_port_attr *")
+        rc = L.ibv_query_port(ctx, port, pattr)
+        if rc:
+            self._release()
+            raise _err(f"query_port({port})", rc)
         self.caps = DeviceCaps(
             max_sge=int(dattr.max_sge),
             max_sge_rd=int(dattr.max_sge_rd) or int(dattr.max_sge),
@@ -212,8 +270,20 @@ class Device:
         self.active_mtu = MTU_BYTES.get(int(pattr.active_mtu), 1024)
         self.lid = int(pattr.lid)
         self.gid_index = gid_index
-        with _translate("query_gid"):
-            self.gid = _gid_bytes(ctx.query_gid(port, gid_index))
+        gid = ffi.new("union ibv_gid *")
+        rc = L.ibv_query_gid(ctx, port, gid_index, gid)
+        if rc:
+            self._release()
+            raise _err(f"query_gid(port={port}, index={gid_index})", rc)
+        self.gid = bytes(ffi.buffer(gid.raw))
+
+    def _release(self) -> None:
+        L = _lib()
+        if self._pd != ffi.NULL:
+            L.ibv_dealloc_pd(self._pd)
+            self._pd = ffi.NULL
+        L.ibv_close_device(self._ctx)
+        self._closed = True
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -243,13 +313,16 @@ class Device:
     def register(
         self, address: int, length: int, access: int, owner: object = None
     ) -> MemoryRegion:
-        """Register ``length`` bytes at ``address`` with ``access`` flags.
+        """Register ``length`` bytes at ``address`` with ``access`` flags (``ibv_reg_mr``).
 
         ``owner`` is the object that owns the memory; the region keeps it alive.
         """
         self._check_open()
-        with _translate(f"reg_mr(length={length}, access={access:#x})"):
-            mr = _mr.MR(self._pd, length, access, address=address)
+        if length < 1 or address < 0:
+            raise ArgumentError(f"reg_mr: address={address:#x} length={length} (want >= 1 byte)")
+        mr = _lib().ibv_reg_mr(self._pd, ffi.cast("void *", address), length, access)
+        if mr == ffi.NULL:
+            raise _err(f"reg_mr(addr={address:#x}, length={length}, access={access:#x})")
         region = MemoryRegion(mr, address, length, access, owner)
         self._children.append(region)
         return region
@@ -260,22 +333,22 @@ class Device:
         With ``events``, the queue gets its own completion channel, and
         :attr:`CompletionQueue.fd` is a non-blocking file descriptor that turns
         readable when a completion arrives after :meth:`CompletionQueue.arm`.
-        Where the channel's descriptor cannot be found, ``fd`` is None and the
-        caller has to poll.
         """
         self._check_open()
-        depth = min(depth, self.caps.max_cqe)
-        channel, fd = (None, None)
+        L = _lib()
+        depth = max(1, min(depth, self.caps.max_cqe))
+        channel = ffi.NULL
         if events:
-            channel, fd = _comp_channel(self._ctx)
-        try:
-            with _translate(f"create_cq(cqe={depth})"):
-                cq = _cq.CQ(self._ctx, depth, None, channel, 0)
-        except BaseException:
-            if channel is not None:
-                channel.close()
-            raise
-        wrapped = CompletionQueue(cq, depth, channel, fd)
+            channel = L.ibv_create_comp_channel(self._ctx)
+            if channel == ffi.NULL:
+                raise _err("create_comp_channel")
+        cq = L.ibv_create_cq(self._ctx, depth, ffi.NULL, channel, 0)
+        if cq == ffi.NULL:
+            exc = _err(f"create_cq(cqe={depth})")
+            if channel != ffi.NULL:
+                L.ibv_destroy_comp_channel(channel)
+            raise exc
+        wrapped = CompletionQueue(cq, depth, channel)
         self._children.append(wrapped)
         return wrapped
 
@@ -294,18 +367,22 @@ class Device:
         reachable is decided per region by the memory region's access flags.
         """
         self._check_open()
-        cap = _qp.QPCap(
-            max_send_wr=max_send_wr,
-            max_recv_wr=max_recv_wr,
-            max_send_sge=max_send_sge,
-            max_recv_sge=max_recv_sge,
-        )
-        with _translate("create_qp(RC)"):
-            init = _qp.QPInitAttr(
-                qp_type=_e.IBV_QPT_RC, scq=send_cq._cq, rcq=recv_cq._cq, cap=cap, sq_sig_all=0
+        init = ffi.new("struct ibv_qp_init_attr *")
+        init.send_cq = send_cq._cq
+        init.recv_cq = recv_cq._cq
+        init.cap.max_send_wr = max_send_wr
+        init.cap.max_recv_wr = max_recv_wr
+        init.cap.max_send_sge = max_send_sge
+        init.cap.max_recv_sge = max_recv_sge
+        init.qp_type = _QPT_RC
+        init.sq_sig_all = 0
+        qp = _lib().ibv_create_qp(self._pd, init)
+        if qp == ffi.NULL:
+            raise _err(
+                f"create_qp(RC, max_send_wr={max_send_wr}, max_recv_wr={max_recv_wr}, "
+                f"max_send_sge={max_send_sge}, max_recv_sge={max_recv_sge})"
             )
-            qp = _qp.QP(self._pd, init)
-        wrapped = QueuePair(qp, self, max_send_wr, max_send_sge)
+        wrapped = QueuePair(qp, self, max_send_wr, max_send_sge, max_recv_sge)
         self._children.append(wrapped)
         wrapped._to_init()
         return wrapped
@@ -314,22 +391,19 @@ class Device:
         """Close every child (QPs, then MRs, then CQs), then the PD and context."""
         if self._closed:
             return
-        self._closed = True
-        order = (QueuePair, MemoryRegion, CompletionQueue)
-        for kind in order:
+        for kind in (QueuePair, MemoryRegion, CompletionQueue):
             for child in [c for c in self._children if isinstance(c, kind)]:
                 child.close()
         self._children.clear()
-        with _translate("dealloc_pd"):
-            self._pd.close()
-        with _translate("close_device"):
-            self._ctx.close()
+        self._closed = True
+        L = _lib()
+        rc = L.ibv_dealloc_pd(self._pd)
+        rc2 = L.ibv_close_device(self._ctx)
         log.debug("closed device %s", self.name)
-
-
-def _gid_bytes(gid: Any) -> bytes:
-    text = str(gid.gid) if hasattr(gid, "gid") else str(gid)
-    return ipaddress.IPv6Address(text).packed
+        if rc:
+            raise _err("dealloc_pd", rc)
+        if rc2:
+            raise _err("close_device", rc2)
 
 
 def open_device(
@@ -337,39 +411,40 @@ def open_device(
 ) -> Device:
     """Open a verbs device.
 
-    With no arguments, the device, port and GID follow the rule ``hixl
-    devices`` marks (:func:`hixl.verbs.devices.choose_gid`): the first ACTIVE port
-    with an IPv4-mapped RoCEv2 GID bound to a netdev, as perftest chooses.
-    Explicit ``name``, ``port`` and ``gid_index`` narrow or override that.
-    The GID table is read with one ``ibv_query_gid_table`` call rather than
-    from sysfs, which matters on rxe's 1024-entry tables under emulation.
+    With no arguments, the device, port and GID follow the rule ``hixl devices``
+    marks (:func:`hixl.verbs.devices.choose_gid`): the first ACTIVE port with an
+    IPv4-mapped RoCEv2 GID bound to a netdev, as perftest chooses.  Explicit
+    ``name``, ``port`` and ``gid_index`` narrow or override that.  The GID table is
+    read with one ``ibv_query_gid_table`` call rather than from sysfs, which
+    matters on rxe's 1024-entry tables under emulation.
 
     Raises :class:`DeviceError` when no such device, port or GID exists.
     """
-    _require()
-    names = device_names()
-    if not names:
-        raise DeviceError(
-            "no verbs devices found; create one with 'hixl rxe up' "
-            "or run under 'hixl vm run -- CMD'"
-        )
-    if name is not None and name not in names:
-        raise DeviceError(f"no RDMA device named {name!r} (devices: {', '.join(names)})")
+    L = _lib()
     problems: list[str] = []
-    for cand in [name] if name is not None else names:
-        with _translate(f"open_device({cand})"):
-            ctx = _device.Context(name=cand)
-        try:
-            chosen = _choose_port_gid(ctx, cand, port, gid_index, problems)
+    with _DeviceList() as devs:
+        if not devs:
+            raise DeviceError(
+                "no verbs devices found; create one with 'hixl rxe up' "
+                "or run under 'hixl vm run -- CMD'"
+            )
+        if name is not None and name not in devs:
+            raise DeviceError(f"no RDMA device named {name!r} (devices: {', '.join(devs)})")
+        for cand in [name] if name is not None else list(devs):
+            ctx = L.ibv_open_device(devs[cand])
+            if ctx == ffi.NULL:
+                raise _err(f"open_device({cand})")
+            try:
+                chosen = _choose_port_gid(ctx, cand, port, gid_index, problems)
+            except BaseException:
+                L.ibv_close_device(ctx)
+                raise
             if chosen is None:
-                ctx.close()
+                L.ibv_close_device(ctx)
                 continue
-            dev = Device(ctx, cand, *chosen)
-        except BaseException:
-            ctx.close()
-            raise
-        log.debug("opened %r", dev)
-        return dev
+            dev = Device(ctx, cand, *chosen)  # closes ctx itself if it fails
+            log.debug("opened %r", dev)
+            return dev
     raise DeviceError("no usable RDMA port: " + "; ".join(problems))
 
 
@@ -379,28 +454,38 @@ def _choose_port_gid(
     """``(port, gid_index)`` to use on an opened device, or None (reason in ``problems``)."""
     from hixl.verbs.devices import ROCE_V2, Gid, choose_gid
 
-    with _translate("query_device"):
-        nports = int(ctx.query_device().phys_port_cnt)
+    L = _lib()
+    dattr = ffi.new("struct ibv_device_attr *")
+    rc = L.ibv_query_device(ctx, dattr)
+    if rc:
+        raise _err("query_device", rc)
+    nports = int(dattr.phys_port_cnt)
     for num in [port] if port is not None else range(1, nports + 1):
-        with _translate(f"query_port({num})"):
-            pattr = ctx.query_port(num)
-        if int(pattr.state) != int(_e.IBV_PORT_ACTIVE):
+        pattr = ffi.new("struct ibv_port_attr *")
+        rc = L.ibv_query_port(ctx, num, pattr)
+        if rc:
+            raise _err(f"query_port({num})", rc)
+        if int(pattr.state) != _PORT_ACTIVE:
             problems.append(f"{name} port {num} is not ACTIVE (state {int(pattr.state)})")
             continue
         if gid_index is not None:
             return num, gid_index
-        with _translate("query_gid_table"):
-            entries = ctx.query_gid_table(int(pattr.gid_tbl_len) * nports)
+        cap = max(1, int(pattr.gid_tbl_len) * nports)
+        entries = ffi.new("struct ibv_gid_entry[]", cap)
+        got = L._ibv_query_gid_table(ctx, entries, cap, 0, ffi.sizeof("struct ibv_gid_entry"))
+        if got < 0:
+            raise _err("query_gid_table", -got if got < -1 else None)
         gids = []
-        for ent in entries:
+        for i in range(got):
+            ent = entries[i]
             if int(ent.port_num) != num:
                 continue
             try:
                 netdev = socket.if_indextoname(int(ent.ndev_ifindex))
             except OSError:
                 netdev = None
-            gtype = ROCE_V2 if int(ent.gid_type) == int(_e.IBV_GID_TYPE_ROCE_V2) else "RoCE v1"
-            gid = ipaddress.IPv6Address(str(ent.gid_str())).exploded
+            gtype = ROCE_V2 if int(ent.gid_type) == _GID_TYPE_ROCE_V2 else "RoCE v1"
+            gid = ipaddress.IPv6Address(bytes(ffi.buffer(ent.gid.raw))).exploded
             gids.append(Gid(index=int(ent.gid_index), gid=gid, type=gtype, netdev=netdev))
         best = choose_gid(gids)
         if best is not None:
@@ -440,9 +525,10 @@ class MemoryRegion:
         if self._closed:
             return
         self._closed = True
-        with _translate("dereg_mr"):
-            self._mr.close()
+        rc = _lib().ibv_dereg_mr(self._mr)
         self._owner = None
+        if rc:
+            raise _err("dereg_mr", rc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,132 +552,138 @@ class Completion:
         return WC_STATUS_NAMES.get(self.status, f"IBV_WC_STATUS_{self.status}")
 
 
-_WC_WITH_IMM = 2  # ibv_wc_flags IBV_WC_WITH_IMM
-
-
 class CompletionQueue:
     """A completion queue, polled without blocking; optionally with completion events.
 
-    ``fd`` (None without events) is the completion channel's descriptor: after
-    :meth:`arm`, the next completion makes it readable; :meth:`take_event` then
+    ``fd`` (None without events) is the completion channel's non-blocking descriptor:
+    after :meth:`arm`, the next completion makes it readable; :meth:`take_event` then
     consumes that event, and the queue must be armed again for the next one.
-    Completions that were already queued when it was armed raise no event, so
-    poll once more after arming, before sleeping on ``fd``.
+    Completions already queued when it was armed raise no event, so poll once more
+    after arming, before sleeping on ``fd`` (or in :meth:`wait`).
     """
 
-    def __init__(self, cq: Any, depth: int, channel: Any = None, fd: int | None = None) -> None:
+    def __init__(self, cq: Any, depth: int, channel: Any) -> None:
         self._cq = cq
         self._channel = channel
-        self.fd = fd
+        self.fd: int | None = None
+        if channel != ffi.NULL:
+            self.fd = int(channel.fd)
+            os.set_blocking(self.fd, False)
         self.depth = depth
+        ops = cq.context.ops
+        self._poll_fn = ops.poll_cq
+        self._notify_fn = ops.req_notify_cq
+        self._wc_mem: Any = None
+        self._wc_view: npt.NDArray[Any] | None = None
+        self._event_cq = ffi.new("struct ibv_cq **")
+        self._event_ctx = ffi.new("void **")
         self._closed = False
+
+    def __repr__(self) -> str:
+        return (
+            f"<CompletionQueue depth={self.depth} fd={self.fd}{' closed' if self._closed else ''}>"
+        )
+
+    def _wcs(self, n: int) -> tuple[Any, npt.NDArray[Any]]:
+        if self._wc_view is None or self._wc_view.size < n:
+            self._wc_mem = ffi.new("struct ibv_wc[]", max(n, 64))
+            self._wc_view = np.frombuffer(ffi.buffer(self._wc_mem), WC_DTYPE)
+        return self._wc_mem, self._wc_view
+
+    def poll_array(self, max_entries: int = 64) -> npt.NDArray[Any]:
+        """Up to ``max_entries`` completions as a structured array (:data:`WC_DTYPE`).
+
+        One ``poll_cq`` call; never blocks.  The result is a copy, owned by the caller.
+        """
+        if self._closed:
+            raise StateError("completion queue is closed")
+        mem, view = self._wcs(max_entries)
+        n = self._poll_fn(self._cq, max_entries, mem)
+        if n < 0:
+            raise _err("poll_cq", -n if n < -1 else None)
+        return view[:n].copy()
 
     def poll(self, max_entries: int = 16) -> list[Completion]:
         """Return up to ``max_entries`` completions, possibly none.  Never blocks."""
-        if self._closed:
-            raise StateError("completion queue is closed")
-        try:  # inline rather than _translate(): this runs for every completion
-            n, wcs = self._cq.poll(max_entries)
-        except PyverbsError as exc:
-            raise _verbs_error("poll_cq", exc) from exc
-        out = []
-        for wc in wcs[:n]:
-            flags = wc.wc_flags
-            out.append(
-                Completion(
-                    wc.wr_id,
-                    wc.status,
-                    wc.opcode,
-                    wc.byte_len,
-                    wc.imm_data if flags & _WC_WITH_IMM else None,
-                    wc.qp_num,
-                    wc.vendor_err,
-                )
-            )
-        return out
+        arr = self.poll_array(max_entries)
+        if arr.size == 0:
+            return []
+        rows = zip(
+            arr["wr_id"].tolist(),
+            arr["status"].tolist(),
+            arr["opcode"].tolist(),
+            arr["byte_len"].tolist(),
+            arr["imm_data"].tolist(),
+            arr["wc_flags"].tolist(),
+            arr["qp_num"].tolist(),
+            arr["vendor_err"].tolist(),
+            strict=True,
+        )
+        return [
+            Completion(w, s, o, b, i if f & _WC_WITH_IMM else None, q, v)
+            for w, s, o, b, i, f, q, v in rows
+        ]
 
     def arm(self) -> None:
         """Ask for an event on ``fd`` at the next completion (``ibv_req_notify_cq``)."""
         if self._closed:
             raise StateError("completion queue is closed")
-        with _translate("req_notify_cq"):
-            self._cq.req_notify()
+        rc = self._notify_fn(self._cq, 0)
+        if rc:
+            raise _err("req_notify_cq", rc)
 
     def take_event(self) -> bool:
         """Consume and acknowledge one pending event; False when there was none.
 
         Never blocks: the channel's descriptor is non-blocking.
         """
-        if self._closed or self._channel is None:
+        if self._closed or self.fd is None:
             return False
-        try:
-            self._channel.get_cq_event(self._cq)
-        except PyverbsError:
+        L = _lib()
+        if L.ibv_get_cq_event(self._channel, self._event_cq, self._event_ctx) != 0:
             return False  # EAGAIN: nothing pending (a spurious wake-up)
-        with _translate("ack_cq_events"):
-            self._cq.ack_events(1)
+        L.ibv_ack_cq_events(self._event_cq[0], 1)
         return True
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until the armed queue raises an event, at most ``timeout`` seconds.
+
+        Returns True when an event was consumed.  The GIL is released while waiting.
+        Raises :class:`StateError` for a queue made without ``events``.
+        """
+        if self.fd is None:
+            raise StateError("completion queue has no completion channel (events=False)")
+        deadline = time.monotonic() + max(0.0, timeout)
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        while True:
+            if self.take_event():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            poller.poll(max(1, int(left * 1000)))
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        with _translate("destroy_cq"):
-            self._cq.close()
-        if self._channel is not None:
-            with _translate("destroy_comp_channel"):
-                self._channel.close()
-
-
-_EVENT_FD_LINK = "anon_inode:[infinibandevent]"
-_channel_lock = threading.Lock()
-
-
-def _event_fds() -> set[int]:
-    """This process's open completion-channel descriptors (from /proc/self/fd)."""
-    out: set[int] = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return out
-    for name in names:
-        try:
-            if os.readlink(f"/proc/self/fd/{name}") == _EVENT_FD_LINK:
-                out.add(int(name))
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def _comp_channel(ctx: Any) -> tuple[Any, int | None]:
-    """A completion channel and its descriptor (set non-blocking), or (None, None).
-
-    pyverbs keeps the channel's ``fd`` to itself, so it is found as the one completion
-    channel descriptor that appeared while the channel was created.  Channels are
-    created under a lock so that two engines starting at once cannot confuse them.
-    """
-    with _channel_lock:
-        before = _event_fds()
-        with _translate("create_comp_channel"):
-            channel = _cq.CompChannel(ctx)
-        new = _event_fds() - before
-    if len(new) != 1:
-        log.debug("completion channel descriptor not found (%s); polling instead", new)
-        channel.close()
-        return None, None
-    fd = new.pop()
-    os.set_blocking(fd, False)
-    return channel, fd
+        L = _lib()
+        rc = L.ibv_destroy_cq(self._cq)
+        rc2 = L.ibv_destroy_comp_channel(self._channel) if self._channel != ffi.NULL else 0
+        if rc:
+            raise _err("destroy_cq", rc)
+        if rc2:
+            raise _err("destroy_comp_channel", rc2)
 
 
 @dataclass(frozen=True, slots=True)
 class SendRequest:
-    """One send-queue work request in plain values.
+    """One send-queue work request in plain values (for the few that are not chains).
 
     ``opcode`` is one of the ``WR_*`` constants; ``sges`` are
     ``(address, length, lkey)``; ``remote_addr``/``rkey`` are used by RDMA
-    opcodes; ``imm`` by the ``*_WITH_IMM`` opcodes.  ``fence`` posts it with
-    ``IBV_SEND_FENCE`` (it waits for earlier READs to complete).
+    opcodes; ``imm`` (host order) by the ``*_WITH_IMM`` opcodes.
     """
 
     wr_id: int
@@ -601,10 +693,6 @@ class SendRequest:
     rkey: int = 0
     imm: int | None = None
     signaled: bool = True
-    fence: bool = False
-
-
-_QPS_NAMES = {0: "RESET", 1: "INIT", 2: "RTR", 3: "RTS", 4: "SQD", 5: "SQE", 6: "ERR"}
 
 
 class QueuePair:
@@ -612,15 +700,24 @@ class QueuePair:
 
     Lifecycle: created in INIT by :meth:`Device.create_rc_qp`; :meth:`connect`
     moves it through RTR to RTS given the remote side's QPN, PSN and GID.
+    ``max_send_wr`` is the send-queue depth asked for: callers pace against it.
     """
 
-    def __init__(self, qp: Any, device: Device, max_send_wr: int, max_send_sge: int) -> None:
+    def __init__(
+        self, qp: Any, device: Device, max_send_wr: int, max_send_sge: int, max_recv_sge: int
+    ) -> None:
         self._qp = qp
         self._device = device
         self.qpn = int(qp.qp_num)
         self.max_send_wr = max_send_wr
         self.max_send_sge = max_send_sge
-        self._wr_cache: dict[tuple[Any, ...], tuple[Any, list[Any]]] = {}
+        ops = qp.context.ops
+        self._post_send_fn = ops.post_send
+        self._post_recv_fn = ops.post_recv
+        self._bad_send = ffi.new("struct ibv_send_wr **")
+        self._bad_recv = ffi.new("struct ibv_recv_wr **")
+        self._recv_wr = ffi.new("struct ibv_recv_wr *")
+        self._recv_sges = ffi.new("struct ibv_sge[]", max(1, max_recv_sge))
         self._closed = False
 
     def __repr__(self) -> str:
@@ -630,22 +727,29 @@ class QueuePair:
     def state_name(self) -> str:
         if self._closed:
             return "CLOSED"
-        try:
-            with _translate("query_qp"):
-                attr, _ = self._qp.query(_e.IBV_QP_STATE)
-            return _QPS_NAMES.get(int(attr.qp_state), str(int(attr.qp_state)))
-        except VerbsError:
+        attr = ffi.new("struct ibv_qp_attr *")
+        init = ffi.new("struct ibv_qp_init_attr *")
+        if _lib().ibv_query_qp(self._qp, attr, _QP_STATE, init):
             return "UNKNOWN"
+        return _QPS_NAMES.get(int(attr.qp_state), str(int(attr.qp_state)))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError(f"queue pair {self.qpn:#x} is closed")
+
+    def _modify(self, op: str, attr: Any, mask: int) -> None:
+        rc = _lib().ibv_modify_qp(self._qp, attr, mask)
+        if rc:
+            raise _err(op, rc)
 
     def _to_init(self) -> None:
-        attr = _qp.QPAttr()
-        attr.qp_state = _e.IBV_QPS_INIT
+        attr = ffi.new("struct ibv_qp_attr *")
+        attr.qp_state = _QPS_INIT
         attr.pkey_index = 0
         attr.port_num = self._device.port
         attr.qp_access_flags = ACCESS_REMOTE_WRITE | ACCESS_REMOTE_READ | ACCESS_LOCAL_WRITE
-        mask = _e.IBV_QP_STATE | _e.IBV_QP_PKEY_INDEX | _e.IBV_QP_PORT | _e.IBV_QP_ACCESS_FLAGS
-        with _translate("modify_qp(INIT)"):
-            self._qp.modify(attr, mask)
+        mask = _QP_STATE | _QP_PKEY_INDEX | _QP_PORT | _QP_ACCESS_FLAGS
+        self._modify("modify_qp(INIT)", attr, mask)
 
     def connect(
         self,
@@ -665,48 +769,52 @@ class QueuePair:
         timeout exponent (4.096 us * 2**timeout) and with ``retry_cnt`` bounds
         how long a dead peer takes to surface as ``IBV_WC_RETRY_EXC_ERR``.
         """
+        self._check_open()
         if mtu not in MTU_ENUM:
             raise VerbsError("modify_qp(RTR)", f"path MTU {mtu} is not one of {sorted(MTU_ENUM)}")
+        if len(remote_gid) != 16:
+            raise VerbsError("modify_qp(RTR)", f"remote GID has {len(remote_gid)} bytes, not 16")
         rd_atomic = max(1, min(rd_atomic, self._device.caps.max_qp_rd_atom or 1))
-        with _translate("modify_qp(RTR): address vector"):
-            gr = GlobalRoute(dgid=_pyverbs_gid(remote_gid), sgid_index=self._device.gid_index)
-            ah = AHAttr(port_num=self._device.port, is_global=1, gr=gr, dlid=0)
-        attr = _qp.QPAttr()
-        attr.qp_state = _e.IBV_QPS_RTR
+        attr = ffi.new("struct ibv_qp_attr *")
+        attr.qp_state = _QPS_RTR
         attr.path_mtu = MTU_ENUM[mtu]
         attr.dest_qp_num = remote_qpn
         attr.rq_psn = remote_psn
         attr.max_dest_rd_atomic = rd_atomic
         attr.min_rnr_timer = 12
-        attr.ah_attr = ah
+        ah = attr.ah_attr
+        ah.is_global = 1
+        ah.port_num = self._device.port
+        ah.dlid = 0
+        ah.grh.sgid_index = self._device.gid_index
+        ah.grh.hop_limit = 1
+        ffi.memmove(ah.grh.dgid.raw, remote_gid, 16)
         mask = (
-            _e.IBV_QP_STATE
-            | _e.IBV_QP_AV
-            | _e.IBV_QP_PATH_MTU
-            | _e.IBV_QP_DEST_QPN
-            | _e.IBV_QP_RQ_PSN
-            | _e.IBV_QP_MAX_DEST_RD_ATOMIC
-            | _e.IBV_QP_MIN_RNR_TIMER
+            _QP_STATE
+            | _QP_AV
+            | _QP_PATH_MTU
+            | _QP_DEST_QPN
+            | _QP_RQ_PSN
+            | _QP_MAX_DEST_RD_ATOMIC
+            | _QP_MIN_RNR_TIMER
         )
-        with _translate(f"modify_qp(RTR, dest_qpn={remote_qpn:#x}, mtu={mtu})"):
-            self._qp.modify(attr, mask)
-        attr = _qp.QPAttr()
-        attr.qp_state = _e.IBV_QPS_RTS
+        self._modify(f"modify_qp(RTR, dest_qpn={remote_qpn:#x}, mtu={mtu})", attr, mask)
+        attr = ffi.new("struct ibv_qp_attr *")
+        attr.qp_state = _QPS_RTS
         attr.timeout = timeout
         attr.retry_cnt = retry_cnt
         attr.rnr_retry = rnr_retry
         attr.sq_psn = local_psn
         attr.max_rd_atomic = rd_atomic
         mask = (
-            _e.IBV_QP_STATE
-            | _e.IBV_QP_TIMEOUT
-            | _e.IBV_QP_RETRY_CNT
-            | _e.IBV_QP_RNR_RETRY
-            | _e.IBV_QP_SQ_PSN
-            | _e.IBV_QP_MAX_QP_RD_ATOMIC
+            _QP_STATE
+            | _QP_TIMEOUT
+            | _QP_RETRY_CNT
+            | _QP_RNR_RETRY
+            | _QP_SQ_PSN
+            | _QP_MAX_QP_RD_ATOMIC
         )
-        with _translate("modify_qp(RTS)"):
-            self._qp.modify(attr, mask)
+        self._modify("modify_qp(RTS)", attr, mask)
         log.debug("qp %#x connected to %#x (mtu %d)", self.qpn, remote_qpn, mtu)
 
     def to_error(self) -> None:
@@ -717,105 +825,112 @@ class QueuePair:
         """
         if self._closed:
             return
-        attr = _qp.QPAttr()
-        attr.qp_state = _e.IBV_QPS_ERR
-        with _translate("modify_qp(ERR)"):
-            self._qp.modify(attr, _e.IBV_QP_STATE)
+        attr = ffi.new("struct ibv_qp_attr *")
+        attr.qp_state = _QPS_ERR
+        self._modify("modify_qp(ERR)", attr, _QP_STATE)
+
+    def post_chain(self, chain: SendChain, start: int = 0, stop: int | None = None) -> int:
+        """Post WRs ``start .. stop-1`` of ``chain`` with one ``post_send``; return how many.
+
+        The return value is less than asked only when the send queue was full
+        (``ENOMEM``): the provider posted everything before the first WR it
+        refused, and the caller resumes from ``start + returned`` once completions
+        have freed room.  Any other refusal raises :class:`VerbsError` naming the
+        WR; WRs before it were posted.  A chain whose memory regions were closed is
+        refused before anything is posted (:class:`RegistrationError`).  The GIL is
+        released during the call.
+        """
+        self._check_open()
+        stop = chain.num_wrs if stop is None else stop
+        if not 0 <= start < stop <= chain.num_wrs:
+            raise ArgumentError(
+                f"post_chain: WRs {start}..{stop} outside the chain's 0..{chain.num_wrs}"
+            )
+        chain.check_regions()
+        head = chain.head
+        last = head[stop - 1]
+        link = last.next
+        last.next = ffi.NULL  # end this post at `stop`; restored below
+        try:
+            rc = self._post_send_fn(self._qp, head + start, self._bad_send)
+        finally:
+            last.next = link
+        if rc == 0:
+            return stop - start
+        bad = (address(self._bad_send[0]) - chain.wr_base) // _WR_SIZE
+        if not start <= bad < stop:
+            bad = start  # the provider did not say: assume nothing was posted
+        if rc == _errno.ENOMEM:
+            return bad - start
+        raise VerbsError(
+            "post_send",
+            f"{os.strerror(rc)} at WR {bad} of {chain.num_wrs} "
+            f"(WRs {start}..{bad - 1} were posted)",
+            rc,
+        )
 
     def post_send(self, requests: Sequence[SendRequest], signal_id: int | None = None) -> None:
-        """Post ``requests`` as one chain with a single ``ibv_post_send``.
+        """Post ``requests`` as one chain with a single ``post_send``.
 
-        With ``signal_id``, the last request is posted signaled with that
-        ``wr_id`` whatever its own ``wr_id``/``signaled`` say (how the engine
-        signals one request per chunk without copying it).
+        For the few requests that are not planned transfers (notifications).  With
+        ``signal_id``, the last request is posted signaled with that ``wr_id``
+        whatever its own ``wr_id``/``signaled`` say.  A full send queue raises
+        :class:`VerbsError` (``ENOMEM``): callers pace against ``max_send_wr``.
         """
-        if self._closed:
-            raise StateError(f"queue pair {self.qpn:#x} is closed")
+        self._check_open()
         if not requests:
             return
-        if len(requests) == 1 and requests[0].imm is None:
-            self._post_one(requests[0], signal_id)
-            return
-        keep: list[Any] = []  # pyverbs does not keep SGEs or next_wr alive
-        nxt = None
-        sge_cls, wr_cls, rdma = _wr.SGE, _wr.SendWR, _RDMA_OPCODES
-        last = len(requests) - 1
-        try:  # inline rather than _translate(): this runs for every chunk
-            for i in range(last, -1, -1):
-                req = requests[i]
-                sges = [sge_cls(a, n, k) for a, n, k in req.sges]
-                keep.append(sges)
-                wr_id, signaled = req.wr_id, req.signaled
-                if i == last and signal_id is not None:
-                    wr_id, signaled = signal_id, True
-                w = wr_cls(
-                    wr_id=wr_id,
-                    opcode=req.opcode,
-                    num_sge=len(sges),
-                    sg=sges or None,
-                    send_flags=(_SIGNALED if signaled else 0) | (_FENCE if req.fence else 0),
-                    next_wr=nxt,
-                )
-                if req.imm is not None:
-                    w.imm_data = req.imm
-                if req.opcode in rdma:
-                    w.set_wr_rdma(req.rkey, req.remote_addr)
-                keep.append(w)
-                nxt = w
-            self._qp.post_send(nxt)
-        except PyverbsError as exc:
-            raise _verbs_error("post_send", exc) from exc
-        del keep
-
-    def _post_one(self, req: SendRequest, signal_id: int | None) -> None:
-        """Post one request, reusing the pyverbs work request built for the same values.
-
-        A work request is fully determined by its opcode, SGEs and remote address and
-        key, and ``ibv_post_send`` copies it into the send queue, so one pyverbs
-        ``SendWR`` per such key serves every later post of it, with only ``wr_id`` and
-        the flags set anew.  Callers post under one lock (the engine's), never at once.
-        """
-        key = (req.opcode, tuple(req.sges), req.remote_addr, req.rkey)
-        try:
-            entry = self._wr_cache.get(key)
-            if entry is None:
-                sges = [_wr.SGE(a, n, k) for a, n, k in req.sges]
-                w = _wr.SendWR(opcode=req.opcode, num_sge=len(sges), sg=sges or None)
-                if req.opcode in _RDMA_OPCODES:
-                    w.set_wr_rdma(req.rkey, req.remote_addr)
-                if len(self._wr_cache) >= _WR_CACHE:
-                    self._wr_cache.clear()
-                entry = self._wr_cache[key] = (w, sges)
-            w = entry[0]
-            fence = _FENCE if req.fence else 0
-            if signal_id is None:
-                w.wr_id, w.send_flags = req.wr_id, (_SIGNALED if req.signaled else 0) | fence
-            else:
-                w.wr_id, w.send_flags = signal_id, _SIGNALED | fence
-            self._qp.post_send(w)
-        except PyverbsError as exc:
-            raise _verbs_error("post_send", exc) from exc
+        n = len(requests)
+        m = sum(len(r.sges) for r in requests)
+        wrs = ffi.new("struct ibv_send_wr[]", n)
+        sges = ffi.new("struct ibv_sge[]", max(1, m))
+        k = 0
+        for i, req in enumerate(requests):
+            w = wrs[i]
+            w.wr_id, signaled = req.wr_id, req.signaled
+            if i == n - 1 and signal_id is not None:
+                w.wr_id, signaled = signal_id, True
+            w.opcode = req.opcode
+            w.send_flags = SEND_SIGNALED if signaled else 0
+            w.num_sge = len(req.sges)
+            w.sg_list = sges + k if req.sges else ffi.NULL
+            for a, length, key in req.sges:
+                s = sges[k]
+                s.addr, s.length, s.lkey = a, length, key
+                k += 1
+            if req.imm is not None:
+                w.imm_data = socket.htonl(req.imm)
+            if req.opcode in (WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, WR_RDMA_READ):
+                w.wr.rdma.remote_addr = req.remote_addr
+                w.wr.rdma.rkey = req.rkey
+            w.next = wrs + (i + 1) if i + 1 < n else ffi.NULL
+        rc = self._post_send_fn(self._qp, wrs, self._bad_send)
+        if rc:
+            raise _err(f"post_send({n} WRs)", rc)
 
     def post_recv(self, wr_id: int, sges: Sequence[tuple[int, int, int]]) -> None:
-        """Post one receive work request (pyverbs requires at least one SGE)."""
-        if self._closed:
-            raise StateError(f"queue pair {self.qpn:#x} is closed")
-        with _translate("post_recv"):
-            sge_objs = [_wr.SGE(a, n, k) for a, n, k in sges]
-            w = _wr.RecvWR(wr_id=wr_id, num_sge=len(sge_objs), sg=sge_objs)
-            self._qp.post_recv(w)
-        del sge_objs, w
+        """Post one receive work request with ``sges`` as ``(address, length, lkey)``."""
+        self._check_open()
+        if len(sges) > len(self._recv_sges):
+            raise ArgumentError(
+                f"post_recv: {len(sges)} SGEs but the QP takes {len(self._recv_sges)}"
+            )
+        w = self._recv_wr
+        w.wr_id = wr_id
+        w.num_sge = len(sges)
+        w.sg_list = self._recv_sges
+        w.next = ffi.NULL
+        for i, (a, length, key) in enumerate(sges):
+            s = self._recv_sges[i]
+            s.addr, s.length, s.lkey = a, length, key
+        rc = self._post_recv_fn(self._qp, w, self._bad_recv)
+        if rc:
+            raise _err("post_recv", rc)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._wr_cache.clear()
-        with _translate("destroy_qp"):
-            self._qp.close()
-
-
-def _pyverbs_gid(raw: bytes) -> Any:
-    from pyverbs.addr import GID
-
-    return GID(ipaddress.IPv6Address(raw).exploded)
+        rc = _lib().ibv_destroy_qp(self._qp)
+        if rc:
+            raise _err("destroy_qp", rc)

@@ -1,0 +1,209 @@
+"""Native cost of turning a plan into work requests (no device needed).
+
+Two KV-layer shapes of 2 MiB: the *layer* form, 8192 rows of 256 bytes 320 bytes apart
+on both sides (8192 WRs of one SGE), and the *gather* form, the same rows gathered into
+one contiguous remote range (256 WRs of 32 SGEs). For each, in one run:
+
+* ``plan``: ``plan_transfer`` from the descriptors (the engine caches it per layout);
+* ``build``: a new :class:`hixl.verbs.chain.SendChain` filled from the plan by numpy (C
+  arrays of ``ibv_send_wr``/``ibv_sge``, no Python object per WR);
+* ``refill``: the same, into an existing chain's memory;
+* ``reuse``: what a repeated layout costs the engine -- only ``wr_id``s and signal flags
+  rewritten (:meth:`SendChain.set_signals`, one signal per 64 WRs);
+* ``pyverbs``: building pyverbs ``SGE``/``SendWR`` objects for the same WRs, the data
+  path hixl had before (when pyverbs imports).
+
+Targets (issue 14): plan + build of each form within the wire time of 2 MiB at 100 Gb/s
+(168 us; moonshot 400 Gb/s, 42 us), and <= 20 ns per SGE for chains of >= 1000 SGEs.
+
+    python benchmarks/bench_build.py                 # medians, a table, the targets
+    python benchmarks/bench_build.py --json results/build.json --repeat 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hixl.core.descriptors import ContiguousDesc, Descriptor, StridedDesc
+from hixl.core.plan import DeviceLimits, Op, Plan, plan_transfer
+from hixl.verbs.chain import SendChain
+
+from ..common import (
+    command_line,
+    fmt_ratio,
+    fmt_us,
+    gather_setup,
+    markdown_table,
+    median_of,
+    print_header,
+    write_json,
+)
+
+WIRE_100G_US = 2 * 1024 * 1024 * 8 / 100e9 * 1e6  # 2 MiB at 100 Gb/s: 167.8 us
+WIRE_400G_US = WIRE_100G_US / 4
+SGE_NS_TARGET = 20.0
+SIGNAL_EVERY = 64
+LADDR, RADDR, LKEY, RKEY = 0x7F00_0000_0000, 0x5500_0000_0000, 0x1234, 0x5678
+
+
+def cases(rows: int, size: int, stride: int) -> list[tuple[str, Descriptor, Descriptor]]:
+    strided = StridedDesc(offset=0, count=rows, size=size, stride=stride, alignment=None)
+    contiguous = ContiguousDesc(offset=0, nbytes=rows * size, alignment=None)
+    return [
+        (f"layer: {rows} rows x {size} B, stride {stride}, both sides", strided, strided),
+        (f"gather: {rows} rows x {size} B into one contiguous range", strided, contiguous),
+    ]
+
+
+def timed(fn: Callable[[], object], repeat: int, warmup: int = 3) -> float:
+    """Median wall time of ``fn`` in microseconds."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return median_of(out)
+
+
+def _pyverbs(plan: Plan) -> Callable[[], object] | None:
+    try:
+        import pyverbs.wr as pwr
+    except ImportError:
+        return None
+    wrs = list(plan.wrs())
+
+    def build() -> object:
+        keep = []
+        nxt = None
+        for roff, sges in reversed(wrs):
+            sg = [pwr.SGE(LADDR + o, n, LKEY) for o, n in sges]
+            w = pwr.SendWR(wr_id=0, opcode=0, num_sge=len(sg), sg=sg, send_flags=0, next_wr=nxt)
+            w.set_wr_rdma(RKEY, RADDR + roff)
+            keep.append((w, sg))
+            nxt = w
+        return keep
+
+    return build
+
+
+def measure(name: str, ld: Descriptor, rd: Descriptor, repeat: int) -> dict[str, Any]:
+    limits = DeviceLimits()
+    plan = plan_transfer(ld, rd, Op.WRITE, limits)
+    kw: dict[str, Any] = {
+        "opcode": 0,
+        "local_addr": LADDR,
+        "lkey": LKEY,
+        "remote_addr": RADDR,
+        "rkey": RKEY,
+    }
+    chain = SendChain.for_plan(plan, **kw)
+    t_plan = timed(lambda: plan_transfer(ld, rd, Op.WRITE, limits), max(20, repeat // 10))
+    t_build = timed(lambda: SendChain.for_plan(plan, **kw), repeat)
+    t_refill = timed(lambda: chain.fill_plan(plan, **kw), repeat)
+    t_reuse = timed(lambda: chain.set_signals(1, SIGNAL_EVERY), repeat)
+    old = _pyverbs(plan)
+    t_pyverbs = timed(old, max(5, repeat // 100), warmup=1) if old is not None else None
+    return {
+        "name": name,
+        "wrs": plan.num_wrs,
+        "sges": plan.num_sges,
+        "nbytes": plan.nbytes,
+        "plan_us": t_plan,
+        "build_us": t_build,
+        "refill_us": t_refill,
+        "reuse_us": t_reuse,
+        "pyverbs_us": t_pyverbs,
+        "plan_build_us": t_plan + t_build,
+        "build_ns_per_sge": t_build * 1e3 / plan.num_sges,
+        "refill_ns_per_sge": t_refill * 1e3 / plan.num_sges,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rows", type=int, default=8192)
+    p.add_argument("--size", type=int, default=256, help="bytes per row")
+    p.add_argument("--stride", type=int, default=320, help="bytes between rows")
+    p.add_argument("--repeat", type=int, default=300, help="timed runs per step (median)")
+    p.add_argument("--json", type=Path, default=None, help="write results to this file")
+    args = p.parse_args(argv)
+
+    setup = gather_setup(need_device=False)
+    print_header(
+        "hixl work-request build cost (native, no device)",
+        setup,
+        [
+            f"command: {command_line(argv)}",
+            f"targets: plan+build <= {WIRE_100G_US:.0f} us (2 MiB at 100 Gb/s; moonshot "
+            f"{WIRE_400G_US:.0f} us), <= {SGE_NS_TARGET:.0f} ns/SGE for >= 1000 SGEs",
+        ],
+    )
+    results = [
+        measure(n, ld, rd, args.repeat) for n, ld, rd in cases(args.rows, args.size, args.stride)
+    ]
+    rows = []
+    for r in results:
+        rows.append(
+            [
+                r["name"],
+                f"{r['wrs']} x {r['sges'] // r['wrs']}",
+                fmt_us(r["plan_us"]),
+                fmt_us(r["build_us"]),
+                fmt_us(r["refill_us"]),
+                fmt_us(r["reuse_us"]),
+                f"{r['build_ns_per_sge']:.1f}",
+                fmt_us(r["pyverbs_us"]),
+                fmt_ratio(r["pyverbs_us"] / r["build_us"] if r["pyverbs_us"] else None, 0),
+            ]
+        )
+    print()
+    print(
+        markdown_table(
+            [
+                "transfer",
+                "WRs x SGEs",
+                "plan",
+                "build",
+                "refill",
+                "reuse",
+                "ns/SGE (build)",
+                "pyverbs objects",
+                "pyverbs / build",
+            ],
+            rows,
+            "llrrrrrrr",
+        )
+    )
+    print()
+    verdicts = []
+    for r in results:
+        pb = r["plan_build_us"]
+        cached = r["build_us"]
+        verdicts.append(
+            {
+                "name": r["name"],
+                "plan_build_us": pb,
+                "plan_build_within_100g": pb <= WIRE_100G_US,
+                "build_within_100g": cached <= WIRE_100G_US,
+                "build_within_400g": cached <= WIRE_400G_US,
+                "reuse_within_400g": r["reuse_us"] <= WIRE_400G_US,
+                "ns_per_sge_ok": r["sges"] < 1000 or r["build_ns_per_sge"] <= SGE_NS_TARGET,
+            }
+        )
+        print(
+            f"{r['name']}: plan+build {fmt_us(pb)} ({pb / WIRE_100G_US:.2f}x the 100 Gb/s wire "
+            f"time); build alone (plan cached) {fmt_us(cached)} "
+            f"({cached / WIRE_100G_US:.2f}x); reuse {fmt_us(r['reuse_us'])} "
+            f"({r['reuse_us'] / WIRE_400G_US:.2f}x the 400 Gb/s wire time); "
+            f"{r['build_ns_per_sge']:.1f} ns/SGE"
+        )
+    if args.json is not None:
+        write_json(args.json, {"setup": setup, "results": results, "verdicts": verdicts})
+        print(f"wrote {args.json}")
+    return 0

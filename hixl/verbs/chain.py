@@ -1,0 +1,336 @@
+"""Chains of send work requests in C memory, written by numpy.
+
+Theory of operation
+-------------------
+A :class:`SendChain` owns two C arrays made by cffi: ``struct ibv_send_wr[W]``
+and ``struct ibv_sge[S]``.  Both are also seen as numpy structured arrays
+(:data:`WR_DTYPE`, :data:`SGE_DTYPE`, laid out with cffi's own offsets) over
+the same bytes, so filling a chain from a :class:`~hixl.core.plan.Plan` is a
+handful of vectorized assignments -- there is no Python object per work
+request or per scatter/gather entry.
+
+Layout of a chain holding ``n`` WRs and ``m`` SGEs::
+
+    wrs[i].next    = &wrs[i + 1]          (set once, when the memory is made)
+    wrs[n-1].next  = NULL                 (the terminator moves with n)
+    wrs[i].sg_list = &sges[start[i]]      (start = the plan's wr_sge_start)
+    wrs[i].num_sge = start[i+1] - start[i]
+
+Signalling (:meth:`SendChain.set_signals`): the WRs are cut into groups of
+``every`` consecutive requests; the last WR of each group (and the chain's last)
+is signaled, and every WR of group ``g`` carries ``wr_id = first_id + g``.  Since
+an RC send queue completes in order, one completion frees a whole group, and a WR
+that fails mid-group completes (signaled or not) under the id of its own group,
+so its error status reaches the transfer that owns it.
+
+A chain is posted piecewise by :meth:`hixl.verbs.adapter.QueuePair.post_chain`, which
+cuts the link after the last WR it posts and restores it afterwards.  The
+provider copies WRs into its send queue during ``post_send``, so the chain's
+memory may be rewritten as soon as that call returns.  A chain must not be
+refilled or re-signalled while some of its WRs still wait to be posted.
+
+This module imports no verbs library (cffi's ``ffi`` only allocates memory and
+knows the layouts), so chains can be built and checked on any machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from hixl.errors import ArgumentError, DescriptorError, RegistrationError
+from hixl.verbs._ffi import address, ffi
+
+__all__ = [
+    "SEND_FENCE",
+    "SEND_SIGNALED",
+    "SGE_DTYPE",
+    "WC_DTYPE",
+    "WR_DTYPE",
+    "SendChain",
+]
+
+#: ``IBV_SEND_SIGNALED``.
+SEND_SIGNALED = 2
+#: ``IBV_SEND_FENCE``: start only after every earlier READ/atomic has completed.
+SEND_FENCE = 1
+#: ``ibv_sge.length`` is 32 bits.
+_MAX_SGE_LEN = 0xFFFF_FFFF
+
+
+def _dtype(cname: str, fields: Sequence[tuple[str, str, tuple[str, ...]]]) -> np.dtype[Any]:
+    """A numpy structured dtype with cffi's offsets and itemsize for ``cname``."""
+    return np.dtype(
+        {
+            "names": [f[0] for f in fields],
+            "formats": [f[1] for f in fields],
+            "offsets": [ffi.offsetof(cname, *f[2]) for f in fields],
+            "itemsize": ffi.sizeof(cname),
+        }
+    )
+
+
+#: numpy view of ``struct ibv_send_wr`` (the fields hixl writes).
+WR_DTYPE = _dtype(
+    "struct ibv_send_wr",
+    [
+        ("wr_id", "<u8", ("wr_id",)),
+        ("next", "<u8", ("next",)),
+        ("sg_list", "<u8", ("sg_list",)),
+        ("num_sge", "<i4", ("num_sge",)),
+        ("opcode", "<i4", ("opcode",)),
+        ("send_flags", "<u4", ("send_flags",)),
+        ("imm_data", "<u4", ("imm_data",)),
+        ("remote_addr", "<u8", ("wr", "rdma", "remote_addr")),
+        ("rkey", "<u4", ("wr", "rdma", "rkey")),
+    ],
+)
+
+#: numpy view of ``struct ibv_sge``.
+SGE_DTYPE = _dtype(
+    "struct ibv_sge",
+    [("addr", "<u8", ("addr",)), ("length", "<u4", ("length",)), ("lkey", "<u4", ("lkey",))],
+)
+
+#: numpy view of ``struct ibv_wc``.
+WC_DTYPE = _dtype(
+    "struct ibv_wc",
+    [
+        ("wr_id", "<u8", ("wr_id",)),
+        ("status", "<i4", ("status",)),
+        ("opcode", "<i4", ("opcode",)),
+        ("vendor_err", "<u4", ("vendor_err",)),
+        ("byte_len", "<u4", ("byte_len",)),
+        ("imm_data", "<u4", ("imm_data",)),
+        ("qp_num", "<u4", ("qp_num",)),
+        ("src_qp", "<u4", ("src_qp",)),
+        ("wc_flags", "<u4", ("wc_flags",)),
+    ],
+)
+
+_WR_SIZE = WR_DTYPE.itemsize
+_SGE_SIZE = SGE_DTYPE.itemsize
+
+
+class SendChain:
+    """``capacity`` send WRs and ``sge_capacity`` SGEs in C memory, linked by ``next``.
+
+    ``wrs``/``sges`` are numpy views of the first ``num_wrs``/``num_sges``
+    entries (writable; they alias the C memory).  :attr:`head` is the
+    ``struct ibv_send_wr *`` of the first WR.  ``regions`` are the memory
+    regions the SGEs and remote addresses point into: posting refuses a chain
+    whose regions were closed.
+    """
+
+    __slots__ = (
+        "_group_cache",
+        "_sge_mem",
+        "_sges",
+        "_wr_mem",
+        "_wrs",
+        "capacity",
+        "head",
+        "num_sges",
+        "num_wrs",
+        "regions",
+        "sge_base",
+        "sge_capacity",
+        "wr_base",
+    )
+
+    def __init__(self, capacity: int, sge_capacity: int) -> None:
+        if capacity < 1 or sge_capacity < 1:
+            raise ArgumentError(
+                f"a chain needs room for >= 1 WR and >= 1 SGE, got capacity={capacity} "
+                f"sge_capacity={sge_capacity}"
+            )
+        self.capacity = capacity
+        self.sge_capacity = sge_capacity
+        self._wr_mem = ffi.new("struct ibv_send_wr[]", capacity)  # zeroed
+        self._sge_mem = ffi.new("struct ibv_sge[]", sge_capacity)
+        self.head = ffi.cast("struct ibv_send_wr *", self._wr_mem)  # memory owned by _wr_mem
+        self.wr_base = address(self._wr_mem)
+        self.sge_base = address(self._sge_mem)
+        self._wrs = np.frombuffer(ffi.buffer(self._wr_mem), WR_DTYPE)
+        self._sges = np.frombuffer(ffi.buffer(self._sge_mem), SGE_DTYPE)
+        # Every WR links to the next once and for all; only the terminator moves.
+        links = self._wrs["next"]
+        links[:] = self.wr_base + _WR_SIZE * np.arange(1, capacity + 1, dtype=np.uint64)
+        links[-1] = 0
+        self.num_wrs = 0
+        self.num_sges = 0
+        self.regions: tuple[Any, ...] = ()
+        self._group_cache: tuple[int, int, npt.NDArray[np.uint64]] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<SendChain wrs={self.num_wrs}/{self.capacity} "
+            f"sges={self.num_sges}/{self.sge_capacity}>"
+        )
+
+    @property
+    def wrs(self) -> npt.NDArray[Any]:
+        """The filled WRs as a structured array (a view of the C memory)."""
+        return self._wrs[: self.num_wrs]
+
+    @property
+    def sges(self) -> npt.NDArray[Any]:
+        """The filled SGEs as a structured array (a view of the C memory)."""
+        return self._sges[: self.num_sges]
+
+    def wr_address(self, index: int) -> int:
+        """Address of WR ``index`` (what ``bad_wr`` points to when posting stops there)."""
+        return self.wr_base + _WR_SIZE * index
+
+    def fill(
+        self,
+        *,
+        opcode: int,
+        remote_addr: npt.ArrayLike,
+        rkey: int,
+        sge_start: npt.ArrayLike,
+        sge_addr: npt.ArrayLike,
+        sge_length: npt.ArrayLike,
+        lkey: int,
+        regions: tuple[Any, ...] = (),
+    ) -> None:
+        """Write a chain of RDMA WRs in CSR form (absolute addresses, in bytes).
+
+        WR ``i`` targets ``remote_addr[i]`` with ``rkey`` and gathers (or scatters
+        into) SGEs ``sge_start[i] .. sge_start[i+1]-1`` of ``sge_addr``/``sge_length``
+        with ``lkey``.  All WRs start unsignaled with ``wr_id`` 0: see
+        :meth:`set_signals`.  Raises :class:`ArgumentError` when the chain is too
+        small and :class:`DescriptorError` when the arrays disagree or a value does
+        not fit its C field.
+        """
+        start = np.asarray(sge_start, dtype=np.int64)
+        raddr = np.asarray(remote_addr)
+        saddr = np.asarray(sge_addr)
+        slen = np.asarray(sge_length)
+        n, m = int(raddr.size), int(saddr.size)
+        if n < 1:
+            raise DescriptorError("a chain needs at least one work request, got 0")
+        if n > self.capacity or m > self.sge_capacity:
+            raise ArgumentError(
+                f"chain too small: {n} WRs and {m} SGEs into capacity={self.capacity} "
+                f"sge_capacity={self.sge_capacity}"
+            )
+        if start.size != n + 1 or slen.size != m or int(start[0]) != 0 or int(start[-1]) != m:
+            raise DescriptorError(
+                f"chain arrays disagree: {n} WRs, {start.size} sge_start entries (want {n + 1}, "
+                f"from 0 to {m}), {m} SGE addresses, {slen.size} SGE lengths"
+            )
+        if m and (int(slen.max()) > _MAX_SGE_LEN or int(slen.min()) < 0):
+            raise DescriptorError(
+                f"SGE lengths must lie in 0..{_MAX_SGE_LEN}, got {int(slen.min())}.."
+                f"{int(slen.max())}"
+            )
+        if not (0 <= rkey <= 0xFFFF_FFFF and 0 <= lkey <= 0xFFFF_FFFF):
+            raise DescriptorError(f"keys must be 32-bit: rkey={rkey:#x} lkey={lkey:#x}")
+        old = self.num_wrs
+        if old and old != n:
+            self._wrs["next"][old - 1] = self.wr_address(old) if old < self.capacity else 0
+        self.num_wrs = self.num_sges = 0  # half-written: not postable until the end
+        w = self._wrs[:n]
+        w["wr_id"] = 0
+        w["send_flags"] = 0
+        w["opcode"] = opcode
+        w["rkey"] = rkey
+        w["remote_addr"] = raddr
+        sg = w["sg_list"]
+        np.multiply(start[:-1], _SGE_SIZE, out=sg, casting="unsafe")
+        sg += np.uint64(self.sge_base)
+        np.subtract(start[1:], start[:-1], out=w["num_sge"], casting="unsafe")
+        s = self._sges[:m]
+        s["addr"] = saddr
+        s["length"] = slen
+        s["lkey"] = lkey
+        self._wrs["next"][n - 1] = 0
+        self.num_wrs, self.num_sges = n, m
+        self.regions = regions
+
+    def fill_plan(
+        self,
+        plan: Any,
+        *,
+        opcode: int,
+        local_addr: int,
+        lkey: int,
+        remote_addr: int,
+        rkey: int,
+        regions: tuple[Any, ...] = (),
+    ) -> None:
+        """Fill from a :class:`hixl.core.plan.Plan` whose offsets are relative to the
+        local region at ``local_addr`` and the remote one at ``remote_addr``."""
+        self.fill(
+            opcode=opcode,
+            remote_addr=plan.wr_remote_offset + remote_addr,
+            rkey=rkey,
+            sge_start=plan.wr_sge_start,
+            sge_addr=plan.sge_local_offset + local_addr,
+            sge_length=plan.sge_length,
+            lkey=lkey,
+            regions=regions,
+        )
+
+    @classmethod
+    def for_plan(cls, plan: Any, **kwargs: Any) -> SendChain:
+        """A new chain sized for ``plan`` and filled from it (see :meth:`fill_plan`)."""
+        chain = cls(max(plan.num_wrs, 1), max(plan.num_sges, 1))
+        chain.fill_plan(plan, **kwargs)
+        return chain
+
+    def set_signals(
+        self, first_id: int, every: int, start: int = 0, stop: int | None = None
+    ) -> int:
+        """Cut WRs ``start .. stop-1`` into groups of ``every``; signal each group's last WR.
+
+        Every WR of group ``g`` gets ``wr_id = first_id + g``.  Returns the number of
+        groups, ``ceil((stop - start) / every)``.  Only these two fields change, so a
+        chain built once is reused by calling this again with new ids.
+        """
+        n = self.num_wrs
+        stop = n if stop is None else stop
+        if not 0 <= start < stop <= n:
+            raise ArgumentError(f"set_signals: WRs {start}..{stop} outside the chain's 0..{n}")
+        if every < 1:
+            raise ArgumentError(f"signal interval must be >= 1 WR, got {every}")
+        m = stop - start
+        if first_id < 0 or first_id + (m - 1) // every > 0xFFFF_FFFF_FFFF_FFFF:
+            raise ArgumentError(f"wr_id {first_id} does not fit 64 bits for {m} WRs")
+        if m == 1:  # a single WR (notifications): no arrays needed
+            w1 = self.head[start]
+            w1.wr_id, w1.send_flags = first_id, SEND_SIGNALED
+            return 1
+        cache = self._group_cache
+        if cache is None or cache[0] != m or cache[1] != every:
+            cache = (m, every, np.arange(m, dtype=np.uint64) // np.uint64(every))
+            self._group_cache = cache
+        w = self._wrs[start:stop]
+        np.add(cache[2], np.uint64(first_id), out=w["wr_id"])
+        flags = w["send_flags"]
+        flags[:] = 0
+        flags[every - 1 :: every] = SEND_SIGNALED
+        flags[m - 1] = SEND_SIGNALED
+        return (m + every - 1) // every
+
+    def fence(self, index: int) -> None:
+        """Make WR ``index`` wait for every earlier READ to complete (``IBV_SEND_FENCE``).
+
+        Call after :meth:`set_signals`, which rewrites the flags.
+        """
+        if not 0 <= index < self.num_wrs:
+            raise ArgumentError(f"fence: WR {index} outside the chain's 0..{self.num_wrs}")
+        self.head[index].send_flags |= SEND_FENCE
+
+    def check_regions(self) -> None:
+        """Raise :class:`RegistrationError` when a region the chain uses was closed."""
+        for region in self.regions:
+            if region.closed:
+                raise RegistrationError(
+                    f"work request chain refers to a closed memory region {region!r}; "
+                    "it cannot be posted"
+                )

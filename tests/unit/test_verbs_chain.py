@@ -1,0 +1,268 @@
+"""Work-request chains in C memory (no device needed: building a chain only fills memory).
+
+Every check reads the chain back through cffi's own view of ``struct ibv_send_wr`` and
+``struct ibv_sge`` (pointer chasing from the head along ``next`` and ``sg_list``), not
+through the numpy views that wrote it, and compares with the plan's arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hixl.core.descriptors import ContiguousDesc, StridedDesc
+from hixl.core.plan import DeviceLimits, Op, Plan, plan_transfer
+from hixl.errors import ArgumentError, DescriptorError, RegistrationError
+from hixl.verbs._ffi import address, ffi
+from hixl.verbs.chain import SEND_SIGNALED, SendChain
+
+PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+LADDR, RADDR = 0x7F00_1234_0000, 0x5500_0000_1000
+
+
+def walk(chain: SendChain) -> list[dict[str, object]]:
+    """Follow ``next`` from the head with cffi, reading every WR and its SGEs."""
+    out: list[dict[str, object]] = []
+    wr = chain.head
+    while wr != ffi.NULL:
+        assert len(out) <= chain.capacity, "chain links form a cycle"
+        sges = [
+            (int(wr.sg_list[k].addr), int(wr.sg_list[k].length), int(wr.sg_list[k].lkey))
+            for k in range(wr.num_sge)
+        ]
+        out.append(
+            {
+                "wr_id": int(wr.wr_id),
+                "opcode": int(wr.opcode),
+                "flags": int(wr.send_flags),
+                "remote": int(wr.wr.rdma.remote_addr),
+                "rkey": int(wr.wr.rdma.rkey),
+                "sges": sges,
+            }
+        )
+        wr = wr.next
+    return out
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> Plan:
+    size = draw(st.integers(1, 64))
+    count = draw(st.integers(1, 200))
+    lstride = size + draw(st.integers(0, 64))
+    local = StridedDesc(
+        offset=draw(st.integers(0, 512)), count=count, size=size, stride=lstride, alignment=None
+    )
+    remote: ContiguousDesc | StridedDesc
+    if draw(st.booleans()):
+        remote = ContiguousDesc(
+            offset=draw(st.integers(0, 512)), nbytes=count * size, alignment=None
+        )
+    else:
+        rsize = draw(
+            st.sampled_from(
+                [d for d in range(1, size * count + 1) if (size * count) % d == 0 and d <= 256]
+            )
+        )
+        rcount = size * count // rsize
+        remote = StridedDesc(
+            offset=draw(st.integers(0, 512)),
+            count=rcount,
+            size=rsize,
+            stride=rsize + draw(st.integers(0, 32)),
+            alignment=None,
+        )
+    op = draw(st.sampled_from([Op.WRITE, Op.READ]))
+    limits = DeviceLimits(
+        max_sge=draw(st.integers(1, 32)),
+        max_sge_rd=draw(st.integers(1, 32)),
+        max_msg_sz=draw(st.integers(1, 4096)),
+    )
+    return plan_transfer(local, remote, op, limits)
+
+
+def expected(plan: Plan, lkey: int, rkey: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+    out = []
+    for roff, sges in plan.wrs():
+        out.append((RADDR + roff, rkey, [(LADDR + o, n, lkey) for o, n in sges]))
+    return out
+
+
+@PROPS
+@given(
+    plan=plans(),
+    lkey=st.integers(0, 2**32 - 1),
+    rkey=st.integers(0, 2**32 - 1),
+    opcode=st.sampled_from([0, 4]),
+)
+def test_filled_chain_equals_the_plan(plan: Plan, lkey: int, rkey: int, opcode: int) -> None:
+    chain = SendChain.for_plan(
+        plan, opcode=opcode, local_addr=LADDR, lkey=lkey, remote_addr=RADDR, rkey=rkey
+    )
+    got = walk(chain)
+    assert len(got) == plan.num_wrs == chain.num_wrs
+    assert [(g["remote"], g["rkey"], g["sges"]) for g in got] == expected(plan, lkey, rkey)
+    assert all(g["opcode"] == opcode and g["flags"] == 0 and g["wr_id"] == 0 for g in got)
+    # SGEs are laid out in order, one array: WR i's sg_list is &sges[wr_sge_start[i]]
+    sg_lists = [int(ffi.cast("uintptr_t", chain.head[i].sg_list)) for i in range(plan.num_wrs)]
+    assert sg_lists == [chain.sge_base + 16 * int(s) for s in plan.wr_sge_start[:-1]]
+
+
+@PROPS
+@given(plan=plans(), every=st.integers(1, 70), first=st.integers(0, 2**40))
+def test_signals_one_per_group_and_ids_name_the_group(plan: Plan, every: int, first: int) -> None:
+    chain = SendChain.for_plan(plan, opcode=0, local_addr=LADDR, lkey=1, remote_addr=RADDR, rkey=2)
+    groups = chain.set_signals(first, every)
+    n = plan.num_wrs
+    assert groups == -(-n // every)
+    got = walk(chain)
+    for i, g in enumerate(got):
+        assert g["wr_id"] == first + i // every
+        last_of_group = (i + 1) % every == 0 or i == n - 1
+        assert g["flags"] == (SEND_SIGNALED if last_of_group else 0)
+    # exactly one signaled WR per group
+    assert sum(1 for g in got if g["flags"]) == groups
+
+
+@PROPS
+@given(plan=plans(), data=st.data())
+def test_signals_on_a_sub_range_leave_the_rest_alone(plan: Plan, data: st.DataObject) -> None:
+    chain = SendChain.for_plan(plan, opcode=0, local_addr=LADDR, lkey=1, remote_addr=RADDR, rkey=2)
+    n = plan.num_wrs
+    start = data.draw(st.integers(0, n - 1))
+    stop = data.draw(st.integers(start + 1, n))
+    every = data.draw(st.integers(1, 40))
+    groups = chain.set_signals(77, every, start, stop)
+    assert groups == -(-(stop - start) // every)
+    for i, g in enumerate(walk(chain)):
+        if start <= i < stop:
+            k = i - start
+            assert g["wr_id"] == 77 + k // every
+            last = (k + 1) % every == 0 or i == stop - 1
+            assert g["flags"] == (SEND_SIGNALED if last else 0)
+        else:
+            assert g["wr_id"] == 0 and g["flags"] == 0
+
+
+@PROPS
+@given(a=plans(), b=plans())
+def test_refill_with_another_plan_reuses_the_memory(a: Plan, b: Plan) -> None:
+    """A chain refilled in place reads exactly as a fresh one built from the new plan."""
+    cap = max(a.num_wrs, b.num_wrs)
+    chain = SendChain(cap, max(a.num_sges, b.num_sges))
+    base = chain.wr_base
+    chain.fill_plan(a, opcode=0, local_addr=LADDR, lkey=3, remote_addr=RADDR, rkey=4)
+    chain.set_signals(7, 3)
+    chain.fill_plan(b, opcode=4, local_addr=LADDR, lkey=5, remote_addr=RADDR, rkey=6)
+    assert chain.wr_base == base
+    got = walk(chain)
+    assert [(g["remote"], g["rkey"], g["sges"]) for g in got] == expected(b, 5, 6)
+    assert all(g["flags"] == 0 and g["wr_id"] == 0 and g["opcode"] == 4 for g in got)
+    # growing back to the first plan's size relinks the WRs the shorter fill cut off
+    chain.fill_plan(a, opcode=0, local_addr=LADDR, lkey=3, remote_addr=RADDR, rkey=4)
+    assert [(g["remote"], g["rkey"], g["sges"]) for g in walk(chain)] == expected(a, 3, 4)
+
+
+def test_numpy_views_alias_the_c_memory() -> None:
+    chain = SendChain(4, 4)
+    plan = plan_transfer(
+        ContiguousDesc(offset=0, nbytes=64, alignment=None),
+        ContiguousDesc(offset=0, nbytes=64, alignment=None),
+        Op.WRITE,
+        DeviceLimits(max_msg_sz=16),
+    )
+    chain.fill_plan(plan, opcode=0, local_addr=LADDR, lkey=1, remote_addr=RADDR, rkey=2)
+    chain.wrs["rkey"][2] = 0xABCD
+    assert int(chain.head[2].wr.rdma.rkey) == 0xABCD
+    chain.head[1].wr_id = 99
+    assert int(chain.wrs["wr_id"][1]) == 99
+    assert address(chain.head) == chain.wr_base
+    assert chain.wr_address(3) == chain.wr_base + 3 * 128
+
+
+def test_bad_fills_are_refused_with_their_numbers() -> None:
+    chain = SendChain(2, 2)
+    with pytest.raises(ArgumentError, match="3 WRs"):
+        chain.fill(
+            opcode=0,
+            remote_addr=[1, 2, 3],
+            rkey=1,
+            sge_start=[0, 1, 2, 3],
+            sge_addr=[1, 2, 3],
+            sge_length=[1, 1, 1],
+            lkey=1,
+        )
+    with pytest.raises(DescriptorError, match="sge_start"):
+        chain.fill(
+            opcode=0,
+            remote_addr=[1],
+            rkey=1,
+            sge_start=[0, 2],
+            sge_addr=[1],
+            sge_length=[1],
+            lkey=1,
+        )
+    with pytest.raises(DescriptorError, match="2\\*\\*32|0..4294967295"):
+        chain.fill(
+            opcode=0,
+            remote_addr=[1],
+            rkey=1,
+            sge_start=[0, 1],
+            sge_addr=[1],
+            sge_length=[2**32],
+            lkey=1,
+        )
+    with pytest.raises(DescriptorError, match="32-bit"):
+        chain.fill(
+            opcode=0,
+            remote_addr=[1],
+            rkey=2**32,
+            sge_start=[0, 1],
+            sge_addr=[1],
+            sge_length=[1],
+            lkey=1,
+        )
+    with pytest.raises(ArgumentError, match="outside"):
+        chain.set_signals(0, 1)
+
+
+def test_a_chain_over_a_closed_region_is_refused() -> None:
+    class Region:  # the one attribute check_regions reads, as MemoryRegion has it
+        closed = False
+
+    region = Region()
+    chain = SendChain(1, 1)
+    chain.fill(
+        opcode=0,
+        remote_addr=[1],
+        rkey=1,
+        sge_start=[0, 1],
+        sge_addr=[1],
+        sge_length=[1],
+        lkey=1,
+        regions=(region,),
+    )
+    chain.check_regions()
+    region.closed = True
+    with pytest.raises(RegistrationError, match="closed memory region"):
+        chain.check_regions()
+
+
+def test_filling_allocates_no_python_object_per_wr() -> None:
+    """Refilling and re-signalling 10,000 WRs grows Python's heap by a bounded amount."""
+    import sys
+
+    row = StridedDesc(offset=0, count=10_000, size=64, stride=128, alignment=None)
+    plan = plan_transfer(row, row, Op.WRITE, DeviceLimits())
+    chain = SendChain.for_plan(plan, opcode=0, local_addr=LADDR, lkey=1, remote_addr=RADDR, rkey=2)
+    chain.set_signals(0, 64)
+    before = sys.getallocatedblocks()
+    peak = before
+    for i in range(5):
+        chain.fill_plan(plan, opcode=0, local_addr=LADDR, lkey=1, remote_addr=RADDR, rkey=2)
+        chain.set_signals(i * 1000, 64)
+        peak = max(peak, sys.getallocatedblocks())
+    assert peak - before < 200, f"{peak - before} blocks for a 10,000-WR refill"
+    assert np.array_equal(chain.wrs["num_sge"], np.ones(10_000))
