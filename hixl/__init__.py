@@ -38,6 +38,7 @@ from hixl.engine import (
 from hixl.errors import (
     AlignmentError,
     ArgumentError,
+    AuthenticationError,
     BoundsError,
     CompletionError,
     ConnectionFailed,
@@ -59,6 +60,7 @@ __all__ = [
     "Access",
     "AlignmentError",
     "ArgumentError",
+    "AuthenticationError",
     "BlockListDesc",
     "BoundsError",
     "CompletionError",

@@ -45,6 +45,7 @@ from hixl.errors import ArgumentError, DescriptorError, RegistrationError
 from hixl.verbs._ffi import address, ffi
 
 __all__ = [
+    "SEND_FENCE",
     "SEND_SIGNALED",
     "SGE_DTYPE",
     "WC_DTYPE",
@@ -54,6 +55,8 @@ __all__ = [
 
 #: ``IBV_SEND_SIGNALED``.
 SEND_SIGNALED = 2
+#: ``IBV_SEND_FENCE``: start only after every earlier READ/atomic has completed.
+SEND_FENCE = 1
 #: ``ibv_sge.length`` is 32 bits.
 _MAX_SGE_LEN = 0xFFFF_FFFF
 
@@ -313,6 +316,15 @@ class SendChain:
         flags[every - 1 :: every] = SEND_SIGNALED
         flags[m - 1] = SEND_SIGNALED
         return (m + every - 1) // every
+
+    def fence(self, index: int) -> None:
+        """Make WR ``index`` wait for every earlier READ to complete (``IBV_SEND_FENCE``).
+
+        Call after :meth:`set_signals`, which rewrites the flags.
+        """
+        if not 0 <= index < self.num_wrs:
+            raise ArgumentError(f"fence: WR {index} outside the chain's 0..{self.num_wrs}")
+        self.head[index].send_flags |= SEND_FENCE
 
     def check_regions(self) -> None:
         """Raise :class:`RegistrationError` when a region the chain uses was closed."""

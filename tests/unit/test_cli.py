@@ -147,3 +147,14 @@ def test_bench_finds_this_checkout_and_refuses_a_directory_without_benchmarks(
     assert _cli.bench_checkout(str(root)) == root
     with pytest.raises(HixlError, match=f"{tmp_path} has no benchmarks/run_all.py"):
         _cli.bench_checkout(str(tmp_path))
+
+
+def test_token_prints_a_fresh_256_bit_token(capsys: pytest.CaptureFixture[str]) -> None:
+    tokens = []
+    for _ in range(3):
+        assert _cli.main(["token"]) == 0
+        out = capsys.readouterr().out
+        assert out.endswith("\n") and out.count("\n") == 1
+        tokens.append(out.strip())
+    assert all(len(t) == 64 and int(t, 16) >= 0 and t == t.lower() for t in tokens)
+    assert len(set(tokens)) == 3
