@@ -4,17 +4,22 @@ BIN := $(CURDIR)/$(VENV)/bin
 PY := $(BIN)/python
 HIXL := $(BIN)/hixl
 
-.PHONY: setup test test-unit test-rdma test-hosts check demo bench
+.PHONY: setup test test-unit test-registry test-rdma test-hosts check demo bench
 
 ## setup: system packages (and the VM path if the kernel lacks rdma_rxe), then .venv
 setup:
 	bash scripts/setup.sh
 
-## test: unit and property tests here, then the RDMA tests on rxe (host or VM)
-test: test-unit test-rdma
+## test: unit and property tests here, the registry against a private etcd, then the RDMA
+## tests on rxe (host or VM)
+test: test-unit test-registry test-rdma
 
 test-unit:
 	$(PY) -m pytest tests/unit -q
+
+# Starts its own etcd (Debian etcd-server) per test on free ports; never the system one.
+test-registry:
+	HIXL_REQUIRE_ETCD=1 $(PY) -m pytest -p no:cacheprovider tests/registry -q
 
 # `hixl run` uses the host's rxe when there is one and boots the VM otherwise.
 # HIXL_REQUIRE_RDMA=1 turns a missing device into a failure, never a skip.

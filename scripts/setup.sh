@@ -12,7 +12,7 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 pkgs=(rdma-core ibverbs-providers ibverbs-utils rdmacm-utils perftest python3-pyverbs
-      python3-venv iproute2 kmod)
+      python3-venv iproute2 kmod etcd-server etcd-client)
 
 kernel_has_rxe() {
   [ -d /sys/class/infiniband ] && return 0
