@@ -39,7 +39,6 @@ import logging
 import math
 import os
 import queue
-import socket
 import struct
 import subprocess
 import sys
@@ -58,6 +57,7 @@ from hixl.core.descriptors import BlockListDesc, NdStridedDesc
 from hixl.core.kv import ContiguousKVLayout, PagedKVLayout, padded_stride
 from hixl.core.plan import DeviceLimits, Op, plan_transfer
 from hixl.errors import ArgumentError, HixlError
+from hixl.testbed.ports import free_tcp_port
 
 __all__ = [
     "DEFAULT_PROMPT",
@@ -1218,12 +1218,6 @@ def add_demo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _forward(
     stream: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock, tail: list[str]
 ) -> None:
@@ -1281,7 +1275,7 @@ def run_demo(
     """
     out = out or sys.stdout
     lock = threading.Lock()
-    listen = f"127.0.0.1:{_free_port()}"
+    listen = f"127.0.0.1:{free_tcp_port()}"
     budget = f"{max(1.0, timeout - 5.0):.1f}"
     with tempfile.TemporaryDirectory(prefix="hixl-demo-") as tmp:
         base = [sys.executable, "-u", "-m", "hixl.demo.kvdemo"]

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hixl.errors import ArgumentError, HixlError, TransferTimeout, VMError
+from hixl.testbed.ports import free_udp_port
 from hixl.testbed.vm import VANISHED, GuestNet, GuestSpec, VMConfig, run_guests
 
 __all__ = [
@@ -149,13 +150,6 @@ def plan_hosts(
         )
         specs.append(GuestSpec(command=tuple(cmd), name=f"host{i}", net=net, env=host_env))
     return specs
-
-
-def free_udp_port() -> int:
-    """A UDP port on 127.0.0.1 that nothing is bound to right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class FrameHub:

@@ -28,10 +28,10 @@ import os
 import socket
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from hixl.errors import DeviceError, HixlError, StateError, VerbsError
 
@@ -109,11 +109,6 @@ _RDMA_OPCODES = frozenset((WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, WR_RDMA_READ))
 _SIGNALED = 2  # IBV_SEND_SIGNALED
 _WR_CACHE = 256  # pyverbs work requests a queue pair keeps for reuse
 
-WC_OPCODE_RECV = 128
-WC_OPCODE_RECV_RDMA_WITH_IMM = 129
-
-_T = TypeVar("_T")
-
 
 def available() -> tuple[bool, str]:
     """Return ``(True, "")`` when pyverbs imports, else ``(False, reason)``."""
@@ -148,11 +143,6 @@ def _verbs_error(op: str, exc: Exception) -> VerbsError:
         code = exc.error_code if exc.error_code != -1 else None
         return VerbsError(op, str(exc), code)
     return VerbsError(op, str(exc))
-
-
-def _call(op: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    with _translate(op):
-        return fn(*args, **kwargs)
 
 
 def device_names() -> list[str]:
@@ -334,10 +324,6 @@ class Device:
         with _translate("close_device"):
             self._ctx.close()
         log.debug("closed device %s", self.name)
-
-    def _forget(self, child: object) -> None:
-        if child in self._children:
-            self._children.remove(child)
 
 
 def _gid_bytes(gid: Any) -> bytes:

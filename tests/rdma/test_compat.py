@@ -32,16 +32,11 @@ from hixl.compat import (
     TransferOpDesc,
     TransferStatus,
 )
+from hixl.testbed.ports import free_tcp_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "hixl_style_script.py"
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pattern(n: int, seed: int) -> np.ndarray:
@@ -72,7 +67,7 @@ def eventually(fn: Callable[[], T], want: T, timeout: float = 30.0) -> T:
 @pytest.fixture
 def server() -> Iterator[Hixl]:
     h = Hixl()
-    assert h.initialize(f"127.0.0.1:{free_port()}", {}) == SUCCESS, h.last_error
+    assert h.initialize(f"127.0.0.1:{free_tcp_port()}", {}) == SUCCESS, h.last_error
     try:
         yield h
     finally:
@@ -232,7 +227,7 @@ def test_notifies_arrive_after_the_data(server: Hixl, client: Hixl) -> None:
 
 def test_link_status_codes(server: Hixl, client: Hixl) -> None:
     peer = server_id(server)
-    nobody = f"127.0.0.1:{free_port()}"
+    nobody = f"127.0.0.1:{free_tcp_port()}"
     desc = [TransferOpDesc(0x1000, 0x2000, 8)]
     assert client.transfer_sync(nobody, TransferOp.READ, desc) == NOT_CONNECTED
     assert client.transfer_async(nobody, TransferOp.WRITE, desc) == (NOT_CONNECTED, 0)
@@ -392,14 +387,14 @@ def test_initialize_twice_and_finalize_twice() -> None:
         h.finalize()
         h.finalize()
     assert h.engine is None
-    port = free_port()
+    port = free_tcp_port()
     with socket.create_server(("127.0.0.1", port)):  # the port is taken
         assert h.initialize(f"127.0.0.1:{port}", {}) == FAILED
         assert h.engine is None
 
 
 def test_hixl_style_script_in_two_processes() -> None:
-    engine_port, side_port = free_port(), free_port()
+    engine_port, side_port = free_tcp_port(), free_tcp_port()
     common = [sys.executable, str(SCRIPT), "--side-port", str(side_port)]
     server = subprocess.Popen(
         [*common, "--role", "server", "--local-engine", f"127.0.0.1:{engine_port}"],

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 
 from hixl.demo.kvdemo import DemoConfig, run_decode, run_demo, run_prefill
 from hixl.errors import TransferTimeout
+from hixl.testbed.ports import free_tcp_port
 
 SMALL = DemoConfig(layers=4, heads=8, head_dim=64, d_model=32, tokens=48, gen_tokens=4, seed=3)
 
@@ -42,12 +42,6 @@ def test_demo_moves_every_layer_bit_exact_and_generates_equal_tokens(tmp_path: P
     assert elapsed < 150
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 TINY = DemoConfig(layers=1, heads=1, head_dim=64, d_model=4, tokens=8, gen_tokens=1)
 
 
@@ -57,7 +51,7 @@ def test_decode_alone_gives_up_at_its_deadline() -> None:
     with pytest.raises(
         TransferTimeout, match="waiting for prefill to connect: the demo's deadline of 2 s passed"
     ):
-        run_decode(TINY, f"127.0.0.1:{_free_port()}", 2.0, lines.append)
+        run_decode(TINY, f"127.0.0.1:{free_tcp_port()}", 2.0, lines.append)
     assert time.monotonic() - t < 60  # worker start and engine teardown, emulated
     assert lines and lines[0].startswith("listening on 127.0.0.1:")
 
@@ -69,5 +63,5 @@ def test_prefill_alone_gives_up_at_its_deadline() -> None:
         match=r"connecting to decode at 127\.0\.0\.1:\d+ "
         r"\(last error: .*\): the demo's deadline",
     ):
-        run_prefill(TINY, f"127.0.0.1:{_free_port()}", 2.0, lambda line: None)
+        run_prefill(TINY, f"127.0.0.1:{free_tcp_port()}", 2.0, lambda line: None)
     assert time.monotonic() - t < 60  # worker start and engine teardown, emulated

@@ -2,45 +2,29 @@
 
 from __future__ import annotations
 
-import socket
+import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from hixl import _engine, _wire
+from hixl.core import wire as _wire
 from hixl.core.descriptors import BlockListDesc, ContiguousDesc, StridedDesc
-from hixl.engine import Access, ConnState, Engine, TransferRequest, TransferStatus
+from hixl.engine import Access, ConnState, Engine, TransferRequest, TransferStatus, handshake
 from hixl.errors import (
     AlignmentError,
     BoundsError,
     CompletionError,
     ConnectionFailed,
+    HandshakeError,
     RegistrationError,
     StateError,
     TransferTimeout,
 )
+from hixl.testbed.ports import free_tcp_port
 
 RW = Access.REMOTE_READ | Access.REMOTE_WRITE
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[Engine, Engine]]:
-    server = Engine(f"127.0.0.1:{free_port()}")
-    client = Engine("127.0.0.1:0")
-    try:
-        yield client, server
-    finally:
-        client.close()
-        server.close()
 
 
 def pattern(n: int, seed: int) -> np.ndarray:
@@ -193,7 +177,7 @@ def test_errors_before_posting_name_the_numbers(pair: tuple[Engine, Engine]) -> 
 
 def test_tampered_rkey_fails_fast_and_only_that_connection(pair: tuple[Engine, Engine]) -> None:
     client, server = pair
-    third = Engine(f"127.0.0.1:{free_port()}")
+    third = Engine(f"127.0.0.1:{free_tcp_port()}")
     try:
         dst = np.zeros(4096, np.uint8)
         server.register(dst, access=RW, name="dst")
@@ -208,7 +192,7 @@ def test_tampered_rkey_fails_fast_and_only_that_connection(pair: tuple[Engine, E
         from dataclasses import replace
 
         bad = replace(good, rkey=good.rkey ^ 0x00FF00)
-        conn._remote = (bad,)
+        conn.set_remote_regions((bad,))  # test hook: as if the peer had announced this
         t0 = time.monotonic()
         with pytest.raises(CompletionError) as info:
             client.put(server.id, r, bad, timeout=20)
@@ -233,16 +217,16 @@ def test_connect_where_nothing_listens_fails_in_time() -> None:
     with Engine("127.0.0.1:0") as e:
         t0 = time.monotonic()
         with pytest.raises((ConnectionFailed, TransferTimeout)):
-            e.connect(f"127.0.0.1:{free_port()}", timeout=5)
+            e.connect(f"127.0.0.1:{free_tcp_port()}", timeout=5)
         assert time.monotonic() - t0 < 6
 
 
 def test_token_mismatch_gets_no_keys() -> None:
-    server = Engine(f"127.0.0.1:{free_port()}", token="s3cret")
+    server = Engine(f"127.0.0.1:{free_tcp_port()}", token="s3cret")
     try:
         server.register(np.zeros(4096, np.uint8), access=RW, name="dst")
         with Engine("127.0.0.1:0", token="wrong") as bad:
-            with pytest.raises((ConnectionFailed, Exception)):
+            with pytest.raises(HandshakeError):
                 bad.connect(server.id, timeout=10)
             assert bad.peers == []
         with Engine("127.0.0.1:0", token="s3cret") as good:
@@ -253,7 +237,7 @@ def test_token_mismatch_gets_no_keys() -> None:
 
 
 def test_close_with_transfers_in_flight_and_double_close() -> None:
-    server = Engine(f"127.0.0.1:{free_port()}")
+    server = Engine(f"127.0.0.1:{free_tcp_port()}")
     client = Engine("127.0.0.1:0")
     dst = np.zeros(4 << 20, np.uint8)
     server.register(dst, access=RW, name="dst")
@@ -275,7 +259,7 @@ def test_close_with_transfers_in_flight_and_double_close() -> None:
 
 def test_peer_closing_fails_pending_and_engine_stays_usable(pair: tuple[Engine, Engine]) -> None:
     client, server = pair
-    third = Engine(f"127.0.0.1:{free_port()}")
+    third = Engine(f"127.0.0.1:{free_tcp_port()}")
     try:
         server.register(np.zeros(1 << 20, np.uint8), access=RW, name="dst")
         dst3 = np.zeros(4096, np.uint8)
@@ -304,15 +288,17 @@ def test_unclosed_engine_warns_and_is_closed_when_collected() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         e = Engine("127.0.0.1:0")
-        thread = e._thread
+        tid = e.diagnostics().progress_thread_id
         del e
         deadline = time.monotonic() + 10
         while not any(issubclass(w.category, ResourceWarning) for w in caught):
             assert time.monotonic() < deadline, "no ResourceWarning for an unclosed engine"
             gc.collect()
             time.sleep(0.05)
-    thread.join(10)
-    assert not thread.is_alive()
+    deadline = time.monotonic() + 10
+    while any(t.native_id == tid for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the progress thread outlived its engine"
+        time.sleep(0.05)
 
 
 def test_region_registered_during_the_handshake_reaches_the_peer(
@@ -321,17 +307,17 @@ def test_region_registered_during_the_handshake_reaches_the_peer(
     """A region registered after the server's ACCEPT went out but before it adopted the
     connection is announced once the connection is live (live connections alone get
     announcements, and this one was not yet)."""
-    server = Engine(f"127.0.0.1:{free_port()}")
+    server = Engine(f"127.0.0.1:{free_tcp_port()}")
     client = Engine("127.0.0.1:0")
     late = np.zeros(4096, np.uint8)
-    expect = _engine._Channel.expect
+    expect = handshake.Channel.expect
 
     def register_then_expect(chan: Any, kind: Any, deadline: float) -> Any:
         if kind is _wire.Ready:  # server side, ACCEPT already sent
             server.register(late, access=Access.REMOTE_WRITE, name="late")
         return expect(chan, kind, deadline)
 
-    monkeypatch.setattr(_engine._Channel, "expect", register_then_expect)
+    monkeypatch.setattr(handshake.Channel, "expect", register_then_expect)
     try:
         client.connect(server.id, timeout=30.0)
         conn = client.connection(server.id)

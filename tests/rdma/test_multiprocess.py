@@ -11,9 +11,9 @@ import pytest
 
 from hixl import Access, ConnState, ContiguousDesc, Engine, StridedDesc
 from hixl.errors import ConnectionFailed, TransferTimeout
+from hixl.testbed.ports import free_tcp_port
 
 from .peerproc import PeerProcess
-from .test_engine import free_port
 
 PEERS = 8
 HEADS, TOKENS, HEAD_BYTES, STRIDE = 16, 32, 192, 256  # fp16 head_dim 96, padded to 256
@@ -22,7 +22,7 @@ SIZE = HEADS * TOKENS * STRIDE
 
 @pytest.fixture
 def decoders() -> Iterator[list[PeerProcess]]:
-    procs = [PeerProcess(f"127.0.0.1:{free_port()}", SIZE) for _ in range(PEERS)]
+    procs = [PeerProcess(f"127.0.0.1:{free_tcp_port()}", SIZE) for _ in range(PEERS)]
     try:
         for p in procs:
             p.wait_ready()
@@ -33,7 +33,7 @@ def decoders() -> Iterator[list[PeerProcess]]:
 
 
 def test_prefill_to_eight_decode_processes(decoders: list[PeerProcess]) -> None:
-    with Engine(f"127.0.0.1:{free_port()}") as prefill:
+    with Engine(f"127.0.0.1:{free_tcp_port()}") as prefill:
         layers = [
             np.random.default_rng(i).integers(0, 256, HEADS * TOKENS * HEAD_BYTES, dtype=np.uint8)
             for i in range(PEERS)
@@ -87,7 +87,7 @@ def test_prefill_to_eight_decode_processes(decoders: list[PeerProcess]) -> None:
 
 
 def test_engine_accepts_eight_incoming_peers() -> None:
-    with Engine(f"127.0.0.1:{free_port()}") as server:
+    with Engine(f"127.0.0.1:{free_tcp_port()}") as server:
         dst = np.zeros(PEERS * 4096, np.uint8)
         server.register(dst, access=Access.REMOTE_WRITE, name="dst")
         clients = [Engine("127.0.0.1:0") for _ in range(PEERS)]
@@ -111,8 +111,8 @@ def test_engine_accepts_eight_incoming_peers() -> None:
 
 
 def test_peer_killed_mid_transfer() -> None:
-    victim = PeerProcess(f"127.0.0.1:{free_port()}", 8 << 20)
-    survivor = PeerProcess(f"127.0.0.1:{free_port()}", 4096)
+    victim = PeerProcess(f"127.0.0.1:{free_tcp_port()}", 8 << 20)
+    survivor = PeerProcess(f"127.0.0.1:{free_tcp_port()}", 4096)
     try:
         victim.wait_ready()
         survivor.wait_ready()

@@ -3,38 +3,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import numpy as np
-import pytest
 
 from hixl.core.descriptors import StridedDesc
 from hixl.engine import Access, Engine
-from hixl.verbs import adapter as _verbs
 
-from .test_engine import free_port
-
-
-def connected_pair() -> tuple[Engine, Engine]:
-    server = Engine(f"127.0.0.1:{free_port()}")
-    client = Engine("127.0.0.1:0")
-    client.connect(server.id, timeout=30.0)
-    return client, server
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[Engine, Engine]]:
-    client, server = connected_pair()
-    try:
-        yield client, server
-    finally:
-        client.close()
-        server.close()
+from .conftest import listening_engine
 
 
 def progress_cpu(engines: tuple[Engine, ...], seconds: float) -> float:
     """CPU seconds the engines' progress threads used over ``seconds`` of idling."""
-    ids = [e._thread.native_id for e in engines]
+    ids = [e.diagnostics().progress_thread_id for e in engines]
     assert all(i is not None for i in ids)
 
     def cpu() -> float:
@@ -50,39 +30,40 @@ def progress_cpu(engines: tuple[Engine, ...], seconds: float) -> float:
     return cpu() - before
 
 
-def test_engine_on_rxe_sleeps_on_completion_events(pair: tuple[Engine, Engine]) -> None:
-    client, server = pair
-    for eng in (client, server):
-        assert eng._event_cqs, "completion channel descriptors not found on this device"
-        assert eng._send_cq.fd is not None and eng._recv_cq.fd is not None
+def test_engine_on_rxe_sleeps_on_completion_events(connected: tuple[Engine, Engine]) -> None:
+    for eng in connected:
+        assert eng.diagnostics().completion_events, "no completion channels on this device"
 
 
-def test_idle_engines_cost_less_with_events_than_polling(pair: tuple[Engine, Engine]) -> None:
+def test_idle_engines_cost_less_with_events_than_polling(connected: tuple[Engine, Engine]) -> None:
     """Two connected, idle engines: their progress threads sleep rather than spin.
 
-    The same engines switched to the polling fallback are the yardstick, measured in the
-    same test, so a slow (emulated) CPU scales both sides alike.
+    A second pair on the polling fallback is the yardstick, measured in the same test,
+    so a slow (emulated) CPU scales both sides alike.
     """
-    client, server = pair
-    both = (client, server)
     time.sleep(0.3)  # settle: every CQ armed
-    with_events = progress_cpu(both, 2.0)
-    for eng in both:
-        eng._event_cqs = False  # the fallback: poll with a back-off of up to 2 ms
-    polling = progress_cpu(both, 2.0)
+    with_events = progress_cpu(connected, 2.0)
+    server = listening_engine(completion_events=False)
+    client = Engine("127.0.0.1:0", completion_events=False)
+    try:
+        client.connect(server.id, timeout=30.0)
+        time.sleep(0.3)
+        polling = progress_cpu((client, server), 2.0)
+    finally:
+        client.close()
+        server.close()
     print(f"idle progress CPU over 2 s: {with_events:.3f} s with events, {polling:.3f} s polling")
     assert with_events < 0.5 * polling
     assert with_events < 0.2
 
 
-def test_polling_fallback_moves_data_and_notifications(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where a channel's descriptor cannot be found, engines poll, and everything works."""
-    monkeypatch.setattr(_verbs, "_event_fds", lambda: set())
-    server = Engine(f"127.0.0.1:{free_port()}")
-    client = Engine("127.0.0.1:0")
+def test_polling_fallback_moves_data_and_notifications() -> None:
+    """Without completion channels engines poll, and everything works."""
+    server = listening_engine(completion_events=False)
+    client = Engine("127.0.0.1:0", completion_events=False)
     try:
-        assert not client._event_cqs and not server._event_cqs
-        assert client._send_cq.fd is None
+        assert not client.diagnostics().completion_events
+        assert not server.diagnostics().completion_events
         src = np.arange(64 * 256, dtype=np.uint8)
         dst = np.zeros_like(src)
         r = client.register(src)
@@ -99,13 +80,13 @@ def test_polling_fallback_moves_data_and_notifications(monkeypatch: pytest.Monke
         server.close()
 
 
-def test_blocking_put_wakes_promptly(pair: tuple[Engine, Engine]) -> None:
+def test_blocking_put_wakes_promptly(connected: tuple[Engine, Engine]) -> None:
     """A completion wakes the waiting caller through the event, not after a sleep.
 
     Thirty small blocking puts, back to back. Were the send queue's event not re-armed,
     each completion would be seen only at the sleeping thread's 20 ms tick.
     """
-    client, server = pair
+    client, server = connected
     src = np.ones(4096, np.uint8)
     dst = np.zeros(4096, np.uint8)
     r = client.register(src)

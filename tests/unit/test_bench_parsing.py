@@ -247,7 +247,7 @@ def _fake_runs(common: ModuleType, outputs: list[tuple[str, str]]) -> object:
         client, server = next(runs)
         return common.PerftestRun(tool, (tool,), (tool, "127.0.0.1"), client, server, 1.0)
 
-    pt._run_once = once  # type: ignore[method-assign]
+    pt._run_once = once
     return pt
 
 

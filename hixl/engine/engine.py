@@ -1,0 +1,875 @@
+"""The :class:`Engine` facade: lifetime, registration, connections, transfers, notifications.
+
+The parts live in their own modules (regions, connection, handshake, datapath, progress);
+this class owns the tables that tie them together and the one lock that guards them.
+The threading and locking rules are in the package docstring (:mod:`hixl.engine`).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hixl.core import notify, wire
+from hixl.core.descriptors import Descriptor
+from hixl.core.notify import Notification
+from hixl.core.plan import DeviceLimits
+from hixl.core.states import ConnEvent, ConnState
+from hixl.core.wire import RemoteRegion
+from hixl.engine.connection import RECV_SLOTS, Chunk, Connection
+from hixl.engine.datapath import CHUNK, NotifySlots, Planner
+from hixl.engine.handles import TransferHandle, TransferRequest
+from hixl.engine.handshake import Channel, client_handshake, printable, serve_handshake
+from hixl.engine.progress import Progress
+from hixl.engine.regions import Access, Region, buffer_span
+from hixl.errors import (
+    ArgumentError,
+    CompletionError,
+    ConnectionFailed,
+    HandshakeError,
+    HixlError,
+    RegistrationError,
+    StateError,
+    TransferTimeout,
+)
+from hixl.verbs import adapter as verbs
+
+__all__ = ["Diagnostics", "Engine"]
+
+log = logging.getLogger("hixl.engine")
+
+SEND_NOTIFY_SLOTS = 256  # notifications in flight per engine
+MAX_HANDSHAKES = 16  # server-side handshakes at once
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnostics:
+    """A snapshot of an engine's internals, for monitoring and tests.
+
+    ``progress_thread_id`` is the native id of the progress thread and
+    ``progress_alive`` whether it runs; ``completion_events`` tells whether it sleeps
+    on completion channels (True) or polls the CQs; ``pending_transfers`` counts
+    transfers not finished yet.
+    """
+
+    progress_thread_id: int | None
+    progress_alive: bool
+    completion_events: bool
+    pending_transfers: int
+    peers: int
+    regions: int
+
+
+class Engine:
+    """A hixl transfer engine, named ``"ip:port"``.
+
+    ``Engine("10.0.0.1:5000")`` listens on that address for peers; port 0
+    means the engine only makes outgoing connections (its id then gets a
+    random ``~suffix`` to stay unique).  ``device``/``port``/``gid_index``
+    default to what ``hixl devices`` marks.  ``token`` (optional shared
+    secret) makes both ends prove they know it before any region key is
+    sent.  ``alignment`` is the policy for offsets inside regions (bytes, 0 to
+    turn it off).  ``qp_timeout`` is the verbs ACK-timeout exponent, which
+    bounds how long a silent peer takes to fail a transfer.  ``max_peers``
+    caps connections.  ``completion_events=False`` makes the progress thread
+    poll the CQs instead of sleeping on completion channels (a test hook).
+
+    Raises :class:`ArgumentError` for a bad id, :class:`DeviceError` when no
+    device is usable, :class:`OSError` when the address cannot be bound.
+    """
+
+    def __init__(
+        self,
+        engine_id: str = "127.0.0.1:0",
+        *,
+        device: str | None = None,
+        port: int | None = None,
+        gid_index: int | None = None,
+        token: bytes | str | None = None,
+        alignment: int | None = 64,
+        send_queue_depth: int = 512,
+        handshake_timeout: float = 10.0,
+        qp_timeout: int = 14,
+        max_peers: int = 64,
+        completion_events: bool = True,
+    ) -> None:
+        try:
+            host, tcp_port = wire.parse_engine_id(engine_id)
+        except ValueError as exc:
+            raise ArgumentError(f"bad engine id {engine_id!r}: {exc}") from exc
+        self._closed = True  # until fully built, so __del__ stays quiet on failure
+        self._token = token.encode() if isinstance(token, str) else token
+        self._handshake_timeout = handshake_timeout
+        self.qp_timeout = qp_timeout
+        self._max_peers = max_peers
+        self._lock = threading.RLock()
+        self._notify_cv = threading.Condition(self._lock)
+        self._dev = verbs.open_device(device, port, gid_index)
+        try:
+            caps = self._dev.caps
+            self.sq_depth = max(CHUNK * 2, min(send_queue_depth, caps.max_qp_wr))
+            self.limits = DeviceLimits(
+                max_sge=caps.max_sge,
+                max_sge_rd=caps.max_sge_rd,
+                max_msg_sz=min(caps.max_msg_sz, 0xFFFF_FFFF),
+            )
+            cq_depth = max_peers * (self.sq_depth // CHUNK + RECV_SLOTS + 4)
+            self.send_cq = self._dev.create_cq(cq_depth, events=completion_events)
+            self.recv_cq = self._dev.create_cq(
+                max_peers * RECV_SLOTS + 16, events=completion_events
+            )
+            self._notify_slots = NotifySlots(self._dev, SEND_NOTIFY_SLOTS)
+            listener: socket.socket | None = None
+            if tcp_port:
+                listener = socket.create_server((host, tcp_port), backlog=64)
+                listener.setblocking(False)
+                self.id = engine_id
+            else:
+                self.id = f"{host}:0~{secrets.token_hex(4)}"
+        except BaseException:
+            self._dev.close()
+            raise
+        self._listener = listener
+        self._planner = Planner(self.limits, alignment or None)
+        self._regions: dict[tuple[int, int], Region] = {}
+        self._conns: dict[str, Connection] = {}
+        self._by_qpn: dict[int, Connection] = {}
+        self._handles: set[TransferHandle] = set()
+        self._notes: deque[Notification] = deque()
+        self._next_wr = 1
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._outgoing: set[Connection] = set()  # connections with control output queued
+        self._dead: list[Connection] = []  # dropped, resources released by the progress thread
+        self._broken: str | None = None  # why the progress thread died, if it did
+        self._progress = Progress(self, listener, (self.send_cq, self.recv_cq), completion_events)
+        self._closed = False
+        self._progress.start()
+        log.debug("engine %s up on %r", self.id, self._dev)
+
+    # -- lifetime ------------------------------------------------------------------------
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2)
+            self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"<Engine id={getattr(self, 'id', '?')} peers={len(getattr(self, '_conns', {}))}"
+            f" regions={len(getattr(self, '_regions', {}))} {state}>"
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def device(self) -> verbs.Device:
+        return self._dev
+
+    @property
+    def alignment(self) -> int | None:
+        """The offset alignment policy in bytes, or None when off."""
+        return self._planner.alignment
+
+    def diagnostics(self) -> Diagnostics:
+        """A snapshot of the progress thread and tables (see :class:`Diagnostics`)."""
+        thread = self._progress.thread
+        with self._lock:
+            return Diagnostics(
+                progress_thread_id=thread.native_id,
+                progress_alive=thread.is_alive(),
+                completion_events=self._progress.events,
+                pending_transfers=len(self._handles),
+                peers=len(self._conns),
+                regions=len(self._regions),
+            )
+
+    def close(self) -> None:
+        """Fail pending transfers, say goodbye to peers, release every resource.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for conn in list(self._conns.values()):
+                self._drop(conn, "engine closed", send_bye=True)
+            for h in list(self._handles):
+                h.finish(StateError(f"engine {self.id} closed while the transfer was pending"))
+            self._handles.clear()
+            self._notify_cv.notify_all()
+        self._progress.stop()
+        if self._listener is not None:
+            self._listener.close()
+        self._release_dead()
+        self._progress.close()
+        self._regions.clear()
+        self._dev.close()
+        log.debug("engine %s closed", self.id)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError(f"engine {self.id} is closed")
+        if self._broken is not None:
+            raise StateError(f"engine {self.id} is broken: {self._broken}")
+
+    def _progress_died(self, exc: BaseException) -> None:
+        """The progress thread is gone: fail everything pending, refuse new work."""
+        with self._lock:
+            self._broken = f"its progress thread died ({type(exc).__name__}: {exc})"
+            err = StateError(f"engine {self.id}: {self._broken}")
+            for h in list(self._handles):
+                h.finish(err)
+            self._handles.clear()
+            self._notify_cv.notify_all()
+
+    # -- memory --------------------------------------------------------------------------
+    def register(
+        self, buffer: object, *, access: Access = Access.LOCAL_WRITE, name: str = ""
+    ) -> Region:
+        """Register ``buffer`` for transfers; return its :class:`Region`.
+
+        ``buffer`` is anything with the buffer protocol (bytearray, mmap,
+        numpy array...), a CPU torch tensor, or an ``(address, nbytes)``
+        tuple (the caller keeps that memory alive).  It must be contiguous.
+        A read-only buffer needs ``access=Access.NONE`` (it can only be a put
+        source).  ``name`` lets peers find the region.  Registering the same
+        memory again with the same access returns the same region.  Peers are
+        told about a remotely accessible region by the progress thread; this
+        call never waits for them.
+
+        Raises :class:`RegistrationError` for an unsupported, empty or
+        read-only-but-writable request or an access clash, and
+        :class:`VerbsError` when the device refuses.
+        """
+        self._check_open()
+        access = Access(access)
+        if access & Access.REMOTE_WRITE:
+            access |= Access.LOCAL_WRITE
+        addr, length, owner, readonly = buffer_span(buffer)
+        if length <= 0:
+            raise RegistrationError(f"cannot register an empty buffer (nbytes={length})")
+        if readonly and access & (Access.LOCAL_WRITE | Access.REMOTE_WRITE):
+            raise RegistrationError(
+                f"buffer at {addr:#x} (nbytes={length}) is read-only; "
+                f"register it with access=Access.NONE or REMOTE_READ, "
+                f"not {access!r}"
+            )
+        if len(name) > 128 or not all(c.isprintable() for c in name):
+            raise ArgumentError(f"region name must be <= 128 printable characters: {name!r}")
+        with self._lock:
+            existing = self._regions.get((addr, length))
+            if existing is not None:
+                if existing.access != access or existing.name != name:
+                    raise RegistrationError(
+                        f"memory addr={addr:#x} nbytes={length} is already registered with "
+                        f"access={existing.access!r} name={existing.name!r}; deregister first"
+                    )
+                return existing
+            mr = self._dev.register(addr, length, int(access), owner)
+            region = Region(self, mr, access, name)
+            self._regions[(addr, length)] = region
+            if region.remote is not None:
+                self._announce()
+        log.debug("registered %r", region)
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Release ``region``; peers are told it is gone.  Idempotent."""
+        with self._lock:
+            if self._regions.get((region.addr, region.length)) is not region:
+                return
+            del self._regions[(region.addr, region.length)]
+            was_remote = region.remote is not None
+            region.mr.close()
+            if was_remote and not self._closed:
+                self._announce()
+
+    @property
+    def regions(self) -> list[Region]:
+        """Regions currently registered."""
+        with self._lock:
+            return list(self._regions.values())
+
+    def find_region(self, addr: int, nbytes: int) -> Region:
+        """The local region holding ``[addr, addr + nbytes)``.
+
+        Raises :class:`RegistrationError` when no registered region holds it.
+        """
+        with self._lock:
+            for r in self._regions.values():
+                if r.addr <= addr and addr + nbytes <= r.addr + r.length:
+                    return r
+        raise RegistrationError(
+            f"local memory not registered: addr={addr:#x} "
+            f"nbytes={nbytes} is in no registered region"
+        )
+
+    def _exposed(self) -> tuple[RemoteRegion, ...]:
+        with self._lock:
+            return tuple(r.remote for r in self._regions.values() if r.remote is not None)
+
+    def _announce(self) -> None:
+        """Queue our exposed regions to every live peer (caller holds the lock)."""
+        msg = wire.encode(wire.Regions(regions=self._exposed()))
+        for conn in list(self._conns.values()):
+            if conn.state is ConnState.READY:
+                self._queue_control(conn, msg)
+
+    def _queue_control(self, conn: Connection, data: bytes) -> None:
+        """Queue a control message for the progress thread to send (caller holds the lock)."""
+        if not conn.queue_control(data):
+            self._fail(conn, "peer left too many control messages unread")
+            return
+        self._outgoing.add(conn)
+        self._progress.wake()
+
+    # -- connections ---------------------------------------------------------------------
+    def connect(self, peer: str, timeout: float = 10.0) -> Connection:
+        """Connect to the engine listening at ``peer`` (``"ip:port"``).
+
+        Returns the existing connection when one is ready.  Raises
+        :class:`ConnectionFailed` when nothing answers or the peer refuses,
+        :class:`HandshakeError` when it answers with something malformed or
+        fails authentication, :class:`TransferTimeout` after ``timeout`` s.
+        """
+        self._check_open()
+        try:
+            host, port = wire.parse_engine_id(peer)
+        except ValueError as exc:
+            raise ArgumentError(f"bad peer id {peer!r}: {exc}") from exc
+        if port == 0:
+            raise ArgumentError(f"peer {peer!r} does not listen (port 0)")
+        with self._lock:
+            old = self._conns.get(peer)
+            if old is not None and old.state is ConnState.READY:
+                return old
+            if old is not None:
+                self._drop(old, "replaced by a new connection", send_bye=False)
+        deadline = time.monotonic() + timeout
+        try:
+            sock = socket.create_connection((host, port), timeout=max(0.01, timeout))
+        except TimeoutError as exc:
+            raise TransferTimeout(f"connect to {peer}: no answer within {timeout} s") from exc
+        except OSError as exc:
+            raise ConnectionFailed(f"connect to {peer}: {exc.strerror or exc}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = client_handshake(self, sock, peer, self._token, deadline)
+        log.debug("connected to %r", conn)
+        return conn
+
+    def _new_connection(self, peer: str, *, outbound: bool) -> Connection:
+        with self._lock:
+            self._check_open()
+            conn = Connection(self, peer, outbound)
+            self._by_qpn[conn.qpn] = conn
+            return conn
+
+    def _replace_connection(self, peer: str) -> Connection | None:
+        """A new inbound connection for ``peer``, or None while a live one holds that id."""
+        with self._lock:
+            self._check_open()
+            old = self._conns.get(peer)
+            if old is not None and old.state is ConnState.READY:
+                return None
+            if old is not None:
+                self._drop(old, "replaced by a new connection", send_bye=False)
+            conn = Connection(self, peer, outbound=False)
+            self._by_qpn[conn.qpn] = conn
+            return conn
+
+    def _discard(self, conn: Connection) -> None:
+        """Forget a connection whose handshake did not finish."""
+        with self._lock:
+            self._by_qpn.pop(conn.qpn, None)
+        conn.destroy()
+
+    def _adopt(self, conn: Connection, chan: Channel) -> None:
+        """Make a handshaken connection live: index it and watch its control socket."""
+        with self._lock:
+            self._check_open()
+            if len(self._conns) >= self._max_peers:
+                raise ConnectionFailed(
+                    f"engine {self.id} already has {len(self._conns)} peers "
+                    f"(max_peers={self._max_peers})"
+                )
+            conn.transition(ConnEvent.ESTABLISHED)
+            conn.attach(chan.sock, chan.decoder)
+            self._conns[conn.peer] = conn
+            self._progress.watch(conn)
+            for msg in chan.pending:
+                self._on_control(conn, msg)
+            # Regions registered or released since the handshake carried ours were announced
+            # only to live connections, which this one was not yet: tell the peer now.
+            exposed = self._exposed()
+            if exposed != conn.sent_regions:
+                self._queue_control(conn, wire.encode(wire.Regions(regions=exposed)))
+
+    def _serve(self, sock: socket.socket, addr: Any) -> None:
+        """An incoming connection: run its handshake in a thread of its own."""
+        if not self._handshakes.acquire(blocking=False):
+            sock.close()  # too many handshakes at once; the peer may retry
+            return
+        sock.setblocking(True)
+
+        def serve() -> None:
+            try:
+                serve_handshake(self, sock, addr, self._token, self._handshake_timeout)
+            finally:
+                self._handshakes.release()
+
+        threading.Thread(target=serve, daemon=True, name=f"hixl-handshake-{addr[0]}").start()
+
+    def disconnect(self, peer: str) -> None:
+        """Close the connection to ``peer``; its pending transfers fail.  Unknown peers: no-op."""
+        with self._lock:
+            conn = self._conns.get(peer)
+            if conn is not None:
+                self._drop(conn, f"disconnected by {self.id}", send_bye=True)
+
+    def connection(self, peer: str) -> Connection:
+        """The connection to ``peer``; :class:`ConnectionFailed` if there is none."""
+        conn = self._conns.get(peer)  # one dict lookup is atomic: no lock on the hot path
+        if conn is None:
+            with self._lock:
+                known = sorted(self._conns)
+            raise ConnectionFailed(f"not connected to {peer!r} (connected: {known})")
+        return conn
+
+    @property
+    def peers(self) -> list[str]:
+        """Ids of peers with a connection in any state but closed."""
+        with self._lock:
+            return list(self._conns)
+
+    def _fail(
+        self,
+        conn: Connection,
+        reason: str,
+        error: HixlError | None = None,
+        *,
+        culprit: TransferHandle | None = None,
+        expected: bool = False,
+    ) -> None:
+        """Mark ``conn`` failed: flush its queue pair and fail its pending transfers.
+
+        Caller holds the lock.  The connection is FAILED before any handle finishes, so
+        a caller woken by its handle already sees the state.  ``culprit`` (the transfer
+        that caused the failure) gets ``error``; every other pending transfer gets
+        :class:`ConnectionFailed` naming ``reason``.  ``expected`` (a peer's orderly
+        goodbye) logs at INFO instead of WARNING.
+        """
+        if conn.state in (ConnState.FAILED, ConnState.CLOSED):
+            if culprit is not None and error is not None:
+                culprit.finish(error)
+                self._handles.discard(culprit)
+            return
+        conn.transition(ConnEvent.FAIL)
+        conn.failure = reason
+        log.log(
+            logging.INFO if expected else logging.WARNING,
+            "connection to %s failed: %s",
+            conn.peer,
+            reason,
+        )
+        if culprit is not None and error is not None:
+            culprit.finish(error)
+            self._handles.discard(culprit)
+        try:
+            conn.to_error()
+        except HixlError as exc:
+            log.debug("moving qp of %s to ERR failed: %s", conn.peer, exc)
+        self._fail_pending(conn, ConnectionFailed(f"connection to {conn.peer} failed: {reason}"))
+
+    def _fail_pending(self, conn: Connection, error: HixlError) -> None:
+        chunks = conn.drain()
+        for chunk in chunks:
+            self._release_notify(chunk)
+        for h in {c.handle for c in chunks}:
+            if h is not None:
+                h.finish(error)
+                self._handles.discard(h)
+
+    def _drop(self, conn: Connection, reason: str, *, send_bye: bool) -> None:
+        """Close ``conn`` for good and forget it (caller holds the lock).
+
+        A goodbye is queued; the socket, queue pair and buffers are released by the
+        progress thread (or by :meth:`close`), outside the lock.
+        """
+        if send_bye and conn.sock is not None and conn.state is ConnState.READY:
+            conn.queue_control(wire.encode(wire.Bye(reason=printable(reason, 1000))))
+        if conn.state is ConnState.READY:
+            try:
+                conn.to_error()
+            except HixlError as exc:
+                log.debug("moving qp of %s to ERR failed: %s", conn.peer, exc)
+        self._fail_pending(conn, ConnectionFailed(f"connection to {conn.peer} closed: {reason}"))
+        conn.transition(ConnEvent.CLOSE)
+        self._progress.unwatch(conn)
+        self._outgoing.discard(conn)
+        self._by_qpn.pop(conn.qpn, None)
+        if self._conns.get(conn.peer) is conn:
+            del self._conns[conn.peer]
+        self._dead.append(conn)
+        self._progress.wake()
+
+    def _release_dead(self) -> None:
+        """Send what dropped connections still have queued (best effort), then free them."""
+        with self._lock:
+            dead, self._dead = self._dead, []
+        for conn in dead:
+            try:
+                conn.flush_control()
+            except OSError as exc:
+                log.debug("goodbye to %s not sent: %s", conn.peer, exc)
+            conn.destroy()
+
+    # -- transfers -----------------------------------------------------------------------
+    def put(
+        self,
+        peer: str,
+        local: Region,
+        remote: RemoteRegion | str,
+        *,
+        local_desc: Descriptor | None = None,
+        remote_desc: Descriptor | None = None,
+        notify: str | None = None,
+        notify_message: bytes = b"",
+        timeout: float = 30.0,
+    ) -> None:
+        """RDMA WRITE ``local_desc`` of ``local`` into ``remote_desc`` of the peer's ``remote``.
+
+        Blocks until the data has landed (and the notification, if any, was
+        delivered), or raises: :class:`BoundsError`, :class:`RegistrationError`,
+        :class:`AlignmentError`, :class:`DescriptorError` before posting;
+        :class:`CompletionError`, :class:`ConnectionFailed` or
+        :class:`TransferTimeout` (after ``timeout`` seconds) after it.
+        """
+        self.put_async(
+            peer,
+            local,
+            remote,
+            local_desc=local_desc,
+            remote_desc=remote_desc,
+            notify=notify,
+            notify_message=notify_message,
+            timeout=timeout,
+        ).wait()
+
+    def get(
+        self,
+        peer: str,
+        local: Region,
+        remote: RemoteRegion | str,
+        *,
+        local_desc: Descriptor | None = None,
+        remote_desc: Descriptor | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        """RDMA READ the peer's ``remote_desc`` of ``remote`` into ``local_desc`` of ``local``.
+
+        Errors as for :meth:`put`.  ``local`` needs ``Access.LOCAL_WRITE``.
+        """
+        self.get_async(
+            peer, local, remote, local_desc=local_desc, remote_desc=remote_desc, timeout=timeout
+        ).wait()
+
+    def put_async(
+        self,
+        peer: str,
+        local: Region,
+        remote: RemoteRegion | str,
+        *,
+        local_desc: Descriptor | None = None,
+        remote_desc: Descriptor | None = None,
+        notify: str | None = None,
+        notify_message: bytes = b"",
+        timeout: float = 30.0,
+    ) -> TransferHandle:
+        """Start a put (see :meth:`put`); return its :class:`TransferHandle`."""
+        req = TransferRequest(
+            op="write", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
+        )
+        return self.transfer_async(
+            peer, [req], notify=notify, notify_message=notify_message, timeout=timeout
+        )
+
+    def get_async(
+        self,
+        peer: str,
+        local: Region,
+        remote: RemoteRegion | str,
+        *,
+        local_desc: Descriptor | None = None,
+        remote_desc: Descriptor | None = None,
+        timeout: float = 30.0,
+    ) -> TransferHandle:
+        """Start a get (see :meth:`get`); return its :class:`TransferHandle`."""
+        req = TransferRequest(
+            op="read", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
+        )
+        return self.transfer_async(peer, [req], timeout=timeout)
+
+    def transfer(
+        self,
+        peer: str,
+        requests: Sequence[TransferRequest],
+        *,
+        notify: str | None = None,
+        notify_message: bytes = b"",
+        timeout: float = 30.0,
+    ) -> None:
+        """Run a batch of requests to one peer as one transfer; block until done."""
+        self.transfer_async(
+            peer, requests, notify=notify, notify_message=notify_message, timeout=timeout
+        ).wait()
+
+    def transfer_async(
+        self,
+        peer: str,
+        requests: Sequence[TransferRequest],
+        *,
+        notify: str | None = None,
+        notify_message: bytes = b"",
+        timeout: float = 30.0,
+    ) -> TransferHandle:
+        """Validate and plan every request, then post them all; return one handle.
+
+        Nothing is posted unless every request is valid.  With ``notify``,
+        the peer receives a :class:`Notification` once all the data has
+        landed.  ``timeout`` (seconds) is the transfer's deadline: after it,
+        the transfer fails with :class:`TransferTimeout` and the connection is
+        marked failed (its requests cannot be recalled otherwise).
+        """
+        if timeout <= 0:
+            raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
+        if not requests and notify is None:
+            raise ArgumentError("empty transfer: no requests and no notification")
+        payload = _notify.encode(notify, notify_message) if notify is not None else None
+        self._check_open()
+        conn = self.connection(peer)
+        conn.check_ready()
+        # Validation, planning and building read only immutable values (regions' keys,
+        # the peer's announced region tuple), so they run without the engine lock; the
+        # progress thread keeps reaping completions meanwhile.
+        wrs: list[verbs.SendRequest] = []
+        nbytes = 0
+        for i, req in enumerate(requests):
+            built, n = self._planner.build(self, conn, req, i)
+            wrs.extend(built)
+            nbytes += n
+        with self._lock:
+            self._check_open()
+            conn.check_ready()
+            handle = TransferHandle(peer, nbytes, len(wrs), time.monotonic() + timeout)
+            chunks = [Chunk(wrs[i : i + CHUNK], handle) for i in range(0, len(wrs), CHUNK)]
+            if payload is not None:
+                slot, send = self._notify_slots.take(payload)
+                chunks.append(Chunk([send], handle, slot))
+            handle.chunks_left = len(chunks)
+            for chunk in chunks:
+                chunk.wr_id = self._next_wr
+                self._next_wr += 1
+            conn.queue(chunks)
+            self._handles.add(handle)
+            self._pump(conn)
+        return handle
+
+    def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0) -> None:
+        """Send a notification to ``peer`` alone (after everything posted before it)."""
+        self.transfer(peer, [], notify=name, notify_message=message, timeout=timeout)
+
+    def _release_notify(self, chunk: Chunk) -> None:
+        if chunk.notify_slot is not None:
+            self._notify_slots.release(chunk.notify_slot)
+            chunk.notify_slot = None
+
+    def _pump(self, conn: Connection) -> None:
+        """Post backlogged chunks while the send queue has room (caller holds the lock)."""
+        for chunk in conn.postable(self.sq_depth):
+            try:
+                conn.post(chunk)
+            except HixlError as exc:
+                self._fail(conn, f"post_send failed: {exc}", exc, culprit=chunk.handle)
+                return
+            conn.posted(chunk)
+
+    def _has_pending(self) -> bool:
+        return bool(self._handles)
+
+    # -- notifications -------------------------------------------------------------------
+    def notifications(self) -> list[Notification]:
+        """Take every notification received so far (oldest first)."""
+        with self._lock:
+            out = list(self._notes)
+            self._notes.clear()
+            return out
+
+    def wait_notification(self, name: str, timeout: float, peer: str | None = None) -> Notification:
+        """Wait up to ``timeout`` s for a notification called ``name`` (from ``peer``).
+
+        The matching notification is taken out of the queue; others stay.
+        Raises :class:`TransferTimeout` when none arrives in time.
+        """
+        deadline = time.monotonic() + timeout
+        with self._notify_cv:
+            while True:
+                for note in self._notes:
+                    if note.name == name and (peer is None or note.peer == peer):
+                        self._notes.remove(note)
+                        return note
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    break
+                self._notify_cv.wait(left)
+        raise TransferTimeout(
+            f"no notification {name!r}{' from ' + peer if peer else ''} within {timeout} s"
+        )
+
+    # -- progress thread callbacks (all but the socket reads run under the lock) -----------
+    def _reap_send(self, wcs: list[verbs.Completion]) -> int:
+        """Handle send completions; return how many there were."""
+        for wc in wcs:
+            conn = self._by_qpn.get(wc.qp_num)
+            if conn is None:
+                continue
+            chunk = conn.completed(wc.wr_id)
+            if chunk is None:
+                continue  # completion of a chunk that was already failed
+            op = "RDMA transfer" if chunk.notify_slot is None else "notification"
+            self._release_notify(chunk)
+            handle = chunk.handle
+            if not wc.ok:
+                err = CompletionError(
+                    f"{op} to {conn.peer}", wc.status, wc.status_name, wc.wr_id, wc.vendor_err
+                )
+                self._fail(conn, f"completion error {wc.status_name}", err, culprit=handle)
+                continue
+            if handle is not None:
+                handle.chunks_left -= 1
+                if handle.chunks_left == 0:
+                    handle.finish(None)
+                    self._handles.discard(handle)
+            self._pump(conn)
+        return len(wcs)
+
+    def _reap_recv(self, wcs: list[verbs.Completion]) -> int:
+        """Handle receive completions (notifications); return how many there were."""
+        for wc in wcs:
+            conn = self._by_qpn.get(wc.qp_num)
+            if conn is None:
+                continue
+            # A successful receive is a notification the peer sent, whatever state the
+            # connection is in now: a server-side connection is CONNECTING until the
+            # handshake thread has read READY, and a peer that says goodbye right after
+            # its last notification may be marked FAILED before this poll.  Only failed
+            # receives (flushed ones included) are dropped.
+            live = conn.state in (ConnState.READY, ConnState.CONNECTING)
+            if not wc.ok:
+                if live:
+                    self._fail(conn, f"receive completion error {wc.status_name}")
+                continue
+            note = _notify.decode(conn.peer, conn.recv_slot(wc.wr_id, wc.byte_len))
+            if live:
+                try:
+                    conn.post_recv(wc.wr_id)
+                except HixlError as exc:
+                    self._fail(conn, f"re-posting a receive failed: {exc}")
+            if note is None:
+                log.warning("dropped a malformed notification from %s", conn.peer)
+                continue
+            self._notes.append(note)
+            self._notify_cv.notify_all()
+        return len(wcs)
+
+    def _expire(self, now: float) -> None:
+        for h in [h for h in self._handles if h.deadline <= now]:
+            err = TransferTimeout(
+                f"transfer to {h.peer} did not complete within its deadline "
+                f"({h.nbytes} bytes, {h.num_wrs} work requests); the connection is marked "
+                "failed because its requests cannot be recalled"
+            )
+            conn = self._conns.get(h.peer)
+            if conn is not None:
+                self._fail(conn, "a transfer timed out", err, culprit=h)
+            else:
+                h.finish(err)
+                self._handles.discard(h)
+
+    def _flush_outboxes(self) -> None:
+        """Progress thread: send queued control messages, free dropped connections."""
+        with self._lock:
+            outgoing = list(self._outgoing)
+            self._outgoing.clear()
+        for conn in outgoing:
+            self._flush_control(conn)
+        self._release_dead()
+
+    def _flush_control(self, conn: Connection) -> None:
+        """Progress thread: write what the control socket takes now (outside the lock)."""
+        try:
+            conn.flush_control()
+        except OSError as exc:
+            with self._lock:
+                self._progress.unwatch(conn)
+                self._fail(conn, f"control connection lost: {exc}")
+            return
+        with self._lock:
+            if conn.state is not ConnState.CLOSED and conn.sock is not None:
+                self._progress.watch(conn)  # write interest only while output is left
+
+    def _read_control(self, conn: Connection) -> None:
+        """Read and handle what ``conn``'s peer sent on its control socket; never blocks."""
+        if conn.sock is None or conn.decoder is None:
+            return
+        try:
+            data = conn.read_control()
+        except OSError as exc:
+            data = b""
+            log.debug("control socket of %s: %s", conn.peer, exc)
+        if data is None:
+            return
+        with self._lock:
+            if conn.state is ConnState.CLOSED:
+                return
+            if not data:
+                self._progress.unwatch(conn)
+                self._fail(conn, "peer closed the control connection (process gone?)")
+                return
+            try:
+                msgs = conn.decoder.feed(data)
+            except HandshakeError as exc:
+                self._progress.unwatch(conn)
+                self._fail(conn, f"malformed control message: {exc}")
+                return
+            for msg in msgs:
+                self._on_control(conn, msg)
+
+    def _on_control(self, conn: Connection, msg: wire.Message) -> None:
+        if isinstance(msg, wire.Regions):
+            conn.set_remote_regions(msg.regions)
+        elif isinstance(msg, wire.Bye):
+            # Notifications the peer sent before its goodbye come first.
+            self._reap_recv(self.recv_cq.poll(64))
+            self._progress.unwatch(conn)
+            self._fail(conn, f"peer said goodbye: {msg.reason}", expected=True)
+        elif isinstance(msg, wire.Error):
+            self._fail(conn, f"peer reported {msg.code}: {msg.message}")
+        else:
+            self._fail(conn, f"unexpected {type(msg).__name__} on the control channel")
+
+
+_notify = notify  # the module, under a name the ``notify`` parameters do not shadow

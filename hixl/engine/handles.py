@@ -1,0 +1,117 @@
+"""Transfer requests and the handles that track them."""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hixl.core.descriptors import Descriptor
+from hixl.core.wire import RemoteRegion
+from hixl.errors import HixlError, TransferTimeout
+
+if TYPE_CHECKING:
+    from hixl.engine.regions import Region
+
+__all__ = ["TransferHandle", "TransferRequest", "TransferStatus"]
+
+# Orders a handle's finish against a waiter making its Event.  Innermost lock: taken
+# under the engine lock (the progress thread finishes handles), never the other way.
+_handle_lock = threading.Lock()
+
+
+class TransferStatus(enum.Enum):
+    """Life of a transfer: PENDING, then DONE or FAILED, never back."""
+
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferRequest:
+    """One piece of a batch: move ``local_desc`` of ``local`` to/from ``remote_desc`` of ``remote``.
+
+    ``op`` is ``"write"`` (put: local -> remote) or ``"read"`` (get: remote ->
+    local).  ``remote`` is a :class:`RemoteRegion` from the connection or the
+    name the peer registered it under.  A missing descriptor means the whole
+    region, or as many bytes as the other side describes.
+    """
+
+    op: str
+    local: Region
+    remote: RemoteRegion | str
+    local_desc: Descriptor | None = None
+    remote_desc: Descriptor | None = None
+
+
+class TransferHandle:
+    """An asynchronous transfer: poll :meth:`done` / :attr:`status`, or :meth:`wait`."""
+
+    def __init__(self, peer: str, nbytes: int, num_wrs: int, deadline: float) -> None:
+        self.peer = peer
+        self.nbytes = nbytes
+        self.num_wrs = num_wrs
+        self.deadline = deadline
+        self._status = TransferStatus.PENDING
+        self._error: HixlError | None = None
+        self._event: threading.Event | None = None  # made by the first wait() that sleeps
+        self.chunks_left = 0  # engine bookkeeping, under the engine lock
+
+    @property
+    def status(self) -> TransferStatus:
+        return self._status
+
+    @property
+    def error(self) -> HixlError | None:
+        """The error that failed the transfer, or None."""
+        return self._error
+
+    def done(self) -> bool:
+        """True once the transfer finished, successfully or not."""
+        return self._status is not TransferStatus.PENDING
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the transfer finishes; raise its error if it failed.
+
+        ``timeout`` (seconds) bounds this wait only; when it passes first this
+        raises :class:`TransferTimeout` and the transfer goes on.  The transfer
+        has its own deadline, after which it fails on its own.
+        """
+        event = None
+        with _handle_lock:  # most handles are done before anyone waits: no Event for them
+            if self._status is TransferStatus.PENDING:
+                if self._event is None:
+                    self._event = threading.Event()
+                event = self._event
+        if event is not None:
+            # One second of grace past the deadline, for the progress thread to fail it.
+            own_limit = self.deadline - time.monotonic() + 1.0
+            limit = own_limit if timeout is None else min(own_limit, timeout)
+            if not event.wait(max(0.0, limit)):
+                waited = "past its deadline" if limit == own_limit else f"after {timeout} s"
+                raise TransferTimeout(
+                    f"transfer to {self.peer} still pending {waited} "
+                    f"({self.nbytes} bytes, {self.num_wrs} work requests)"
+                )
+        if self._error is not None:
+            raise self._error
+
+    def finish(self, error: HixlError | None) -> None:
+        """Engine side: end the transfer (first call wins) and wake its waiter."""
+        with _handle_lock:
+            if self._status is not TransferStatus.PENDING:
+                return
+            self._error = error
+            self._status = TransferStatus.DONE if error is None else TransferStatus.FAILED
+            event = self._event
+        if event is not None:
+            event.set()
+
+    def __repr__(self) -> str:
+        return (
+            f"<TransferHandle peer={self.peer} nbytes={self.nbytes} "
+            f"wrs={self.num_wrs} status={self._status.value}>"
+        )

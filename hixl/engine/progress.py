@@ -1,0 +1,223 @@
+"""The progress thread: completions, control traffic, deadlines and the listener.
+
+One thread per engine sleeps in a selector on the completion channels' descriptors,
+the listening socket, every connection's control socket and a wake-up socket pair, so
+it releases the GIL while idle and wakes at once for a completion, a peer's message,
+an incoming connection or a control message to send.  It wakes every 20 ms while
+transfers are pending (deadlines) and every 100 ms otherwise.  Where completion
+channels are not available it polls the CQs with a back-off of up to 2 ms instead.
+
+Each round: poll the CQs that may hold something (arming the drained ones, then
+polling once more for what completed before the arming), expire transfers past their
+deadline, then wait; socket reads and writes happen outside the engine lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import selectors
+import socket
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+from hixl.errors import HixlError
+from hixl.verbs import adapter as verbs
+
+if TYPE_CHECKING:
+    from hixl.engine.connection import Connection
+    from hixl.engine.engine import Engine
+
+__all__ = ["Progress"]
+
+log = logging.getLogger("hixl.engine")
+
+IDLE_MAX = 0.002  # longest sleep when the thread has to poll, seconds
+SLEEP_PENDING = 0.02  # with completion events: longest sleep while transfers are pending
+SLEEP_IDLE = 0.1  # ... and with nothing pending
+POLL_BATCH = 64  # completions taken per poll
+_WAKE = object()  # selector key data of the socket that wakes the thread
+_LISTENER = object()
+
+
+class Progress:
+    """The selector, wake-up pair and thread of one engine."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        listener: socket.socket | None,
+        cqs: tuple[verbs.CompletionQueue, verbs.CompletionQueue],
+        events: bool,
+    ) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._listener = listener
+        if listener is not None:
+            self._selector.register(listener, selectors.EVENT_READ, _LISTENER)
+        self.send_cq, self.recv_cq = cqs
+        # Completion events wake the thread (no polling while idle) where the device's
+        # completion channels could be opened; otherwise it polls with a back-off.
+        self.events = events and all(cq.fd is not None for cq in cqs)
+        self._armed: set[verbs.CompletionQueue] = set()
+        if self.events:
+            for cq in cqs:
+                assert cq.fd is not None
+                self._selector.register(cq.fd, selectors.EVENT_READ, cq)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._stop = threading.Event()
+        self._next_expiry_check = 0.0
+        # The thread holds the engine only weakly between rounds, so an engine the
+        # application forgets to close is still collected (and warns, and closes).
+        self.thread = threading.Thread(
+            target=_loop,
+            args=(weakref.ref(engine), self._stop),
+            name=f"hixl-progress-{engine.id}",
+            daemon=True,
+        )
+
+    def start(self) -> None:
+        self.thread.start()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def wake(self) -> None:
+        """Make the thread run a round now.  Any thread, never blocks."""
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def watch(self, conn: Connection) -> None:
+        """Watch ``conn``'s control socket (for reading, and writing while it has output)."""
+        assert conn.sock is not None
+        mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.wants_write else 0)
+        try:
+            self._selector.modify(conn.sock, mask, conn)
+        except KeyError:
+            self._selector.register(conn.sock, mask, conn)
+
+    def unwatch(self, conn: Connection) -> None:
+        if conn.sock is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn.sock)
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it (unless called from it)."""
+        self._stop.set()
+        self.wake()
+        if self.thread is not threading.current_thread() and self.thread.is_alive():
+            self.thread.join(timeout=10)
+
+    def close(self) -> None:
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # -- one round -------------------------------------------------------------------------
+    def step(self, engine: Engine, idle: float) -> bool:
+        """One round; True when there was work to do.
+
+        With completion events the thread sleeps in the selector until a completion,
+        control traffic or the next deadline check; ``idle`` (the polling back-off)
+        only matters without them.
+        """
+        busy = False
+        try:
+            with engine._lock:
+                if engine.closed:
+                    return False
+                if self.events:
+                    busy = self._poll_events(engine)
+                else:
+                    busy |= engine._reap_send(self.send_cq.poll(POLL_BATCH)) == POLL_BATCH
+                    busy |= engine._reap_recv(self.recv_cq.poll(POLL_BATCH)) == POLL_BATCH
+                now = time.monotonic()
+                if now >= self._next_expiry_check:
+                    engine._expire(now)
+                    self._next_expiry_check = now + 0.01
+                if busy:
+                    timeout = 0.0
+                elif self.events:
+                    timeout = SLEEP_PENDING if engine._has_pending() else SLEEP_IDLE
+                else:
+                    timeout = idle
+            for key, mask in self._selector.select(timeout=timeout):
+                data = key.data
+                if data is _LISTENER:
+                    self._accept(engine)
+                elif data is _WAKE:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+                    engine._flush_outboxes()
+                elif isinstance(data, verbs.CompletionQueue):
+                    with engine._lock:
+                        if data.take_event():
+                            self._armed.discard(data)
+                    busy = True
+                else:
+                    if mask & selectors.EVENT_WRITE:
+                        engine._flush_control(data)
+                    if mask & selectors.EVENT_READ:
+                        engine._read_control(data)
+                    busy = True
+        except HixlError as exc:
+            log.warning("progress loop: %s", exc)
+        except (OSError, ValueError, KeyError) as exc:
+            if not self._stop.is_set():
+                log.warning("progress loop: unexpected %s: %s", type(exc).__name__, exc)
+        return busy
+
+    def _poll_events(self, engine: Engine) -> bool:
+        """Poll the CQs that may hold something, arm the drained ones.  True if more is queued.
+
+        An armed CQ whose event has not fired holds nothing new, so it is skipped.  A CQ
+        that a poll drains (fewer than a full batch) is armed at once and polled once more,
+        for what completed before the arming; after that the thread may sleep.
+        """
+        busy = False
+        for cq, reap in ((self.send_cq, engine._reap_send), (self.recv_cq, engine._reap_recv)):
+            if cq in self._armed:
+                continue
+            if reap(cq.poll(POLL_BATCH)) == POLL_BATCH:
+                busy = True  # maybe more queued: poll again before arming
+                continue
+            cq.arm()
+            self._armed.add(cq)
+            if reap(cq.poll(POLL_BATCH)) == POLL_BATCH:
+                self._armed.discard(cq)  # more may be queued from before the arming
+                busy = True
+        return busy
+
+    def _accept(self, engine: Engine) -> None:
+        assert self._listener is not None
+        try:
+            sock, addr = self._listener.accept()
+        except OSError:
+            return
+        engine._serve(sock, addr)
+
+
+def _loop(engine_ref: weakref.ref[Engine], stop: threading.Event) -> None:
+    """Body of an engine's progress thread: rounds with an idle back-off of up to 2 ms.
+
+    An exception that escapes a round kills the loop: every pending transfer then fails
+    with an error that says so, rather than waiting for a thread that is gone.
+    """
+    idle = 0.0
+    while not stop.is_set():
+        engine = engine_ref()
+        if engine is None:
+            return
+        try:
+            busy = engine._progress.step(engine, idle)
+        except BaseException as exc:
+            log.exception("progress thread of %s died", engine.id)
+            engine._progress_died(exc)
+            return
+        del engine
+        idle = 0.0 if busy else min(IDLE_MAX, idle * 2 + 0.00005)

@@ -1,0 +1,65 @@
+"""No socket I/O under the engine lock: a peer that stops reading stalls nobody else."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+
+from hixl import Access, Engine
+from hixl.testbed.ports import free_tcp_port
+
+from .conftest import listening_engine
+from .peerproc import PeerProcess
+
+REGIONS = 150
+LIMIT = 0.100  # seconds: the issue's bound for each register() and put while a peer stalls
+
+
+def test_stalled_peer_never_blocks_register_or_other_puts() -> None:
+    """A peer process frozen with SIGSTOP reads nothing from its control socket.
+
+    Every region registered after that is announced to it; the announcements (a few MB in
+    all, as each carries every exposed region) fill the socket buffers.  register() and
+    puts to a healthy peer must each still finish within 100 ms.  (Before control messages
+    were queued for the progress thread, register() sent them itself under the engine lock
+    and blocked for up to 5 s here.)
+    """
+    stalled = PeerProcess(f"127.0.0.1:{free_tcp_port()}", 4096)
+    healthy = listening_engine()
+    eng = Engine("127.0.0.1:0")
+    try:
+        stalled.wait_ready()
+        dst = np.zeros(4096, np.uint8)
+        healthy.register(dst, access=Access.REMOTE_WRITE, name="dst")
+        src = eng.register(np.full(4096, 5, np.uint8), access=Access.NONE)
+        eng.connect(stalled.id, timeout=30)
+        eng.connect(healthy.id, timeout=30)
+        eng.put(healthy.id, src, "dst", timeout=30)  # warm-up
+        assert stalled.proc.pid is not None
+        os.kill(stalled.proc.pid, signal.SIGSTOP)
+        buffers, register_s, put_s = [], [], []
+        for i in range(REGIONS):
+            buf = np.zeros(4096, np.uint8)
+            buffers.append(buf)
+            t0 = time.perf_counter()
+            eng.register(buf, access=Access.REMOTE_WRITE, name=f"region-{i:04d}-" + "x" * 100)
+            register_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            eng.put(healthy.id, src, "dst", timeout=10)
+            put_s.append(time.perf_counter() - t0)
+        print(
+            f"while a peer stalls: register() max {max(register_s) * 1e3:.1f} ms, "
+            f"put max {max(put_s) * 1e3:.1f} ms over {REGIONS} rounds"
+        )
+        assert max(register_s) < LIMIT, sorted(register_s)[-5:]
+        assert max(put_s) < LIMIT, sorted(put_s)[-5:]
+        assert np.all(dst == 5)
+    finally:
+        if stalled.proc.pid is not None:
+            os.kill(stalled.proc.pid, signal.SIGCONT)
+        eng.close()
+        healthy.close()
+        stalled.close()
