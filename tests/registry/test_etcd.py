@@ -18,11 +18,26 @@ from etcd3gw.client import Etcd3Client
 
 from hixl.core.directory import PREFIX, EventKind, key_for
 from hixl.errors import NameNotFound, RegistryUnavailable
-from hixl.registry import Registry, Watch, open_registry
+from hixl.registry import Announcement, Registry, Watch, open_registry
 from hixl.testbed.etcd import EtcdServer
 
 ANNOUNCER = Path(__file__).with_name("announcer.py")
-FIELDS = dict(role="decode", engine_id="10.0.0.2:5000", gid="fe80::2", mtu=1024, capacity=64)
+
+
+def announce(
+    reg: Registry,
+    name: str,
+    *,
+    role: str = "decode",
+    engine_id: str = "10.0.0.2:5000",
+    mtu: int = 1024,
+    capacity: int = 64,
+) -> Announcement:
+    return reg.announce(
+        name, role=role, engine_id=engine_id, gid="fe80::2", mtu=mtu, capacity=capacity
+    )
+
+
 TTL = 2
 
 
@@ -64,7 +79,7 @@ def kill(proc: subprocess.Popen[str]) -> None:
 def test_announce_resolve_watch_on_etcd(etcd: EtcdServer, watcher: tuple[Registry, Watch]) -> None:
     reg, w = watcher
     with open_registry(etcd.url, ttl=TTL) as other:
-        ann = other.announce("decode-1", **FIELDS)
+        ann = announce(other, "decode-1")
         assert next_event(w, EventKind.JOIN, "decode-1").current == ann
         assert reg.resolve("decode-1") == ann
         other.update("decode-1", capacity=3)
@@ -114,14 +129,14 @@ def test_restart_with_same_name(etcd: EtcdServer, watcher: tuple[Registry, Watch
 def test_etcd_stop_and_start(etcd: EtcdServer, watcher: tuple[Registry, Watch]) -> None:
     reg, w = watcher
     with open_registry(etcd.url, ttl=TTL) as worker:
-        worker.announce("decode-1", **FIELDS)
+        announce(worker, "decode-1")
         next_event(w, EventKind.JOIN, "decode-1")
         etcd.stop()
         t0 = time.monotonic()
         with pytest.raises(RegistryUnavailable, match=f"registry {etcd.url}"):
             reg.resolve("decode-1")
         with pytest.raises(RegistryUnavailable, match=f"registry {etcd.url}"):
-            worker.announce("decode-2", **FIELDS)
+            announce(worker, "decode-2")
         assert time.monotonic() - t0 < 2.0
         time.sleep(TTL + 1)
         assert "decode-1" in w.members()  # the watcher keeps the last known view
@@ -137,7 +152,7 @@ def test_etcd_losing_its_data_gets_announcements_again(
 ) -> None:
     reg, w = watcher
     with open_registry(etcd.url, ttl=TTL) as worker:
-        worker.announce("decode-1", **FIELDS)
+        announce(worker, "decode-1")
         next_event(w, EventKind.JOIN, "decode-1")
         etcd.kill()
         etcd.start(wipe=True)  # same port, empty data: the worker's lease is gone
@@ -163,7 +178,7 @@ def test_malformed_values_in_etcd_are_skipped(
     raw.put(PREFIX + "foreign", '{"v":1,"name":"foreign","addr":"10.0.0.9","rkey":77}')
     raw.put(PREFIX + "x" * 100, "{}")
     with open_registry(etcd.url, ttl=TTL) as worker:
-        worker.announce("decode-1", **FIELDS)
+        announce(worker, "decode-1")
         next_event(w, EventKind.JOIN, "decode-1")
         assert set(w.members()) == {"decode-1"}
         assert [a.name for a in reg.list()] == ["decode-1"]

@@ -30,7 +30,19 @@ from hixl.registry import (
     parse_url,
 )
 
-FIELDS = dict(role="decode", engine_id="10.0.0.2:5000", gid="fe80::2", mtu=1024, capacity=64)
+
+def announce(
+    reg: Registry,
+    name: str,
+    *,
+    role: str = "decode",
+    engine_id: str = "10.0.0.2:5000",
+    mtu: int = 1024,
+    capacity: int = 64,
+) -> Announcement:
+    return reg.announce(
+        name, role=role, engine_id=engine_id, gid="fe80::2", mtu=mtu, capacity=capacity
+    )
 
 
 @pytest.fixture
@@ -60,7 +72,7 @@ def next_event(w, kind: EventKind, name: str, timeout: float = 5.0):  # type: ig
 def test_announce_resolve_update_withdraw(regs: tuple[Registry, Registry]) -> None:
     a, b = regs
     w = b.watch()
-    ann = a.announce("decode-1", **FIELDS)
+    ann = announce(a, "decode-1")
     assert b.resolve("decode-1") == ann
     assert next_event(w, EventKind.JOIN, "decode-1").current == ann
     a.update("decode-1", capacity=10)
@@ -78,7 +90,7 @@ def test_announce_resolve_update_withdraw(regs: tuple[Registry, Registry]) -> No
 def test_bad_arguments_are_named(regs: tuple[Registry, Registry]) -> None:
     a, _ = regs
     with pytest.raises(ArgumentError, match="mtu=1500"):
-        a.announce("x", **{**FIELDS, "mtu": 1500})
+        announce(a, "x", mtu=1500)
     with pytest.raises(ArgumentError, match="registry name"):
         a.resolve("no/slash")
     with pytest.raises(StateError, match="not announced by this process"):
@@ -93,7 +105,7 @@ def test_bad_arguments_are_named(regs: tuple[Registry, Registry]) -> None:
 def test_lease_expiry_is_seen_within_ttl(regs: tuple[Registry, Registry]) -> None:
     a, b = regs
     w = b.watch()
-    a.announce("decode-1", **FIELDS)
+    announce(a, "decode-1")
     next_event(w, EventKind.JOIN, "decode-1")
     time.sleep(2.5)  # the keep-alive holds the name past the 1 s TTL
     assert "decode-1" in w.members()
@@ -106,7 +118,7 @@ def test_lease_expiry_is_seen_within_ttl(regs: tuple[Registry, Registry]) -> Non
 def test_close_revokes_at_once(regs: tuple[Registry, Registry]) -> None:
     a, b = regs
     w = b.watch()
-    a.announce("decode-1", **FIELDS)
+    announce(a, "decode-1")
     next_event(w, EventKind.JOIN, "decode-1")
     t0 = time.monotonic()
     a.close()
@@ -114,18 +126,18 @@ def test_close_revokes_at_once(regs: tuple[Registry, Registry]) -> None:
     assert time.monotonic() - t0 < 0.5
     a.close()  # idempotent
     with pytest.raises(StateError, match="closed"):
-        a.announce("decode-1", **FIELDS)
+        announce(a, "decode-1")
 
 
 def test_restart_with_same_name(store: MemoryStore, regs: tuple[Registry, Registry]) -> None:
     old, watcher = regs
     w = watcher.watch()
-    first = old.announce("decode-1", **FIELDS)
+    first = announce(old, "decode-1")
     next_event(w, EventKind.JOIN, "decode-1")
     old.close(revoke=False)  # the old process dies...
     new = Registry(MemoryBackend(store), ttl=1)  # ...and its successor takes the name
     try:
-        second = new.announce("decode-1", **{**FIELDS, "engine_id": "10.0.0.2:5001"})
+        second = announce(new, "decode-1", engine_id="10.0.0.2:5001")
         ev = next_event(w, EventKind.UPDATE, "decode-1")
         assert ev.restarted and ev.previous == first and ev.current == second
         time.sleep(2.0)  # the old lease expires; the name, now on the new lease, stays
@@ -140,14 +152,14 @@ def test_outage_fails_fast_and_recovers(
 ) -> None:
     a, b = regs
     w = b.watch()
-    a.announce("decode-1", **FIELDS)
+    announce(a, "decode-1")
     next_event(w, EventKind.JOIN, "decode-1")
     store.stop()
     t0 = time.monotonic()
     with pytest.raises(RegistryUnavailable, match="memory://test"):
         b.resolve("decode-1")
     with pytest.raises(RegistryUnavailable, match="memory://test"):
-        a.announce("prefill-1", **{**FIELDS, "role": "prefill"})
+        announce(a, "prefill-1", role="prefill")
     assert time.monotonic() - t0 < 1.0
     deadline = time.monotonic() + 3
     while w.synced and time.monotonic() < deadline:
@@ -166,8 +178,8 @@ def test_store_losing_its_data_gets_everything_again(
 ) -> None:
     a, b = regs
     w = b.watch()
-    a.announce("decode-1", **FIELDS)
-    a.announce("decode-2", **FIELDS)
+    announce(a, "decode-1")
+    announce(a, "decode-2")
     store.stop()
     store.start(wipe=True)  # a new, empty store: the lease is unknown there
     deadline = time.monotonic() + 3.0
@@ -186,7 +198,7 @@ def test_malformed_and_foreign_values_are_skipped(
     a, b = regs
     caplog.set_level(logging.WARNING, logger="hixl.registry")
     w = b.watch()
-    a.announce("decode-1", **FIELDS)
+    announce(a, "decode-1")
     next_event(w, EventKind.JOIN, "decode-1")
     store.put_raw(PREFIX + "junk", b"\x00not json")
     store.put_raw(PREFIX + "foreign", b'{"v": 1, "name": "foreign", "rkey": 1234}')
@@ -196,7 +208,7 @@ def test_malformed_and_foreign_values_are_skipped(
     )
     store.put_raw(PREFIX + "decode-2", stolen)  # a value naming another key
     store.put_raw("/not/hixl", b"whatever")
-    a.announce("decode-3", **FIELDS)
+    announce(a, "decode-3")
     next_event(w, EventKind.JOIN, "decode-3")  # the watch went on past all of them
     assert set(w.members()) == {"decode-1", "decode-3"}
     assert {x.name for x in b.list()} == {"decode-1", "decode-3"}
@@ -213,7 +225,7 @@ def test_malformed_and_foreign_values_are_skipped(
 def test_watch_queue_is_bounded(regs: tuple[Registry, Registry]) -> None:
     a, b = regs
     w = b.watch()
-    a.announce("decode-1", **FIELDS)
+    announce(a, "decode-1")
     for i in range(1100):
         a.update("decode-1", capacity=i)
     deadline = time.monotonic() + 5
@@ -232,7 +244,7 @@ def test_watch_queue_is_bounded(regs: tuple[Registry, Registry]) -> None:
 
 def test_memory_url_shares_one_store_per_name() -> None:
     with open_registry("memory://shared-x", ttl=2) as a, open_registry("memory://shared-x") as b:
-        a.announce("p", **FIELDS)
+        announce(a, "p")
         assert b.resolve("p").engine == "10.0.0.2:5000"
         with open_registry("memory://shared-y") as c, pytest.raises(NameNotFound):
             c.resolve("p")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -38,7 +39,7 @@ def announcements(draw: st.DrawFn, name: str | None = None) -> Announcement:
 
 
 def good(**kw: object) -> Announcement:
-    fields: dict[str, object] = dict(
+    fields: dict[str, Any] = dict(
         name="decode-1",
         role="decode",
         engine="10.0.0.2:5000",
@@ -48,7 +49,7 @@ def good(**kw: object) -> Announcement:
         instance="0123456789abcdef",
     )
     fields.update(kw)
-    return Announcement(**fields)  # type: ignore[arg-type]
+    return Announcement(**fields)
 
 
 @given(announcements())
@@ -185,8 +186,8 @@ def test_events_replayed_rebuild_the_view(ops: list[tuple[str, str, object]]) ->
         assert ann.name == name
 
 
-def _fields(ann: Announcement) -> dict[str, object]:
-    return {f: getattr(ann, f) for f in Announcement.__slots__}  # type: ignore[attr-defined]
+def _fields(ann: Announcement) -> dict[str, Any]:
+    return {f: getattr(ann, f) for f in Announcement.__slots__}
 
 
 @given(
