@@ -35,7 +35,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from hixl.core.directory import (
     PREFIX,
@@ -75,8 +75,15 @@ class Watch:
     :attr:`dropped` counts them, while :meth:`members` stays exact.
     """
 
-    def __init__(self, registry: Registry, members: dict[str, Announcement], synced: bool):
+    def __init__(
+        self,
+        registry: Registry,
+        members: dict[str, Announcement],
+        synced: bool,
+        callback: Callable[[DirectoryEvent], None] | None = None,
+    ) -> None:
         self._registry = weakref.ref(registry)
+        self._callback = callback
         self._cond = threading.Condition()
         self._events: collections.deque[DirectoryEvent] = collections.deque()
         self._members = members
@@ -159,7 +166,8 @@ class Watch:
                 return
             self._members = members
             self._synced = synced
-            for ev in events:
+            callback = self._callback
+            for ev in [] if callback is not None else events:
                 if len(self._events) >= _WATCH_QUEUE:
                     self._events.popleft()
                     self.dropped += 1
@@ -167,6 +175,12 @@ class Watch:
                         _log.warning("registry watch: %d events dropped, queue full", self.dropped)
                 self._events.append(ev)
             self._cond.notify_all()
+        if callback is not None:
+            for ev in events:
+                try:
+                    callback(ev)
+                except Exception:  # noqa: BLE001 - a watcher's bug must not stop the thread
+                    _log.exception("registry watch callback failed on %s", ev)
 
 
 class Registry:
@@ -382,15 +396,17 @@ class Registry:
                 out.append(ann)
         return out
 
-    def watch(self) -> Watch:
+    def watch(self, callback: Callable[[DirectoryEvent], None] | None = None) -> Watch:
         """A :class:`Watch`: the current view and the changes from now on.
 
         The first call starts the watch thread; the view is complete once
-        :attr:`Watch.synced` is true (:meth:`wait_synced`).
+        :attr:`Watch.synced` is true (:meth:`wait_synced`). With ``callback``, events are
+        not queued but passed to it on the watch thread, outside every registry lock; it
+        must return quickly and not call back into this registry's write methods.
         """
         with self._lock:
             self._check_open()
-            w = Watch(self, dict(self._view), self._synced)
+            w = Watch(self, dict(self._view), self._synced, callback)
             self._watches.append(w)
             if self._watcher is None:
                 self._watcher = threading.Thread(
