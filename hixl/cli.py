@@ -383,10 +383,31 @@ def _add_demo(sub: _Subparsers) -> None:
         "virtual wire) instead of two processes on one device",
     )
     _mtu_option(p, "with --hosts 2: NIC MTU, once for both or once per host")
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=1,
+        metavar="P",
+        help="fleet mode: P prefill workers (with --decode; found through a private etcd)",
+    )
+    p.add_argument(
+        "--decode",
+        type=int,
+        default=1,
+        metavar="D",
+        help="fleet mode: D decode workers; with D >= 2 one is killed mid-stream",
+    )
+    p.add_argument(
+        "--requests", type=int, default=12, metavar="N", help="fleet mode: requests (default 12)"
+    )
     p.set_defaults(handler=_cmd_demo, demo_handler=cmd_demo)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.prefill > 1 or args.decode > 1:
+        from hixl.demo.fleet import cmd_fleet
+
+        return cmd_fleet(args)
     if args.hosts > 1:
         return _cmd_demo_hosts(args)
     handler: Callable[[argparse.Namespace], int] = args.demo_handler

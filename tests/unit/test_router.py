@@ -118,3 +118,22 @@ def test_a_stale_attempt_cannot_complete_or_fail() -> None:
     assert ledger.complete(second) and not ledger.complete(second)
     with pytest.raises(ValueError, match="not pending"):
         ledger.assign(0, "w3")
+
+
+def test_check_results_finds_missing_and_duplicated() -> None:
+    from hixl.demo.fleet import check_results
+
+    def res(decode: str, ok: bool = True) -> dict[str, object]:
+        return {"decode": decode, "ok": ok, "tokens": [1]}
+
+    good = [
+        {"results": {"0": res("d0"), "2": res("d1")}, "retries": 1},
+        {"results": {"1": res("d1")}, "retries": 0},
+    ]
+    s = check_results(3, good)
+    assert s["all_ok"] and s["retries"] == 1 and s["per_decode"] == {"d0": 1, "d1": 2}
+    dup = [{"results": {"0": res("d0")}, "retries": 0}, {"results": {"0": res("d1")}, "retries": 0}]
+    s = check_results(2, dup)
+    assert s["duplicated"] == [0] and s["missing"] == [1] and not s["all_ok"]
+    bad = [{"results": {"0": res("d0", ok=False)}, "retries": 0}]
+    assert not check_results(1, bad)["all_ok"]

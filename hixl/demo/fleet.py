@@ -1,0 +1,579 @@
+"""``hixl demo --prefill P --decode D``: many workers, found through etcd, surviving a lost one.
+
+Theory of operation
+-------------------
+The orchestrator (:func:`run_fleet`) starts a private etcd, ``D`` decode workers and ``P``
+prefill workers, each its own process with its own engine, on this machine's RDMA device.
+
+* A **decode worker** (``decode-i``) announces itself in etcd with role ``decode`` and a
+  capacity: its free request slots (each slot is a set of blocks of a paged KV pool).
+  It serves three notifications: ``alloc`` (reserve a slot for a request attempt; the
+  answer ``slot`` names it, or -1 when full), ``kv`` (the request's KV has landed in the
+  slot: check each layer's sha256, generate tokens from the received cache, recompute the
+  prefill itself and generate from that too, and answer ``result``) and it re-announces its
+  capacity after each change. A slot whose prefill went away is freed.
+* A **prefill worker** owns a share of the request stream (request ``r`` goes to prefill
+  ``r mod P``). Per request it asks :func:`hixl.demo.router.choose` for the decode worker
+  with the most free announced capacity in its registry watch, connects by name, reserves
+  a slot, computes the prompt's KV layer by layer (each request has its own prompt), puts
+  every layer into the slot's blocks in one batch with the notification ``kv``, and waits
+  for ``result``. Any failure (the connection failed, a deadline passed) gives up that
+  attempt in its :class:`~hixl.demo.router.Ledger`, marks that decode process as bad (until
+  it is announced by a new process) and runs the request again elsewhere. A late answer
+  from a given-up attempt is refused, so a request completes exactly once.
+* The orchestrator kills one decode worker (SIGKILL) once a third of the requests are done,
+  if there are two or more; then it checks from the prefill workers' results that every
+  request completed exactly once with identical tokens on both sides. It runs a 1x1 fleet
+  with the same requests first, so the summary can give the P x D throughput as a ratio
+  measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from hixl.demo.kvdemo import (
+    DemoConfig,
+    PagedKV,
+    TinyLM,
+    _child_env,
+    add_model_options,
+    config_from_args,
+    kv_digest,
+    layer_descriptors,
+    paged_layout,
+    source_layout,
+    source_view,
+)
+from hixl.demo.router import Ledger, choose
+from hixl.errors import ArgumentError, ConnectionFailed, HixlError, TransferTimeout
+
+__all__ = ["FLEET_CONFIG", "request_prompt", "run_fleet", "check_results"]
+
+Emit = Callable[[str], None]
+
+FLEET_CONFIG = DemoConfig(layers=4, heads=4, head_dim=64, d_model=64, tokens=48, gen_tokens=6)
+"""A small model: under emulation a request costs a fraction of a second of compute."""
+
+
+def request_prompt(cfg: DemoConfig, request: int) -> npt.NDArray[np.int64]:
+    """Request ``request``'s prompt: the configured text, rotated so every request differs."""
+    base = cfg.prompt_tokens()
+    return np.roll(base, -(7 * request) % base.size)
+
+
+def _msg(note: Any) -> dict[str, Any]:
+    try:
+        doc = json.loads(note.message)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise HixlError(f"malformed {note.name!r} message from {note.peer}")
+    return doc
+
+
+# -- decode ---------------------------------------------------------------------------------
+
+
+def run_fleet_decode(
+    cfg: DemoConfig, name: str, listen: str, url: str, slots: int, seconds: float, emit: Emit
+) -> dict[str, Any]:
+    """A decode worker; serves until SIGTERM or ``seconds``. Returns what it served."""
+    from hixl.engine import Access, ConnState, Engine
+
+    model = TinyLM(cfg)
+    bn = cfg.blocks_needed
+    dst = paged_layout(cfg, slots * bn, cfg.block_size)
+    cache = np.zeros(dst.nbytes, dtype=np.uint8)
+    local_layout = paged_layout(cfg, bn, cfg.block_size)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    served: list[dict[str, Any]] = []
+    end = time.monotonic() + seconds
+    with Engine(listen, name=name, role="decode", capacity=slots, registry=url) as eng:
+        eng.register(cache, access=Access.REMOTE_WRITE, name="kv")
+        free = list(range(slots))
+        owner: dict[int, tuple[str, int, int]] = {}
+        emit(f"ready: {name} at {eng.id}, {slots} slots of {bn} blocks")
+        while not stop.is_set() and time.monotonic() < end:
+            for slot, (peer, _, _) in list(owner.items()):  # free slots of vanished prefills
+                try:
+                    alive = eng.connection(peer).state is ConnState.READY
+                except HixlError:
+                    alive = False
+                if not alive:
+                    del owner[slot]
+                    free.append(slot)
+                    eng.set_capacity(len(free))
+            notes = eng.notifications()
+            if not notes:
+                time.sleep(0.005)
+                continue
+            for note in notes:
+                try:
+                    msg = _msg(note)
+                    req, attempt = int(msg["req"]), int(msg["attempt"])
+                    if note.name == "alloc":
+                        slot = free.pop() if free else -1
+                        if slot >= 0:
+                            owner[slot] = (note.peer, req, attempt)
+                            eng.set_capacity(len(free))
+                        answer = {"req": req, "attempt": attempt, "slot": slot}
+                        answer |= {"pool": slots * bn, "block_size": cfg.block_size}
+                        eng.notify(note.peer, "slot", json.dumps(answer).encode())
+                    elif note.name == "kv":
+                        slot = int(msg["slot"])
+                        if owner.get(slot) != (note.peer, req, attempt):
+                            continue  # not the attempt that holds this slot
+                        result = _serve(model, cfg, cache, dst, local_layout, slot, msg, req)
+                        result |= {"req": req, "attempt": attempt, "decode": name}
+                        del owner[slot]
+                        free.append(slot)
+                        eng.set_capacity(len(free))
+                        eng.notify(note.peer, "result", json.dumps(result).encode())
+                        served.append(result)
+                        emit(f"request {req} (attempt {attempt}): served, ok={result['ok']}")
+                except (HixlError, KeyError, ValueError, TypeError) as exc:
+                    emit(f"ignoring {note.name!r} from {note.peer}: {exc}")
+    return {"role": "decode", "name": name, "served": served}
+
+
+def _serve(
+    model: TinyLM,
+    cfg: DemoConfig,
+    cache: npt.NDArray[np.uint8],
+    dst: Any,
+    local_layout: Any,
+    slot: int,
+    msg: dict[str, Any],
+    req: int,
+) -> dict[str, Any]:
+    bn = cfg.blocks_needed
+    view = PagedKV(cache, dst, np.arange(slot * bn, (slot + 1) * bn, dtype=np.int64))
+    digests = [kv_digest(*view.read(i, cfg.tokens)) for i in range(cfg.layers)]
+    exact = digests == list(msg["digests"])
+    first = int(msg["first_token"])
+    got = [first, *model.generate(view, first, cfg.tokens, cfg.gen_tokens)]
+    local_buf = np.zeros(local_layout.nbytes, dtype=np.uint8)
+    local = PagedKV(local_buf, local_layout, np.arange(bn, dtype=np.int64))
+    run = model.prefill(request_prompt(cfg, req))
+    for i in range(cfg.layers):
+        local.write_prompt(i, *run.step())
+    lf = run.next_token()
+    mine = [lf, *model.generate(local, lf, cfg.tokens, cfg.gen_tokens)]
+    return {"ok": exact and got == mine, "bit_exact": exact, "tokens": got, "local": mine}
+
+
+# -- prefill --------------------------------------------------------------------------------
+
+
+def run_fleet_prefill(
+    cfg: DemoConfig, host: str, url: str, requests: list[int], seconds: float, emit: Emit
+) -> dict[str, Any]:
+    """A prefill worker: every request in ``requests`` completed exactly once, or an error."""
+    from hixl.engine import Access, Engine
+
+    model = TinyLM(cfg)
+    src = source_layout(cfg)
+    buf = np.zeros(src.nbytes, dtype=np.uint8)
+    kv = source_view(buf, src)
+    ledger = Ledger(requests)
+    bad: dict[str, str] = {}  # decode name -> the instance that failed us
+    results: dict[int, dict[str, Any]] = {}
+    end = time.monotonic() + seconds
+    with Engine(f"{host}:0", registry=url) as eng:
+        region = eng.register(buf, access=Access.NONE)
+        watch = eng.watch()
+        assert eng.registry is not None
+        eng.registry.wait_synced(watch, 10.0)
+        while not ledger.finished:
+            if time.monotonic() > end:
+                raise TransferTimeout(f"prefill: {ledger} after {seconds} s")
+            req = ledger.next_pending()
+            assert req is not None  # one request at a time: nothing else is running
+            members = {n: a for n, a in watch.members("decode").items() if bad.get(n) != a.instance}
+            target = choose(members, inflight=ledger.inflight())
+            if target is None:
+                time.sleep(0.1)
+                continue
+            attempt = ledger.assign(req, target)
+            t0 = time.monotonic()
+            try:
+                out = _one_request(eng, region, model, cfg, src, kv, target, attempt.number, req)
+            except _Busy:
+                ledger.fail(attempt)
+                time.sleep(0.05)
+                continue
+            except HixlError as exc:
+                emit(f"request {req}: attempt {attempt.number} on {target} failed: {exc}")
+                ledger.fail(attempt)
+                bad[target] = members[target].instance
+                continue
+            if not ledger.complete(attempt):
+                continue
+            out |= {"seconds": time.monotonic() - t0}
+            results[req] = out
+            emit(
+                f"request {req}: done on {target} (attempt {attempt.number}), "
+                f"{'bit-exact, same tokens' if out['ok'] else 'MISMATCH'} {out['tokens']}"
+            )
+    return {
+        "role": "prefill",
+        "results": {str(k): v for k, v in results.items()},
+        "retries": ledger.retries,
+    }
+
+
+class _Busy(HixlError):
+    pass
+
+
+def _wait_for(eng: Any, conn: Any, name: str, req: int, attempt: int, end: float) -> dict[str, Any]:
+    """The ``name`` notification for (req, attempt) from ``conn``'s peer; fails as soon as
+    the connection does, or at ``end``."""
+    from hixl.engine import ConnState
+
+    while True:
+        if conn.state is not ConnState.READY:
+            raise ConnectionFailed(f"connection to {conn.peer} failed: {conn.failure}")
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TransferTimeout(f"no {name!r} for request {req} from {conn.peer}")
+        try:
+            note = eng.wait_notification(name, timeout=min(0.2, left), peer=conn.peer)
+        except TransferTimeout:
+            continue
+        msg = _msg(note)
+        if msg.get("req") == req and msg.get("attempt") == attempt:
+            return msg
+
+
+def _one_request(
+    eng: Any,
+    region: Any,
+    model: TinyLM,
+    cfg: DemoConfig,
+    src: Any,
+    kv: Any,
+    target: str,
+    attempt: int,
+    req: int,
+) -> dict[str, Any]:
+    from hixl.engine import TransferRequest
+
+    end = time.monotonic() + 60.0
+    conn = eng.connect(target, timeout=10.0)
+    tag = {"req": req, "attempt": attempt}
+    eng.notify(target, "alloc", json.dumps(tag).encode())
+    answer = _wait_for(eng, conn, "slot", req, attempt, end)
+    slot = int(answer["slot"])
+    if slot < 0:
+        raise _Busy(f"{target} has no free slot")
+    bn = cfg.blocks_needed
+    dst = paged_layout(cfg, int(answer["pool"]), int(answer["block_size"]))
+    ids = np.arange(slot * bn, (slot + 1) * bn, dtype=np.int64)
+    run = model.prefill(request_prompt(cfg, req))
+    digests, batch = [], []
+    for i in range(cfg.layers):
+        k, v = run.step()
+        kv[i, 0] = k
+        kv[i, 1] = v
+        digests.append(kv_digest(k, v))
+        local, remote = layer_descriptors(src, dst, ids, i)
+        batch.append(
+            TransferRequest(
+                op="write", local=region, remote="kv", local_desc=local, remote_desc=remote
+            )
+        )
+    first = run.next_token()
+    message = {**tag, "slot": slot, "digests": digests, "first_token": first}
+    eng.transfer(target, batch, notify="kv", notify_message=json.dumps(message).encode())
+    result = _wait_for(eng, conn, "result", req, attempt, end)
+    ok = bool(result.get("ok")) and result.get("tokens") == result.get("local")
+    return {"decode": target, "attempt": attempt, "ok": ok, "tokens": result.get("tokens")}
+
+
+# -- orchestration --------------------------------------------------------------------------
+
+
+def check_results(requests: int, prefills: list[dict[str, Any]]) -> dict[str, Any]:
+    """Exactly-once and correctness over the prefill workers' results (pure)."""
+    seen: dict[int, int] = {}
+    ok = 0
+    per_decode: dict[str, int] = {}
+    for p in prefills:
+        for key, r in p["results"].items():
+            seen[int(key)] = seen.get(int(key), 0) + 1
+            ok += bool(r["ok"])
+            per_decode[r["decode"]] = per_decode.get(r["decode"], 0) + 1
+    missing = sorted(set(range(requests)) - set(seen))
+    duplicated = sorted(r for r, n in seen.items() if n > 1)
+    return {
+        "requests": requests,
+        "completed": len(seen),
+        "missing": missing,
+        "duplicated": duplicated,
+        "all_ok": ok == requests and not missing and not duplicated,
+        "retries": sum(int(p["retries"]) for p in prefills),
+        "per_decode": per_decode,
+    }
+
+
+def _fleet_once(
+    cfg: DemoConfig,
+    *,
+    prefill: int,
+    decode: int,
+    requests: int,
+    kill: bool,
+    timeout: float,
+    out: IO[str],
+    tag: str,
+) -> dict[str, Any]:
+    from hixl.testbed.etcd import EtcdServer
+    from hixl.testbed.ports import free_tcp_port
+
+    lock = threading.Lock()
+    done_count = [0]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    ready: dict[str, threading.Event] = {}
+
+    def forward(role: str, stream: IO[bytes]) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if line.startswith("ready:"):
+                ready[role].set()
+            if role.startswith("prefill") and ": done on " in line:
+                done_count[0] += 1
+            with lock:
+                out.write(f"[{tag} {role:<9}] {line}\n")
+                out.flush()
+
+    base = [sys.executable, "-u", "-m", "hixl.demo.fleet"]
+    with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="hixl-fleet-") as tmp:
+        start = time.monotonic()
+        threads = []
+        killed: str | None = None
+        try:
+
+            def spawn(role: str, argv: list[str]) -> None:
+                ready[role] = threading.Event()
+                procs[role] = subprocess.Popen(
+                    [*base, *argv, "--registry", etcd.url, "--seconds", f"{timeout:.0f}"]
+                    + ["--result", str(Path(tmp) / f"{role}.json"), *cfg.to_argv()],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    env=_child_env(),
+                )
+                assert procs[role].stdout is not None
+                th = threading.Thread(target=forward, args=(role, procs[role].stdout), daemon=True)
+                th.start()
+                threads.append(th)
+
+            for i in range(decode):
+                listen = f"127.0.0.1:{free_tcp_port()}"
+                spawn(f"decode-{i}", ["decode", "--name", f"decode-{i}", "--listen", listen])
+            for i in range(decode):
+                if not ready[f"decode-{i}"].wait(max(1.0, start + 120 - time.monotonic())):
+                    raise HixlError(f"decode-{i} did not become ready")
+            for j in range(prefill):
+                mine = ",".join(str(r) for r in range(requests) if r % prefill == j)
+                spawn(f"prefill-{j}", ["prefill", "--requests", mine])
+            t0 = time.monotonic()
+            pre = [p for r, p in procs.items() if r.startswith("prefill")]
+            while any(p.poll() is None for p in pre):
+                if time.monotonic() > start + timeout:
+                    raise HixlError(f"fleet {tag} exceeded {timeout:.0f} s")
+                if kill and killed is None and decode >= 2 and done_count[0] >= requests // 3:
+                    killed = "decode-0"
+                    procs[killed].kill()
+                    with lock:
+                        out.write(f"[{tag} orchestr.] killed {killed} (SIGKILL) mid-stream\n")
+                time.sleep(0.05)
+            elapsed = time.monotonic() - t0
+            failed = {
+                r: p.returncode
+                for r, p in procs.items()
+                if r.startswith("prefill") and p.returncode != 0
+            }
+            if failed:
+                raise HixlError(f"fleet {tag}: prefill workers failed: {failed}")
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs.values():
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            for th in threads:
+                th.join(5)
+        prefills = [
+            json.loads((Path(tmp) / f"prefill-{j}.json").read_text()) for j in range(prefill)
+        ]
+    summary = check_results(requests, prefills)
+    summary |= {
+        "prefill": prefill,
+        "decode": decode,
+        "killed": killed,
+        "elapsed_s": elapsed,
+        "requests_per_s": requests / elapsed,
+    }
+    return summary
+
+
+def run_fleet(
+    cfg: DemoConfig = FLEET_CONFIG,
+    *,
+    prefill: int = 2,
+    decode: int = 2,
+    requests: int = 12,
+    kill: bool = True,
+    timeout: float = 600.0,
+    json_path: str | None = None,
+    out: IO[str] | None = None,
+) -> dict[str, Any]:
+    """A 1x1 fleet, then a ``prefill`` x ``decode`` fleet (one decode killed mid-stream when
+    ``kill`` and there are two or more), each serving ``requests`` requests; returns and
+    prints the summary. Raises :class:`HixlError` if a worker fails or time runs out."""
+    if not (1 <= prefill <= 16 and 1 <= decode <= 16 and 1 <= requests <= 10_000):
+        raise ArgumentError(
+            f"fleet: prefill={prefill} decode={decode} requests={requests} out of range"
+        )
+    out = out or sys.stdout
+    base = _fleet_once(
+        cfg, prefill=1, decode=1, requests=requests, kill=False, timeout=timeout, out=out, tag="1x1"
+    )
+    main = _fleet_once(
+        cfg,
+        prefill=prefill,
+        decode=decode,
+        requests=requests,
+        kill=kill,
+        timeout=timeout,
+        out=out,
+        tag=f"{prefill}x{decode}",
+    )
+    summary = {
+        "baseline": base,
+        "fleet": main,
+        "throughput_ratio": main["requests_per_s"] / base["requests_per_s"],
+        "ok": base["all_ok"] and main["all_ok"],
+    }
+    out.write("\n" + format_fleet(summary) + "\n")
+    out.flush()
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def format_fleet(s: dict[str, Any]) -> str:
+    f, b = s["fleet"], s["baseline"]
+    lines = [
+        f"fleet {f['prefill']} prefill x {f['decode']} decode, {f['requests']} requests"
+        + (f", {f['killed']} killed mid-stream" if f["killed"] else ""),
+        f"  completed exactly once: {f['completed']}/{f['requests']} "
+        f"(missing {f['missing']}, duplicated {f['duplicated']}), re-run {f['retries']} times",
+        f"  served per decode: {f['per_decode']}",
+        f"  all bit-exact with identical tokens: {'yes' if f['all_ok'] else 'NO'}",
+        f"  throughput {f['requests_per_s']:.2f} req/s vs 1x1 {b['requests_per_s']:.2f} req/s "
+        f"in the same run: {s['throughput_ratio']:.2f}x",
+        f"result: {'OK' if s['ok'] else 'FAILED'}",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    """``hixl demo --prefill P --decode D``: run here if this host has RDMA, else in the VM.
+
+    The fleet uses :data:`FLEET_CONFIG` (a small model; ``--seed`` applies)."""
+    from dataclasses import replace
+
+    from hixl.testbed.vm import VMConfig, host_has_rdma, run_with_rdma
+
+    json_path = str(Path(args.json).resolve()) if args.json else None
+    if os.environ.get("HIXL_IN_VM") != "1" and not host_has_rdma():
+        print("hixl demo: no RDMA device here; running the fleet in the hixl VM", flush=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "hixl",
+            "demo",
+            f"--prefill={args.prefill}",
+            f"--decode={args.decode}",
+            f"--requests={args.requests}",
+            f"--seed={args.seed}",
+            f"--timeout={args.timeout}",
+        ]
+        rw: tuple[Path, ...] = ()
+        if json_path:
+            cmd.append(f"--json={json_path}")
+            rw = (Path(json_path).parent,)
+        return run_with_rdma(cmd, VMConfig(rw_dirs=rw, timeout=2 * args.timeout + 300.0))
+    cfg = replace(FLEET_CONFIG, seed=args.seed)
+    summary = run_fleet(
+        cfg,
+        prefill=args.prefill,
+        decode=args.decode,
+        requests=args.requests,
+        timeout=args.timeout,
+        json_path=json_path,
+    )
+    return 0 if summary["ok"] else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Worker entry point: ``python -m hixl.demo.fleet {decode,prefill} ...``."""
+    p = argparse.ArgumentParser(prog="python -m hixl.demo.fleet")
+    p.add_argument("role", choices=("decode", "prefill"))
+    p.add_argument("--name", help="decode: registry name")
+    p.add_argument("--listen", help="decode: engine id to listen on")
+    p.add_argument("--host", default="127.0.0.1", help="prefill: local address")
+    p.add_argument("--slots", type=int, default=2, help="decode: request slots")
+    p.add_argument("--requests", default="", help="prefill: comma-separated request ids")
+    p.add_argument("--registry", required=True)
+    p.add_argument("--result", required=True)
+    p.add_argument("--seconds", type=float, default=600.0)
+    add_model_options(p)
+    args = p.parse_args(argv)
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        cfg = config_from_args(args)
+        if args.role == "decode":
+            if not args.name or not args.listen:
+                raise ArgumentError("decode needs --name and --listen")
+            result = run_fleet_decode(
+                cfg, args.name, args.listen, args.registry, args.slots, args.seconds, emit
+            )
+        else:
+            reqs = [int(x) for x in args.requests.split(",") if x]
+            result = run_fleet_prefill(cfg, args.host, args.registry, reqs, args.seconds, emit)
+    except HixlError as exc:
+        print(f"error: {type(exc).__name__}: {exc}", flush=True)
+        return 1
+    Path(args.result).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
