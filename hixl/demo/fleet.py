@@ -197,8 +197,8 @@ def run_fleet_prefill(
     end = time.monotonic() + seconds
     with Engine(f"{host}:0", registry=url) as eng:
         region = eng.register(buf, access=Access.NONE)
-        watch = eng.watch()
         assert eng.registry is not None
+        watch = eng.registry.watch(callback=lambda ev: None)  # the view only, no queue
         eng.registry.wait_synced(watch, 10.0)
         while not ledger.finished:
             if time.monotonic() > end:
