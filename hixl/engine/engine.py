@@ -139,7 +139,12 @@ class Engine:
         self._max_peers = max_peers
         self._lock = threading.RLock()
         self._notify_cv = threading.Condition(self._lock)
-        self._dev = verbs.open_device(device, port, gid_index)
+        try:
+            self._dev = verbs.open_device(device, port, gid_index)
+        except BaseException:
+            if self._names is not None:
+                self._names.close()
+            raise
         try:
             caps = self._dev.caps
             self.sq_depth = max(CHUNK * 2, min(send_queue_depth, caps.max_qp_wr))
