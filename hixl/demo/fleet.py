@@ -90,9 +90,21 @@ def _msg(note: Any) -> dict[str, Any]:
 
 
 def run_fleet_decode(
-    cfg: DemoConfig, name: str, listen: str, url: str, slots: int, seconds: float, emit: Emit
+    cfg: DemoConfig,
+    name: str,
+    listen: str,
+    url: str,
+    slots: int,
+    seconds: float,
+    emit: Emit,
+    *,
+    stop_file: str | None = None,
+    vanish_after: int | None = None,
 ) -> dict[str, Any]:
-    """A decode worker; serves until SIGTERM or ``seconds``. Returns what it served."""
+    """A decode worker; serves until SIGTERM, ``stop_file`` exists, or ``seconds``.
+
+    With ``vanish_after`` (multi-host runs only) its host is cut off when the KV of one
+    more request than that has landed: a host lost mid-stream. Returns what it served."""
     from hixl.engine import Access, ConnState, Engine
 
     model = TinyLM(cfg)
@@ -109,7 +121,12 @@ def run_fleet_decode(
         free = list(range(slots))
         owner: dict[int, tuple[str, int, int]] = {}
         emit(f"ready: {name} at {eng.id}, {slots} slots of {bn} blocks")
+        next_check = 0.0
         while not stop.is_set() and time.monotonic() < end:
+            if stop_file is not None and time.monotonic() > next_check:
+                next_check = time.monotonic() + 0.5
+                if Path(stop_file).exists():
+                    break
             for slot, (peer, _, _) in list(owner.items()):  # free slots of vanished prefills
                 try:
                     alive = eng.connection(peer).state is ConnState.READY
@@ -139,6 +156,11 @@ def run_fleet_decode(
                         slot = int(msg["slot"])
                         if owner.get(slot) != (note.peer, req, attempt):
                             continue  # not the attempt that holds this slot
+                        if vanish_after is not None and len(served) >= vanish_after:
+                            from hixl.testbed.hosts import vanish
+
+                            emit(f"request {req}: its KV landed; this host now vanishes")
+                            vanish(f"{name} cut off mid-stream with request {req} in flight")
                         result = _serve(model, cfg, cache, dst, local_layout, slot, msg, req)
                         result |= {"req": req, "attempt": attempt, "decode": name}
                         del owner[slot]
@@ -178,6 +200,22 @@ def _serve(
     return {"ok": exact and got == mine, "bit_exact": exact, "tokens": got, "local": mine}
 
 
+def wait_for_registry(url: str, seconds: float) -> None:
+    """Return once the registry at ``url`` answers; RegistryUnavailable after ``seconds``."""
+    from hixl.errors import RegistryUnavailable
+    from hixl.registry import open_registry
+
+    end = time.monotonic() + seconds
+    while True:
+        try:
+            open_registry(url, timeout=1.0).close()
+            return
+        except RegistryUnavailable:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.5)
+
+
 # -- prefill --------------------------------------------------------------------------------
 
 
@@ -194,12 +232,14 @@ def run_fleet_prefill(
     ledger = Ledger(requests)
     bad: dict[str, str] = {}  # decode name -> the instance that failed us
     results: dict[int, dict[str, Any]] = {}
+    failures: list[dict[str, Any]] = []
     end = time.monotonic() + seconds
     with Engine(f"{host}:0", registry=url) as eng:
         region = eng.register(buf, access=Access.NONE)
         assert eng.registry is not None
         watch = eng.registry.watch(callback=lambda ev: None)  # the view only, no queue
         eng.registry.wait_synced(watch, 10.0)
+        began = time.monotonic()
         while not ledger.finished:
             if time.monotonic() > end:
                 raise TransferTimeout(f"prefill: {ledger} after {seconds} s")
@@ -219,7 +259,14 @@ def run_fleet_prefill(
                 time.sleep(0.05)
                 continue
             except HixlError as exc:
-                emit(f"request {req}: attempt {attempt.number} on {target} failed: {exc}")
+                waited = time.monotonic() - t0
+                emit(
+                    f"request {req}: attempt {attempt.number} on {target} failed after "
+                    f"{waited:.1f} s: {exc}; running it again elsewhere"
+                )
+                failures.append(
+                    {"req": req, "decode": target, "seconds": waited, "error": str(exc)[:300]}
+                )
                 ledger.fail(attempt)
                 bad[target] = members[target].instance
                 continue
@@ -231,10 +278,13 @@ def run_fleet_prefill(
                 f"request {req}: done on {target} (attempt {attempt.number}), "
                 f"{'bit-exact, same tokens' if out['ok'] else 'MISMATCH'} {out['tokens']}"
             )
+        wall = time.monotonic() - began
     return {
         "role": "prefill",
         "results": {str(k): v for k, v in results.items()},
         "retries": ledger.retries,
+        "failures": failures,
+        "wall_s": wall,
     }
 
 
@@ -484,6 +534,111 @@ def run_fleet(
     return summary
 
 
+ETCD_PORT = 2379
+DECODE_PORT = 5600
+
+
+def run_fleet_hosts(
+    cfg: DemoConfig = FLEET_CONFIG,
+    *,
+    prefill: int = 2,
+    decode: int = 2,
+    requests: int = 8,
+    timeout: float = 600.0,
+    json_path: str | None = None,
+) -> dict[str, Any]:
+    """The fleet on ``prefill + decode`` hosts of the virtual wire, one VM each.
+
+    host0 runs etcd and prefill-0, the next hosts the other prefill workers, then the
+    decode workers. With two or more decode workers, decode-0's host is cut off (no FIN,
+    no goodbye) when the KV of its second request has landed: that attempt fails when its
+    lease expires, and the request runs again on another decode worker.
+    """
+    import shutil
+
+    from hixl.testbed.hosts import _ONE_BLAS_THREAD, host_address, run_hosts
+    from hixl.testbed.vm import VMConfig
+
+    hosts = prefill + decode
+    if not (prefill >= 1 and decode >= 1 and 2 <= hosts <= 8):
+        raise ArgumentError(f"--hosts fleet: prefill={prefill} decode={decode}, 2..8 hosts")
+    share = Path(tempfile.mkdtemp(prefix="hixl-fleet-hosts-"))
+    etcd_url = f"etcd://{host_address(0)}:{ETCD_PORT}"
+    worker = [sys.executable, "-u", "-m", "hixl.demo.fleet"]
+    common = ["--registry", etcd_url, "--seconds", f"{timeout:.0f}", *cfg.to_argv()]
+    results = [str(share / f"prefill-{j}.json") for j in range(prefill)]
+    stop = str(share / "stop")
+    commands = []
+    for j in range(prefill):
+        mine = ",".join(str(r) for r in range(requests) if r % prefill == j)
+        cmd = [*worker, "prefill", "--host", host_address(j), "--requests", mine]
+        cmd += ["--result", results[j]]
+        if j == 0:
+            cmd += ["--etcd", f"{host_address(0)}:{ETCD_PORT}", "--stop-file", stop]
+            cmd += ["--wait-results", ",".join(results[1:])]
+        commands.append(cmd + common)
+    for i in range(decode):
+        addr = host_address(prefill + i)
+        cmd = [*worker, "decode", "--name", f"decode-{i}", "--listen", f"{addr}:{DECODE_PORT}"]
+        cmd += ["--stop-file", stop, "--result", str(share / f"decode-{i}.json")]
+        if i == 0 and decode >= 2:
+            cmd += ["--vanish-after", "1"]
+        commands.append(cmd + common)
+    print(
+        f"hixl demo --hosts {hosts}: etcd and prefill-0 on host0 ({host_address(0)}), "
+        f"{prefill} prefill and {decode} decode workers, one VM each",
+        flush=True,
+    )
+    vmcfg = VMConfig(cpus=1, memory="1536M", timeout=timeout + 300.0, rw_dirs=(share,))
+    t0 = time.monotonic()
+    try:
+        rc = run_hosts(commands, vmcfg, env=_ONE_BLAS_THREAD)
+        took = time.monotonic() - t0
+        prefills = []
+        for path in results:
+            try:
+                prefills.append(json.loads(Path(path).read_text()))
+            except (OSError, ValueError) as exc:
+                raise HixlError(f"{path} missing ({exc}); run status {rc}") from None
+        vanished = decode >= 2 and not (share / "decode-0.json").exists()
+        if rc != 0:
+            raise HixlError(f"a fleet host failed (exit status {rc}); its output is above")
+    finally:
+        shutil.rmtree(share, ignore_errors=True)
+    summary = check_results(requests, prefills)
+    wall = max(p["wall_s"] for p in prefills)
+    summary |= {
+        "prefill": prefill,
+        "decode": decode,
+        "hosts": hosts,
+        "killed": "decode-0 (host cut off)" if vanished else None,
+        "elapsed_s": wall,
+        "requests_per_s": requests / wall,
+        "failures": [f for p in prefills for f in p["failures"]],
+        "run_s": took,
+    }
+    summary["ok"] = summary["all_ok"] and (decode < 2 or vanished)
+    lines = [
+        f"fleet on {hosts} hosts: {prefill} prefill x {decode} decode, {requests} requests"
+        + (", decode-0's host cut off mid-stream" if vanished else ""),
+        f"  completed exactly once: {summary['completed']}/{requests} (missing "
+        f"{summary['missing']}, duplicated {summary['duplicated']}), re-run "
+        f"{summary['retries']} times",
+        f"  served per decode: {summary['per_decode']}",
+    ]
+    for f in summary["failures"]:
+        lines.append(f"  request {f['req']} on {f['decode']} failed after {f['seconds']:.1f} s")
+    lines += [
+        f"  all bit-exact with identical tokens: {'yes' if summary['all_ok'] else 'NO'}",
+        f"  {summary['requests_per_s']:.2f} req/s over {wall:.1f} s; whole run {took:.0f} s",
+        f"result: {'OK' if summary['ok'] else 'FAILED'}",
+    ]
+    print("\n" + "\n".join(lines), flush=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
 def format_fleet(s: dict[str, Any]) -> str:
     f, b = s["fleet"], s["baseline"]
     lines = [
@@ -509,6 +664,16 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     from hixl.testbed.vm import VMConfig, host_has_rdma, run_with_rdma
 
     json_path = str(Path(args.json).resolve()) if args.json else None
+    if args.hosts > 1:
+        hsum = run_fleet_hosts(
+            replace(FLEET_CONFIG, seed=args.seed),
+            prefill=args.prefill,
+            decode=args.decode,
+            requests=args.requests,
+            timeout=args.timeout,
+            json_path=json_path,
+        )
+        return 0 if hsum["ok"] else 1
     if os.environ.get("HIXL_IN_VM") != "1" and not host_has_rdma():
         print("hixl demo: no RDMA device here; running the fleet in the hixl VM", flush=True)
         cmd = [
@@ -551,6 +716,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--registry", required=True)
     p.add_argument("--result", required=True)
     p.add_argument("--seconds", type=float, default=600.0)
+    p.add_argument("--stop-file", help="decode: stop serving once this file exists")
+    p.add_argument("--vanish-after", type=int, help="decode: cut this host off mid-stream")
+    p.add_argument("--etcd", help="prefill: run etcd here first, on HOST:PORT")
+    p.add_argument(
+        "--wait-results", default="", help="prefill with --etcd: result files to wait for"
+    )
     add_model_options(p)
     args = p.parse_args(argv)
 
@@ -562,16 +733,53 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.role == "decode":
             if not args.name or not args.listen:
                 raise ArgumentError("decode needs --name and --listen")
+            wait_for_registry(args.registry, 120.0)
             result = run_fleet_decode(
-                cfg, args.name, args.listen, args.registry, args.slots, args.seconds, emit
+                cfg,
+                args.name,
+                args.listen,
+                args.registry,
+                args.slots,
+                args.seconds,
+                emit,
+                stop_file=args.stop_file,
+                vanish_after=args.vanish_after,
             )
+        elif args.etcd:
+            return _prefill_with_etcd(cfg, args, emit)
         else:
+            wait_for_registry(args.registry, 120.0)
             reqs = [int(x) for x in args.requests.split(",") if x]
             result = run_fleet_prefill(cfg, args.host, args.registry, reqs, args.seconds, emit)
     except HixlError as exc:
         print(f"error: {type(exc).__name__}: {exc}", flush=True)
         return 1
     Path(args.result).write_text(json.dumps(result))
+    return 0
+
+
+def _prefill_with_etcd(cfg: DemoConfig, args: argparse.Namespace, emit: Emit) -> int:
+    """host0 of the multi-host fleet: etcd, a prefill worker, and the end of the run (wait
+    for every prefill's result, then tell the decode workers to stop)."""
+    from hixl.testbed.etcd import EtcdServer
+
+    host, _, port = args.etcd.rpartition(":")
+    reqs = [int(x) for x in args.requests.split(",") if x]
+    end = time.monotonic() + args.seconds
+    with EtcdServer(host, client_port=int(port), peer_port=int(port) + 1) as etcd:
+        emit(f"etcd up at {etcd.url}")
+        try:
+            result = run_fleet_prefill(cfg, args.host, etcd.url, reqs, args.seconds, emit)
+            Path(args.result).write_text(json.dumps(result))
+            for path in [p for p in args.wait_results.split(",") if p]:
+                while not Path(path).exists():
+                    if time.monotonic() > end:
+                        raise TransferTimeout(f"no result {path} within {args.seconds} s")
+                    time.sleep(0.5)
+        finally:
+            if args.stop_file:
+                Path(args.stop_file).write_text("stop\n")
+            time.sleep(2.0)  # let the decode workers see it while etcd still runs
     return 0
 
 

@@ -57,14 +57,22 @@ class EtcdServer:
     """One etcd process owned by the caller. A context manager: ``with EtcdServer() as e:``.
 
     ``host`` is the address etcd listens on (``127.0.0.1``; inside the multi-host tier,
-    host0's address on the wire so the other hosts reach it).
+    host0's address on the wire so the other hosts reach it). ``client_port`` and
+    ``peer_port`` fix the ports (0: free ones, picked at the first start).
     """
 
-    def __init__(self, host: str = "127.0.0.1", *, start_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        start_timeout: float = 30.0,
+        client_port: int = 0,
+        peer_port: int = 0,
+    ) -> None:
         self.host = host
         self.start_timeout = start_timeout
-        self.client_port = 0
-        self.peer_port = 0
+        self.client_port = client_port  # 0: a free port, picked at the first start
+        self.peer_port = peer_port
         self._dir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -115,6 +123,7 @@ class EtcdServer:
         for attempt in range(attempts):
             if attempt or self.client_port == 0:
                 self.client_port = _free_port(self.host)
+            if attempt or self.peer_port == 0:
                 self.peer_port = _free_port(self.host)
             try:
                 self._launch(binary, data)
@@ -215,8 +224,9 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description="run a private etcd until interrupted")
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="client port (default: a free one)")
     args = parser.parse_args()
-    with EtcdServer(args.host) as server:
+    with EtcdServer(args.host, client_port=args.port) as server:
         print(server.url, flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
