@@ -39,6 +39,7 @@ _log = logging.getLogger("hixl.registry")
 
 _MAX_LINE = 1 << 20
 _IDLE = 1.0  # seconds without a byte on the watch stream before it is re-opened
+_POOL = 4  # idle HTTP clients kept for reuse
 
 
 def _b64(data: str | bytes) -> str:
@@ -75,8 +76,9 @@ def _int_field(doc: object, name: str, default: int | None = None) -> int:
 class EtcdBackend:
     """One etcd endpoint, ``host:port``, spoken to over HTTP on its client port.
 
-    ``timeout`` bounds every request (connect and read). Each thread gets its own
-    ``Etcd3Client`` (a ``requests`` session is not meant to be shared between threads).
+    ``timeout`` bounds every request (connect and read). A ``requests`` session is not
+    meant to be shared between threads, so each call borrows an ``Etcd3Client`` from a
+    small pool (at most :data:`_POOL` idle ones are kept) and each watch has its own.
     """
 
     def __init__(self, host: str, port: int, *, timeout: float = 2.0) -> None:
@@ -85,29 +87,42 @@ class EtcdBackend:
         self.timeout = timeout
         shown = f"[{host}]" if ":" in host else host
         self.url = f"etcd://{shown}:{port}"
-        self._local = threading.local()
-        self._lock = threading.Lock()  # guards _clients and _closed only
-        self._clients: list[Etcd3Client] = []
+        self._lock = threading.Lock()  # guards _idle, _busy and _closed only
+        self._idle: list[Etcd3Client] = []
+        self._busy: set[Etcd3Client] = set()
         self._closed = False
 
     def __repr__(self) -> str:
         return f"<EtcdBackend {self.url}>"
 
-    def _client(self) -> Etcd3Client:
-        client: Etcd3Client | None = getattr(self._local, "client", None)
-        if client is None:
-            client = Etcd3Client(
-                host=self.host, port=self.port, api_path="/v3/", timeout=self.timeout
-            )
-            with self._lock:
-                if self._closed:
-                    raise RegistryError(f"registry {self.url} is closed")
-                self._clients.append(client)
-            self._local.client = client
-        return client
+    def _borrow(self) -> Etcd3Client:
+        with self._lock:
+            if self._closed:
+                raise RegistryError(f"registry {self.url} is closed")
+            client = self._idle.pop() if self._idle else None
+            if client is None:
+                client = Etcd3Client(
+                    host=self.host, port=self.port, api_path="/v3/", timeout=self.timeout
+                )
+            self._busy.add(client)
+            return client
+
+    def _give_back(self, client: Etcd3Client) -> None:
+        with self._lock:
+            self._busy.discard(client)
+            if not self._closed and len(self._idle) < _POOL:
+                self._idle.append(client)
+                return
+        client.session.close()
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        client = self._client()
+        client = self._borrow()
+        try:
+            return self._post_with(client, path, body)
+        finally:
+            self._give_back(client)
+
+    def _post_with(self, client: Etcd3Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
             doc = client.post(client.get_url(path), json=body)
         except (gw_exc.ConnectionFailedError, gw_exc.ConnectionTimeoutError) as exc:
@@ -194,7 +209,15 @@ class EtcdBackend:
         return revision, self._items(doc)
 
     def watch(self, prefix: str, start_revision: int, stop: threading.Event) -> Iterator[WatchItem]:
-        client = self._client()
+        client = self._borrow()
+        try:
+            yield from self._watch_with(client, prefix, start_revision, stop)
+        finally:
+            self._give_back(client)
+
+    def _watch_with(
+        self, client: Etcd3Client, prefix: str, start_revision: int, stop: threading.Event
+    ) -> Iterator[WatchItem]:
         url = client.get_url("/watch")
         next_rev = start_revision
         while not stop.is_set():
@@ -278,8 +301,8 @@ class EtcdBackend:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            clients, self._clients = self._clients, []
-        for client in clients:
+            idle, self._idle = self._idle, []
+        for client in idle:  # busy ones are closed when given back
             client.session.close()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -260,3 +261,17 @@ def test_unreachable_etcd_url_fails_at_construction() -> None:
         ):
             open_registry(f"etcd://127.0.0.1:{port}", timeout=1.0)
         assert time.monotonic() - t0 < 3.0
+
+
+def test_close_ends_the_registry_threads(store: MemoryStore) -> None:
+    reg = Registry(MemoryBackend(store), ttl=1)
+    announce(reg, "decode-1")
+    reg.watch()
+    names = {t.name for t in threading.enumerate()}
+    assert any(n.startswith("hixl-registry-announce") for n in names)
+    assert any(n.startswith("hixl-registry-watch") for n in names)
+    reg.close()
+    deadline = time.monotonic() + 3
+    while any(t.name.startswith("hixl-registry") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+        time.sleep(0.05)
