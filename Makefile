@@ -4,7 +4,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 PY := $(BIN)/python
 HIXL := $(BIN)/hixl
 
-.PHONY: setup test test-unit test-registry test-rdma test-hosts check demo bench
+.PHONY: setup test test-unit test-registry test-rdma test-hosts test-fleet check demo bench
 
 ## setup: system packages (and the VM path if the kernel lacks rdma_rxe), then .venv
 setup:
@@ -33,6 +33,12 @@ test-hosts:
 	$(HIXL) vm hosts --mtu 1500 --mtu 9000 --cpus 1 --memory 2G --timeout 900 \
 		--host '$(PY) -m pytest -p no:cacheprovider tests/hosts -v -rA --durations=0' \
 		--host '$(PY) tests/hosts/agent.py'
+
+## test-fleet: four VMs on one wire, etcd on host0, 2 prefill x 2 decode workers routing by
+## announced capacity; decode-0's host is cut off mid-stream and its request runs again
+## elsewhere; every request exactly once, bit-exact. About 2.5 min under emulation.
+test-fleet:
+	$(HIXL) demo --hosts 4 --prefill 2 --decode 2 --requests 8 --timeout 600
 
 ## check: format, lint and types
 check:
