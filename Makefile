@@ -4,7 +4,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 PY := $(BIN)/python
 HIXL := $(BIN)/hixl
 
-.PHONY: setup test test-unit test-registry test-rdma test-hosts test-fleet check demo bench
+.PHONY: setup test test-unit test-registry test-rdma test-hosts test-fleet check demo bench bench-smoke
 
 ## setup: system packages (and the VM path if the kernel lacks rdma_rxe), then .venv
 setup:
@@ -40,7 +40,7 @@ test-hosts:
 test-fleet:
 	$(HIXL) demo --hosts 4 --prefill 2 --decode 2 --requests 8 --timeout 600
 
-## check: format, lint and types
+## check: format, lint and types (mypy --strict over hixl, benchmarks and tests; see pyproject)
 check:
 	$(BIN)/ruff format --check hixl tests benchmarks
 	$(BIN)/ruff check hixl tests benchmarks
@@ -51,6 +51,11 @@ check:
 ## BENCH_ARGS=--quick for a short smoke run.
 bench:
 	$(HIXL) bench $(BENCH_ARGS)
+
+## bench-smoke: every benchmark's --help (by path and with -m) and every path that needs no
+## device, natively and in well under a minute, so that none can rot (CI runs it)
+bench-smoke:
+	$(PY) -m benchmarks.drivers.smoke
 
 ## demo: prefill -> decode KV cache transfer of a small transformer, verified (host or VM)
 demo:

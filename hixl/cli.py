@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from hixl.errors import ArgumentError, HixlError
@@ -303,18 +304,45 @@ def _add_run(sub: _Subparsers) -> None:
 # --- bench -----------------------------------------------------------------------------
 
 
+#: How a user without a checkout gets the benchmarks (they are not in the wheel).
+BENCH_SOURCE_HELP = (
+    "the benchmarks are not part of the installed hixl package: they live in benchmarks/ "
+    "of hixl's source repository. Clone it and run 'make setup && make bench' there, or "
+    "point this command at a checkout with --source DIR (or HIXL_SOURCE=DIR)"
+)
+
+
+def bench_checkout(source: str | None = None) -> Path:
+    """The source checkout whose ``benchmarks/run_all.py`` ``hixl bench`` runs.
+
+    ``source`` (``--source``), else ``$HIXL_SOURCE``, else the checkout this hixl was
+    imported from (an editable install or a run from the repository). Raises
+    :class:`HixlError` saying where to get the benchmarks when none has them.
+    """
+    import os
+
+    explicit = source or os.environ.get("HIXL_SOURCE")
+    if explicit:
+        root = Path(explicit).expanduser().resolve()
+        if not (root / "benchmarks" / "run_all.py").is_file():
+            raise HixlError(f"{root} has no benchmarks/run_all.py; {BENCH_SOURCE_HELP}")
+        return root
+    root = Path(__file__).resolve().parents[1]
+    # A wheel installs hixl/ into site-packages, which has no pyproject.toml beside it.
+    if (root / "pyproject.toml").is_file() and (root / "benchmarks" / "run_all.py").is_file():
+        return root
+    raise HixlError(f"no hixl source checkout found beside {root / 'hixl'}; {BENCH_SOURCE_HELP}")
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     import dataclasses
     import datetime
     import shlex
     import subprocess
-    from pathlib import Path
 
     from hixl.testbed.vm import run_with_rdma
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "run_all.py"
-    if not script.is_file():
-        raise HixlError(f"{script} not found; 'hixl bench' runs from a source checkout")
+    script = bench_checkout(args.source) / "benchmarks" / "run_all.py"
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d_%H%M%S")
     run_dir = Path(args.out).resolve() / stamp
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -353,6 +381,12 @@ def _add_bench(sub: _Subparsers) -> None:
         help="parent of the run directories (default results/bench)",
     )
     p.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
+    p.add_argument(
+        "--source",
+        metavar="DIR",
+        help="a hixl source checkout to take benchmarks/ from (default: $HIXL_SOURCE, else "
+        "the checkout hixl runs from; the wheel does not ship the benchmarks)",
+    )
     _vm_options(p)
     p.set_defaults(handler=_cmd_bench)
 

@@ -57,7 +57,7 @@ from hixl.core.descriptors import BlockListDesc, NdStridedDesc
 from hixl.core.kv import ContiguousKVLayout, PagedKVLayout, padded_stride
 from hixl.core.plan import DeviceLimits, Op, plan_transfer
 from hixl.errors import ArgumentError, HixlError
-from hixl.testbed.ports import free_tcp_port
+from hixl.testbed.net import free_tcp_port
 
 __all__ = [
     "DEFAULT_PROMPT",

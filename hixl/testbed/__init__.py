@@ -1,2 +1,3 @@
-"""The test bed: the rxe VM runner and its guest agent, the multi-host tier, rxe set-up
-and the doctor.  Nothing here is needed to move bytes."""
+"""The test bed: the rxe VM runner and its guest agent, the multi-host tier, rxe set-up,
+the doctor, and small TCP helpers (``net``: a free port, listening ports) for tests,
+benchmarks and the demo.  Nothing here is needed to move bytes."""

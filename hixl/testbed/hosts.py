@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hixl.errors import ArgumentError, HixlError, TransferTimeout, VMError
-from hixl.testbed.ports import free_udp_port
+from hixl.testbed.net import free_udp_port
 from hixl.testbed.vm import VANISHED, GuestNet, GuestSpec, VMConfig, run_guests
 
 __all__ = [

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from hixl.engine import Engine
-from hixl.testbed.ports import free_tcp_port
+from hixl.testbed.net import free_tcp_port
 from hixl.verbs import adapter as verbs
 
 

@@ -6,11 +6,15 @@ hixl callers register ``data_ptr()`` of their tensors.
 
 from __future__ import annotations
 
+import json
+import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -32,7 +36,7 @@ from hixl.compat import (
     TransferOpDesc,
     TransferStatus,
 )
-from hixl.testbed.ports import free_tcp_port
+from hixl.testbed.net import free_tcp_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "hixl_style_script.py"
@@ -175,7 +179,9 @@ def test_async_read_reported_by_get_all_transfer_status(server: Hixl, client: Hi
     reqs = []
     for k in range(2):
         desc = TransferOpDesc(addr_of(dst) + k * half, addr_of(remote) + k * half, half)
-        ret, req = client.transfer_async(peer, TransferOp.READ, [desc], hixl.TransferArgs(k))
+        args = hixl.TransferArgs()  # built without arguments, as in the binding
+        args.user_data = k
+        ret, req = client.transfer_async(peer, TransferOp.READ, [desc], args)
         assert ret == SUCCESS, client.last_error
         reqs.append(req)
     done: dict[int, tuple[int, TransferStatus]] = {}
@@ -220,8 +226,8 @@ def test_notifies_arrive_after_the_data(server: Hixl, client: Hixl) -> None:
     assert [(n.name, n.notify_msg) for n in got] == [("kv_ready", "layer 3 \u2713"), ("second", "")]
     assert server.get_notifies() == (SUCCESS, [])  # drained
 
-    assert client.send_notify(peer, NotifyDesc("", "x"), 1000) == PARAM_INVALID
-    assert client.send_notify(peer, NotifyDesc("n", "m" * 2000), 1000) == PARAM_INVALID
+    assert client.send_notify(peer, NotifyDesc("n", "m" * 1025), 1000) == PARAM_INVALID
+    assert client.send_notify(peer, NotifyDesc("n" * 1025, ""), 1000) == PARAM_INVALID
     assert client.send_notify(peer, note, 0) == PARAM_INVALID
 
 
@@ -261,7 +267,16 @@ def test_link_status_codes(server: Hixl, client: Hixl) -> None:
     assert ret == SUCCESS, client.last_error
 
 
-def test_bad_descs_are_param_invalid_and_move_nothing(server: Hixl, client: Hixl) -> None:
+def test_bad_descs_are_param_invalid_and_move_nothing(server: Hixl) -> None:
+    client = Hixl()  # with the buffer pool off, unregistered local memory is refused too
+    assert client.initialize("127.0.0.1", {hixl.OPTION_BUFFER_POOL: "0:0"}) == SUCCESS
+    try:
+        check_bad_descs(server, client)
+    finally:
+        client.finalize()
+
+
+def check_bad_descs(server: Hixl, client: Hixl) -> None:
     remote = np.zeros(8192, np.uint8)
     register(server, remote)
     src = pattern(8192, 7)
@@ -328,11 +343,6 @@ def test_register_and_deregister(server: Hixl, client: Hixl) -> None:
 
 def test_memory_kinds(server: Hixl, client: Hixl) -> None:
     buf = np.zeros(4096, np.uint8)
-    assert server.register_mem(MemDesc(addr_of(buf), 4096), MemType.MEM_DEVICE) == (
-        PARAM_INVALID,
-        0,
-    )
-    assert "MEM_DEVICE" in server.last_error
     assert server.register_mem(MemDesc(0, 4096), MemType.MEM_HOST) == (PARAM_INVALID, 0)
     assert server.register_mem(MemDesc(addr_of(buf), 0), MemType.MEM_HOST) == (PARAM_INVALID, 0)
     bad_type: object = 5
@@ -349,14 +359,6 @@ def test_memory_kinds(server: Hixl, client: Hixl) -> None:
     desc = [TransferOpDesc(addr_of(src), addr_of(private), 64)]
     assert client.transfer_sync(peer, TransferOp.WRITE, desc, 10_000) == PARAM_INVALID
     assert not private.any()
-
-    dev = Hixl()
-    try:
-        ret = dev.initialize("127.0.0.1", {hixl.OPTION_DEVICE_MEM_AS_HOST: "1"})
-        assert ret == SUCCESS, dev.last_error
-        assert dev.register_mem(MemDesc(addr_of(buf), 4096), MemType.MEM_DEVICE)[0] == SUCCESS
-    finally:
-        dev.finalize()
 
 
 def test_auto_connect_option(server: Hixl) -> None:
@@ -417,3 +419,292 @@ def test_hixl_style_script_in_two_processes() -> None:
     assert client.returncode == 0, client.stdout + client.stderr
     assert server.returncode == 0, server_out
     assert "client read" in client.stderr and "verify ok" in server_out
+
+
+# ------------------------------------------------------------------ MEM_DEVICE
+
+
+def test_mem_device_host_memory_registers_as_host_and_moves_data(
+    server: Hixl, client: Hixl, caplog: pytest.LogCaptureFixture
+) -> None:
+    remote = pattern(256 * 1024, 21)
+    local = np.zeros(256 * 1024, np.uint8)
+    other = np.zeros(4096, np.uint8)
+    with caplog.at_level(logging.INFO, logger="hixl.compat"):
+        register(server, remote, MemType.MEM_DEVICE)
+        register(client, local, hixl.MEM_DEVICE)
+        register(client, other, hixl.MEM_DEVICE)
+    noted = [r for r in caplog.records if "registered as host memory" in r.getMessage()]
+    assert [r.levelno for r in noted] == [logging.INFO, logging.INFO]  # once per instance
+    peer = server_id(server)
+    assert client.connect(peer, 10_000) == SUCCESS
+    # the sample's shape: many 16 KiB blocks of one device buffer, read in one call
+    block = 16 * 1024
+    descs = [
+        TransferOpDesc(addr_of(local) + i * block, addr_of(remote) + i * block, block)
+        for i in range(remote.nbytes // block)
+    ]
+    ret = client.transfer_sync(peer, hixl.READ, descs, timeout_in_millis=30_000)
+    assert ret == SUCCESS, client.last_error
+    assert np.array_equal(local, remote)
+
+
+def test_mem_device_that_cannot_be_registered_is_param_invalid(server: Hixl) -> None:
+    # A page that is not mapped in this process stands in for a GPU/NPU pointer on rxe.
+    with open("/proc/self/maps") as maps:
+        spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in maps]
+    lowest = min(start for start, _ in spans)
+    assert lowest > 0x10000
+    ret, handle = server.register_mem(MemDesc(0x1000, 4096), MemType.MEM_DEVICE)
+    assert (ret, handle) == (PARAM_INVALID, 0)
+    assert "MEM_DEVICE addr=0x1000 len=4096 cannot be registered" in server.last_error
+    assert "EFAULT" in server.last_error  # the verbs reason
+
+
+# ------------------------------------------------------------------ buffer-pool relay
+
+
+def pool_client(options: dict[str, str]) -> Hixl:
+    h = Hixl()
+    assert h.initialize("127.0.0.1", options) == SUCCESS, h.last_error
+    return h
+
+
+def test_relay_write_and_read_of_unregistered_memory_byte_exact(server: Hixl) -> None:
+    remote = np.zeros(3 * 1024 * 1024 + 4096, np.uint8)
+    register(server, remote)
+    peer = server_id(server)
+    client = pool_client({hixl.OPTION_BUFFER_POOL: "2:1"})  # 2 buffers of 1 MiB
+    try:
+        assert client.connect(peer, 10_000) == SUCCESS, client.last_error
+        src = pattern(remote.nbytes, 31)  # never registered
+        # one big desc (split over buffers) and many small ones (packed into one buffer)
+        big = 3 * 1024 * 1024 - 1000
+        descs = [TransferOpDesc(addr_of(src), addr_of(remote), big)]
+        descs += [
+            TransferOpDesc(addr_of(src) + big + k * 100, addr_of(remote) + big + k * 100, 100)
+            for k in range(50)
+        ]
+        assert client.transfer_sync(peer, hixl.WRITE, descs, 30_000) == SUCCESS, client.last_error
+        n = big + 50 * 100
+        assert np.array_equal(remote[:n], src[:n])
+        assert not remote[n:].any()
+
+        back = np.zeros(remote.nbytes, np.uint8)  # never registered either
+        rdescs = [TransferOpDesc(addr_of(back), addr_of(remote), n)]
+        assert client.transfer_sync(peer, hixl.READ, rdescs, 30_000) == SUCCESS, client.last_error
+        assert np.array_equal(back[:n], src[:n])
+        pool = client.buffer_pool
+        assert pool is not None and pool.count == 2 and pool.size == 1 << 20
+        assert 1 <= pool.made <= 2
+        assert client.engine is not None
+        assert all(r.length != 1 << 20 or r.remote is None for r in client.engine.regions)
+    finally:
+        client.finalize()
+
+
+def test_relay_mixes_with_registered_descs_in_one_call(server: Hixl) -> None:
+    remote = np.zeros(8192, np.uint8)
+    register(server, remote)
+    peer = server_id(server)
+    client = pool_client({})  # hixl's default pool, 4:8
+    try:
+        assert client.connect(peer, 10_000) == SUCCESS, client.last_error
+        registered = pattern(4096, 32)
+        register(client, registered)
+        loose = pattern(4096, 33)
+        descs = [
+            TransferOpDesc(addr_of(registered), addr_of(remote), 4096),
+            TransferOpDesc(addr_of(loose), addr_of(remote) + 4096, 4096),
+        ]
+        ret, req = client.transfer_async(peer, hixl.WRITE, descs)
+        assert ret == SUCCESS, client.last_error
+        state = eventually(
+            lambda: client.get_transfer_status(req), (SUCCESS, hixl.TransferStatus.COMPLETED)
+        )
+        assert state == (SUCCESS, hixl.TransferStatus.COMPLETED), client.last_error
+        assert np.array_equal(remote[:4096], registered)
+        assert np.array_equal(remote[4096:], loose)
+        assert client.buffer_pool is not None and client.buffer_pool.made == 1
+    finally:
+        client.finalize()
+
+
+def test_relay_shared_by_many_requests_stays_correct_and_bounded(server: Hixl) -> None:
+    each = 600 * 1024
+    count = 8
+    remote = np.zeros(each * count, np.uint8)
+    register(server, remote)
+    peer = server_id(server)
+    client = pool_client({hixl.OPTION_BUFFER_POOL: "2:1", hixl.OPTION_AUTO_CONNECT: "1"})
+    try:
+        sources = [pattern(each, 40 + i) for i in range(count)]
+        reqs = []
+        for i in range(count // 2):  # half asynchronous ...
+            d = [TransferOpDesc(addr_of(sources[i]), addr_of(remote) + i * each, each)]
+            ret, req = client.transfer_async(peer, hixl.WRITE, d)
+            assert ret == SUCCESS, client.last_error
+            reqs.append(req)
+        results: dict[int, int] = {}
+
+        def sync(i: int) -> None:  # ... half synchronous, from their own threads
+            d = [TransferOpDesc(addr_of(sources[i]), addr_of(remote) + i * each, each)]
+            results[i] = client.transfer_sync(peer, hixl.WRITE, d, 60_000)
+
+        threads = [threading.Thread(target=sync, args=(i,)) for i in range(count // 2, count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert results == {i: SUCCESS for i in range(count // 2, count)}, client.last_error
+        want = (SUCCESS, hixl.TransferStatus.COMPLETED)
+        for req in reqs:
+            assert eventually(partial(client.get_transfer_status, req), want, 60) == want
+        for i, src in enumerate(sources):
+            assert np.array_equal(remote[i * each : (i + 1) * each], src), i
+        assert client.buffer_pool is not None and client.buffer_pool.made <= 2
+    finally:
+        client.finalize()
+
+
+def test_relay_off_refuses_unregistered_memory(server: Hixl) -> None:
+    remote = np.zeros(4096, np.uint8)
+    register(server, remote)
+    client = pool_client({hixl.OPTION_BUFFER_POOL: "0:0", hixl.OPTION_AUTO_CONNECT: "1"})
+    try:
+        loose = pattern(4096, 50)
+        d = [TransferOpDesc(addr_of(loose), addr_of(remote), 4096)]
+        assert client.transfer_sync(server_id(server), hixl.WRITE, d, 10_000) == PARAM_INVALID
+        assert "buffer pool is off" in client.last_error
+        assert client.buffer_pool is None and not remote.any()
+    finally:
+        client.finalize()
+
+
+# ------------------------------------------------------------------ async connect
+
+
+def test_async_connect_status_sequence_on_a_real_link(server: Hixl, client: Hixl) -> None:
+    acs = hixl.AsyncConnectStatus
+    peer = server_id(server)
+    remote = pattern(4096, 60)
+    register(server, remote)
+    local = np.zeros(4096, np.uint8)
+    register(client, local)
+
+    assert client.get_async_connect_status(peer) == (SUCCESS, acs.NOT_CONNECT)
+    assert client.connect_async(peer, timeout_in_millis=10_000) == SUCCESS
+    first = client.get_async_connect_status(peer)[1]
+    assert first in (acs.CONNECT_PENDING, acs.CONNECTING, acs.CONNECTED)
+    assert eventually(lambda: client.get_async_connect_status(peer), (SUCCESS, acs.CONNECTED)) == (
+        SUCCESS,
+        acs.CONNECTED,
+    )
+    assert client.get_all_async_connect_status() == (SUCCESS, {peer: acs.CONNECTED})
+    d = [TransferOpDesc(addr_of(local), addr_of(remote), 4096)]
+    assert client.transfer_sync(peer, hixl.READ, d, 10_000) == SUCCESS, client.last_error
+    assert np.array_equal(local, remote)
+
+    assert client.disconnect_async(peer, timeout_in_millis=10_000) == SUCCESS
+    assert eventually(
+        lambda: client.get_async_connect_status(peer), (SUCCESS, acs.NOT_CONNECT)
+    ) == (
+        SUCCESS,
+        acs.NOT_CONNECT,
+    )
+    assert client.get_all_async_connect_status() == (SUCCESS, {})
+    assert client.transfer_sync(peer, hixl.READ, d, 10_000) == NOT_CONNECTED
+
+    nobody = f"127.0.0.1:{free_tcp_port()}"
+    assert client.connect_async(nobody, 2000) == SUCCESS
+    got = eventually(lambda: client.get_async_connect_status(nobody), (SUCCESS, acs.CONNECT_FAILED))
+    assert got == (SUCCESS, acs.CONNECT_FAILED)
+    assert client.connect_async(peer, 0) == PARAM_INVALID
+
+
+def test_connect_async_does_not_block_the_caller(client: Hixl) -> None:
+    acs = hixl.AsyncConnectStatus
+    # A listener that accepts but never answers the handshake: connect takes its full timeout.
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        peer = f"127.0.0.1:{mute.getsockname()[1]}"
+        start = time.monotonic()
+        assert client.connect_async(peer, timeout_in_millis=1500) == SUCCESS
+        assert time.monotonic() - start < 0.5  # returned before the handshake could finish
+        time.sleep(0.3)
+        assert client.get_async_connect_status(peer) == (SUCCESS, acs.CONNECTING)
+        got = eventually(
+            lambda: client.get_async_connect_status(peer), (SUCCESS, acs.CONNECT_FAILED)
+        )
+        assert got == (SUCCESS, acs.CONNECT_FAILED)
+        assert "connect" in client.last_error
+
+
+# ------------------------------------------------------------------ channel pool
+
+
+def test_channel_pool_connects_implicitly_and_caps_links() -> None:
+    servers = [Hixl() for _ in range(4)]
+    config = {
+        "channel_pool.max_channel": "3",
+        "channel_pool.high_waterline": "0.7",  # high mark 2
+        "channel_pool.low_waterline": "0.4",  # low mark 1
+    }
+    client = pool_client({hixl.OPTION_GLOBAL_RESOURCE_CONFIG: json.dumps(config)})
+    try:
+        assert client.options.channel_pool is not None
+        assert client.options.channel_pool.high_mark == 2
+        remotes = []
+        for s in servers:
+            assert s.initialize(f"127.0.0.1:{free_tcp_port()}", {}) == SUCCESS, s.last_error
+            r = np.zeros(1024, np.uint8)
+            register(s, r)
+            remotes.append(r)
+        src = pattern(1024, 70)
+        register(client, src)
+        assert client.engine is not None
+        for i, s in enumerate(servers):
+            d = [TransferOpDesc(addr_of(src), addr_of(remotes[i]), 1024)]
+            # no connect() and no AutoConnect: the channel pool links on first transfer
+            ret = client.transfer_sync(server_id(s), hixl.WRITE, d, 10_000)
+            assert ret == SUCCESS, client.last_error
+            assert np.array_equal(remotes[i], src)
+            assert len(client.engine.peers) <= 2, client.engine.peers  # never past the high mark
+        # the least recently used links were closed first
+        assert server_id(servers[-1]) in client.engine.peers
+        assert server_id(servers[0]) not in client.engine.peers
+    finally:
+        client.finalize()
+        for s in servers:
+            s.finalize()
+
+
+# ------------------------------------------------------------------ notify limits
+
+
+def test_notifies_at_hixls_limits_arrive_whole_and_in_order(server: Hixl, client: Hixl) -> None:
+    remote = np.zeros(4096, np.uint8)
+    register(server, remote)
+    src = pattern(4096, 80)
+    register(client, src)
+    peer = server_id(server)
+    assert client.connect(peer, 10_000) == SUCCESS
+    notes = [
+        NotifyDesc("", "empty name"),
+        NotifyDesc("n" * 1024, "m" * 1024),
+        NotifyDesc("\u00e9" * 512, "\u2713" * 341),  # 1024 and 1023 bytes in UTF-8
+        NotifyDesc("small", "after the big ones"),
+    ]
+    d = [TransferOpDesc(addr_of(src), addr_of(remote), 4096)]
+    assert client.transfer_async(peer, hixl.WRITE, d)[0] == SUCCESS
+    for note in notes:
+        assert client.send_notify(peer, note, 10_000) == SUCCESS, client.last_error
+    got: list[NotifyDesc] = []
+    deadline = time.monotonic() + 20
+    while len(got) < len(notes) and time.monotonic() < deadline:
+        ret, new = server.get_notifies()
+        assert ret == SUCCESS
+        if new and not got:
+            assert np.array_equal(remote, src)  # after the data
+        got.extend(new)
+        time.sleep(0.01)
+    assert got == notes

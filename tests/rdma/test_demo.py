@@ -11,7 +11,7 @@ import pytest
 
 from hixl.demo.kvdemo import DemoConfig, run_decode, run_demo, run_prefill
 from hixl.errors import TransferTimeout
-from hixl.testbed.ports import free_tcp_port
+from hixl.testbed.net import free_tcp_port
 
 SMALL = DemoConfig(layers=4, heads=8, head_dim=64, d_model=32, tokens=48, gen_tokens=4, seed=3)
 

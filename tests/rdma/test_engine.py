@@ -22,7 +22,7 @@ from hixl.errors import (
     StateError,
     TransferTimeout,
 )
-from hixl.testbed.ports import free_tcp_port
+from hixl.testbed.net import free_tcp_port
 
 RW = Access.REMOTE_READ | Access.REMOTE_WRITE
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from hixl import Access, Engine
 from hixl.core import wire as _wire
-from hixl.testbed.ports import free_tcp_port
+from hixl.testbed.net import free_tcp_port
 
 
 @pytest.fixture(scope="module")

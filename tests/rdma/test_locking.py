@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from hixl import Access, Engine
-from hixl.testbed.ports import free_tcp_port
+from hixl.testbed.net import free_tcp_port
 
 from .conftest import listening_engine
 from .peerproc import PeerProcess

@@ -11,7 +11,7 @@ import pytest
 
 from hixl import Access, ConnState, ContiguousDesc, Engine, StridedDesc
 from hixl.errors import ConnectionFailed, TransferTimeout
-from hixl.testbed.ports import free_tcp_port
+from hixl.testbed.net import free_tcp_port
 
 from .peerproc import PeerProcess
 

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-@pytest.fixture(scope="module")
-def common() -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("_common")
-    finally:
-        sys.path.remove(str(BENCH))
-
+from benchmarks import common
+from benchmarks.backends import perftest
+from benchmarks.drivers import transfer as bt
+from hixl.testbed import net
 
 # Output of perftest 6.06 on rxe0 in the hixl VM (kernel 6.1, TCG), trimmed of addresses.
 WRITE_BW = """\
@@ -67,26 +55,26 @@ t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]\x20
 """
 
 
-def test_parse_bw_reads_mib_per_second(common: ModuleType) -> None:
-    r = common.parse_bw(WRITE_BW)
+def test_parse_bw_reads_mib_per_second() -> None:
+    r = perftest.parse_bw(WRITE_BW)
     assert (r.size, r.iterations) == (65536, 200)
     assert r.avg_Bps == pytest.approx(14.64 * 2**20)
     assert r.peak_Bps == pytest.approx(42.35 * 2**20)
     assert r.msg_rate_mpps == pytest.approx(0.000234)
 
 
-def test_parse_bw_reads_gbits_as_decimal_bits(common: ModuleType) -> None:
-    r = common.parse_bw(WRITE_BW_GBITS)
+def test_parse_bw_reads_gbits_as_decimal_bits() -> None:
+    r = perftest.parse_bw(WRITE_BW_GBITS)
     assert r.size == 8388608 and r.iterations == 5
     assert r.avg_Bps == pytest.approx(0.089634e9 / 8)
 
 
-def test_parse_bw_skips_warnings_before_the_table(common: ModuleType) -> None:
-    assert common.parse_bw(READ_BW).avg_Bps == pytest.approx(15.25 * 2**20)
+def test_parse_bw_skips_warnings_before_the_table() -> None:
+    assert perftest.parse_bw(READ_BW).avg_Bps == pytest.approx(15.25 * 2**20)
 
 
-def test_parse_lat_takes_t_typical_and_percentiles(common: ModuleType) -> None:
-    r = common.parse_lat(WRITE_LAT)
+def test_parse_lat_takes_t_typical_and_percentiles() -> None:
+    r = perftest.parse_lat(WRITE_LAT)
     assert (r.size, r.iterations) == (4096, 200)
     assert r.t_typical_us == pytest.approx(323.29)
     assert r.t_min_us == pytest.approx(94.18)
@@ -102,22 +90,22 @@ def test_parse_lat_takes_t_typical_and_percentiles(common: ModuleType) -> None:
         " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]\n---\n",
     ],
 )
-def test_parse_bw_without_a_result_row_says_so(common: ModuleType, text: str) -> None:
+def test_parse_bw_without_a_result_row_says_so(text: str) -> None:
     with pytest.raises(common.BenchError, match="perftest"):
-        common.parse_bw(text)
+        perftest.parse_bw(text)
 
 
-def test_parse_lat_refuses_bw_output(common: ModuleType) -> None:
+def test_parse_lat_refuses_bw_output() -> None:
     with pytest.raises(common.BenchError):
-        common.parse_lat(WRITE_BW)
+        perftest.parse_lat(WRITE_BW)
 
 
-def test_parse_version(common: ModuleType) -> None:
+def test_parse_version() -> None:
     assert common.parse_perftest_version("Version: 6.06\n") == "6.06"
     assert common.parse_perftest_version("nothing") is None
 
 
-def test_listening_ports_reads_proc_net_tcp(common: ModuleType) -> None:
+def test_listening_ports_reads_proc_net_tcp() -> None:
     tcp = (
         "  sl  local_address rem_address   st tx_queue rx_queue\n"
         "   0: 00000000:4894 00000000:0000 0A 00000000:00000000 00:00000000 00000000\n"
@@ -127,10 +115,10 @@ def test_listening_ports_reads_proc_net_tcp(common: ModuleType) -> None:
         "  sl  local_address                         remote_address  st\n"
         "   0: 00000000000000000000000000000000:48A8 00000000000000000000000000000000:0000 0A\n"
     )
-    assert common.listening_ports([tcp, tcp6]) == {0x4894, 0x48A8}
+    assert net.listening_ports([tcp, tcp6]) == {0x4894, 0x48A8}
 
 
-def test_sizes_parse_and_format(common: ModuleType) -> None:
+def test_sizes_parse_and_format() -> None:
     assert common.parse_sizes("4K,64KiB,1M, 8M,100") == [4096, 65536, 1 << 20, 8 << 20, 100]
     assert [common.fmt_size(n) for n in (4096, 8 << 20, 100, 1536)] == [
         "4 KiB",
@@ -144,13 +132,13 @@ def test_sizes_parse_and_format(common: ModuleType) -> None:
         common.parse_size("0")
 
 
-def test_iterations_are_clamped(common: ModuleType) -> None:
+def test_iterations_are_clamped() -> None:
     assert common.iterations_for(4096, 8 << 20, 5, 4096) == 2048
     assert common.iterations_for(8 << 20, 8 << 20, 5, 4096) == 5
     assert common.iterations_for(64, 8 << 20, 5, 4096) == 4096
 
 
-def test_median_ratio_and_spread(common: ModuleType) -> None:
+def test_median_ratio_and_spread() -> None:
     assert common.median([3.0, 1.0, 2.0]) == 2.0
     assert common.median([1.0, 2.0, 3.0, 10.0]) == 2.5
     assert common.median([]) is None
@@ -160,7 +148,7 @@ def test_median_ratio_and_spread(common: ModuleType) -> None:
     assert common.spread([])["n"] == 0
 
 
-def test_markdown_table_aligns_and_escapes(common: ModuleType) -> None:
+def test_markdown_table_aligns_and_escapes() -> None:
     text = common.markdown_table(["size", "ratio"], [["4 KiB", "0.93×"], ["a|b", "1×"]], "lr")
     assert text.splitlines() == [
         "| size | ratio |",
@@ -172,7 +160,7 @@ def test_markdown_table_aligns_and_escapes(common: ModuleType) -> None:
         common.markdown_table(["a", "b"], [["only one"]])
 
 
-def test_formatters(common: ModuleType) -> None:
+def test_formatters() -> None:
     assert common.fmt_ratio(0.9349) == "0.93×"
     assert common.fmt_ratio(None) == "n/a"
     assert common.fmt_rate(15.6e6) == "15.6 MB/s"
@@ -181,17 +169,7 @@ def test_formatters(common: ModuleType) -> None:
     assert common.fmt_us(25_000.0) == "25.0 ms"
 
 
-def _transfer() -> ModuleType:
-    pytest.importorskip("numpy")
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("bench_transfer")
-    finally:
-        sys.path.remove(str(BENCH))
-
-
 def test_transfer_summary_ratios_and_target() -> None:
-    bt = _transfer()
     ms = []
     for rep, (p, h) in enumerate([(10.0, 8.5), (12.0, 9.0), (11.0, 9.5)]):
         ms.append(
@@ -229,7 +207,6 @@ def test_transfer_summary_ratios_and_target() -> None:
 
 
 def test_transfer_steps_alternate_the_order() -> None:
-    bt = _transfer()
     steps = bt.build_steps([4096, 65536], ["write", "lat"], 2)
     assert len(steps) == 2 * 2 * 2 * 2
     firsts = [steps[i][3] for i in range(0, len(steps), 2)]
@@ -239,46 +216,48 @@ def test_transfer_steps_alternate_the_order() -> None:
     )
 
 
-def _fake_runs(common: ModuleType, outputs: list[tuple[str, str]]) -> object:
-    pt = common.Perftest("rxe0", 1)
+def _fake_runs(outputs: list[tuple[str, str]]) -> perftest.Perftest:
+    pt = perftest.Perftest("rxe0", 1)
     runs = iter(outputs)
 
-    def once(tool: str, args: list[str]) -> object:
+    def once(tool: str, args: list[str]) -> perftest.PerftestRun:
         client, server = next(runs)
-        return common.PerftestRun(tool, (tool,), (tool, "127.0.0.1"), client, server, 1.0)
+        return perftest.PerftestRun(tool, (tool,), (tool, "127.0.0.1"), client, server, 1.0)
 
-    pt._run_once = once
+    pt._run_once = once  # type: ignore[method-assign]
     return pt
 
 
-def test_perftest_retries_when_the_clock_calibration_failed(common: ModuleType) -> None:
+def test_perftest_retries_when_the_clock_calibration_failed() -> None:
     bad = "Correlation coefficient r^2: 0.5 < 0.9\n" + WRITE_LAT
-    pt = _fake_runs(common, [(bad, bad), (WRITE_LAT, bad)])
-    run = pt.run("ib_write_lat", [])  # type: ignore[attr-defined]
-    assert run.side == "client" and common.parse_lat(run.output).t_typical_us == 323.29
-    pt = _fake_runs(common, [(bad, bad)] * 3)
+    pt = _fake_runs([(bad, bad), (WRITE_LAT, bad)])
+    run = pt.run("ib_write_lat", [])
+    assert run.side == "client" and perftest.parse_lat(run.output).t_typical_us == 323.29
+    pt = _fake_runs([(bad, bad)] * 3)
     with pytest.raises(common.BenchError, match="calibration failed.*3 tries"):
-        pt.run("ib_write_lat", [])  # type: ignore[attr-defined]
+        pt.run("ib_write_lat", [])
 
 
-def test_ping_pong_falls_back_to_the_server_side(common: ModuleType) -> None:
+def test_ping_pong_falls_back_to_the_server_side() -> None:
     bad = "Correlation coefficient r^2: 0.5 < 0.9\n" + WRITE_LAT
     server = WRITE_LAT.replace("323.29", "300.00")
-    pt = _fake_runs(common, [(bad, server)])
-    run = pt.run("ib_write_lat", [], symmetric=True)  # type: ignore[attr-defined]
+    pt = _fake_runs([(bad, server)])
+    run = pt.run("ib_write_lat", [], symmetric=True)
     assert run.side == "server"
-    assert common.parse_lat(run.output).t_typical_us == 300.0
+    assert perftest.parse_lat(run.output).t_typical_us == 300.0
 
 
-def test_bw_wall_clock_check_rejects_an_impossible_figure(common: ModuleType) -> None:
-    run = common.PerftestRun("ib_write_bw", (), (), WRITE_BW, "", 0.5)
+def test_bw_wall_clock_check_rejects_an_impossible_figure() -> None:
+    run = perftest.PerftestRun("ib_write_bw", (), (), WRITE_BW, "", 0.5)
     # 200 x 64 KiB in 0.5 s of wall time is 26 MB/s at least; perftest claims 15.4 MB/s.
     with pytest.raises(common.BenchError, match="clock is off"):
-        common.bw_wall_check(65536, 200)(run)
-    common.bw_wall_check(65536, 200)(common.PerftestRun("ib_write_bw", (), (), WRITE_BW, "", 2.0))
+        perftest.bw_wall_check(65536, 200)(run)
+    perftest.bw_wall_check(65536, 200)(
+        perftest.PerftestRun("ib_write_bw", (), (), WRITE_BW, "", 2.0)
+    )
 
 
-def test_cpu_mhz_needs_one_rate(common: ModuleType) -> None:
+def test_cpu_mhz_needs_one_rate() -> None:
     two = "processor\t: 0\ncpu MHz\t\t: 2596.140\nprocessor\t: 1\ncpu MHz\t\t: 2596.140\n"
     assert common.cpu_mhz(two) == pytest.approx(2596.14)
     assert common.cpu_mhz("cpu MHz : 1000.0\ncpu MHz : 2000.0\n") is None
@@ -294,13 +273,36 @@ t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]\x20
 """
 
 
-def test_parse_lat_in_cycles_with_an_undefined_stdev(common: ModuleType) -> None:
-    r = common.parse_lat(WRITE_LAT_CYCLES)
+def test_parse_lat_in_cycles_with_an_undefined_stdev() -> None:
+    r = perftest.parse_lat(WRITE_LAT_CYCLES)
     assert r.t_typical_us == 247286.0  # cycles: ib_write_lat -C keeps the usec header
     assert r.t_stdev_us != r.t_stdev_us  # nan
 
 
-def test_parse_lat_refuses_an_infinite_median(common: ModuleType) -> None:
+def test_parse_lat_refuses_an_infinite_median() -> None:
     text = WRITE_LAT_CYCLES.replace("247286.00", "inf")
     with pytest.raises(common.BenchError, match="t_typical is inf"):
-        common.parse_lat(text)
+        perftest.parse_lat(text)
+
+
+def test_perftest_ports_come_from_its_own_range() -> None:
+    # Two runners with different bases must not share ports (the base was once ignored).
+    a = perftest.Perftest("rxe0", 1, port_base=30000)
+    b = perftest.Perftest("rxe0", 1, port_base=40000)
+    ports_a = [a.next_port() for _ in range(5)]
+    ports_b = [b.next_port() for _ in range(5)]
+    assert all(30000 <= p < 30000 + perftest.PORT_SPAN for p in ports_a)
+    assert all(40000 <= p < 40000 + perftest.PORT_SPAN for p in ports_b)
+    assert len(set(ports_a)) == 5  # each pair gets a fresh port
+    with pytest.raises(ValueError, match="port_base must be in 1024..63536.*got 64000"):
+        perftest.Perftest("rxe0", 1, port_base=64000)
+
+
+def test_perftest_skips_a_port_in_use() -> None:
+    import socket
+
+    base = next(p for p in range(21000, 23000) if net.tcp_port_is_free(p))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", base))
+        assert not net.tcp_port_is_free(base)
+        assert perftest.Perftest("rxe0", 1, port_base=base).next_port() != base

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hixl import cli as _cli
+from hixl.errors import HixlError
 
 MAPPED = "0000:0000:0000:0000:0000:ffff:c0a8:4d01"
 
@@ -105,3 +106,44 @@ def test_doctor_json_runs_here(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(capsys.readouterr().out)
     assert code == data["exit_code"] and data["mode"] in ("direct", "vm", "none")
     assert {c["status"] for c in data["checks"]} <= {"ok", "warn", "fail"}
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def test_bench_from_an_installed_package_says_where_the_benchmarks_are(tmp_path: Path) -> None:
+    # A wheel puts hixl/ into site-packages with no checkout around it: copy the package
+    # alone into a directory and run `hixl bench` from there (no VM is booted: the
+    # checkout is looked up first).
+    import shutil
+
+    site = tmp_path / "site-packages"
+    shutil.copytree(
+        Path(_cli.__file__).resolve().parent,
+        site / "hixl",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "hixl", "bench", "--quick", "--out", str(tmp_path / "r")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    assert "not part of the installed hixl package" in out.stderr
+    assert "--source DIR" in out.stderr and "make bench" in out.stderr
+
+
+def test_bench_finds_this_checkout_and_refuses_a_directory_without_benchmarks(
+    tmp_path: Path,
+) -> None:
+    root = Path(__file__).resolve().parents[2]
+    assert _cli.bench_checkout() == root
+    assert _cli.bench_checkout(str(root)) == root
+    with pytest.raises(HixlError, match=f"{tmp_path} has no benchmarks/run_all.py"):
+        _cli.bench_checkout(str(tmp_path))

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 from plan_oracle import apply_plan
 
+from benchmarks.drivers.plan import reference_plan
 from hixl.core.descriptors import ContiguousDesc, NdStridedDesc, Segments, StridedDesc
 from hixl.core.plan import (
     DEFAULT_LIMITS,
@@ -317,15 +315,6 @@ def test_check_alignment_bad_policy() -> None:
 # --------------------------------------------------------------------------- at scale
 
 
-def _reference() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_plan.py"
-    spec = importlib.util.spec_from_file_location("hixl_bench_plan_unit", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("seed", range(8))
 def test_large_random_transfers_match_the_reference(seed: int) -> None:
     # Thousands of segments, realistic limits: exercises the vectorized paths at scale
@@ -353,7 +342,7 @@ def test_large_random_transfers_match_the_reference(seed: int) -> None:
     op = Op.WRITE if seed % 2 == 0 else Op.READ
     local, remote = (src, dst) if op is Op.WRITE else (dst, src)
     plan = plan_transfer(local, remote, op, limits)
-    assert plan == _reference().reference_plan(local, remote, op, limits)
+    assert plan == reference_plan(local, remote, op, limits)
     assert int(plan.sges_per_wr.max()) <= limits.sge_limit(op)
     assert int(plan.wr_length.max()) <= limits.max_msg_sz
     assert plan.nbytes == total

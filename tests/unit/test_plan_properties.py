@@ -2,15 +2,12 @@
 
 The oracles are independent of the planner: a plain ``memoryview`` copy of the described
 elements, a per-byte write counter, a dynamic program for the fewest WRs, and the
-per-segment reference planner of ``benchmarks/bench_plan.py``.
+per-segment reference planner of ``benchmarks/drivers/plan.py``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -18,6 +15,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from plan_oracle import apply_plan
 
+from benchmarks.drivers.plan import reference_plan
 from hixl.core.descriptors import INT64_MAX, Segments, StridedDesc
 from hixl.core.plan import DeviceLimits, Op, Plan, plan_transfer
 from hixl.errors import DescriptorError
@@ -27,18 +25,6 @@ PROPS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-
-
-def _load_reference() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_plan.py"
-    spec = importlib.util.spec_from_file_location("hixl_bench_plan", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-REFERENCE = _load_reference()
 
 
 # --------------------------------------------------------------------------- oracles
@@ -265,9 +251,7 @@ def test_same_plan_as_per_segment_reference(
     t: tuple[Segments, Segments, Op], limits: DeviceLimits
 ) -> None:
     local, remote, op = t
-    assert plan_transfer(local, remote, op, limits) == REFERENCE.reference_plan(
-        local, remote, op, limits
-    )
+    assert plan_transfer(local, remote, op, limits) == reference_plan(local, remote, op, limits)
 
 
 @PROPS

@@ -1,0 +1,36 @@
+"""Markdown tables and JSON files, the two forms every result is written in."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> str:
+    """A GitHub markdown table. ``align`` has one of ``l``/``r``/``c`` per column."""
+    if any(len(r) != len(headers) for r in rows):
+        raise ValueError("every row needs one cell per header")
+    marks = {"l": ":--", "r": "--:", "c": ":-:"}
+    align = align.ljust(len(headers), "l")
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join(marks[a] for a in align) + "|",
+    ]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+
+
+def _json_default(obj: object) -> Any:
+    if hasattr(obj, "__dataclass_fields__"):
+        return asdict(obj)  # type: ignore[call-overload]
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
