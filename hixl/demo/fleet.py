@@ -395,7 +395,7 @@ def _fleet_once(
     tag: str,
 ) -> dict[str, Any]:
     from hixl.testbed.etcd import EtcdServer
-    from hixl.testbed.ports import free_tcp_port
+    from hixl.testbed.net import free_tcp_port
 
     lock = threading.Lock()
     done_count = [0]

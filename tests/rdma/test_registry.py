@@ -14,7 +14,7 @@ from hixl.core.directory import EventKind
 from hixl.errors import ConnectionFailed, NameNotFound, RegistryUnavailable
 from hixl.registry import DirectoryEvent, Watch, open_registry
 from hixl.testbed.etcd import EtcdServer
-from hixl.testbed.ports import free_tcp_port
+from hixl.testbed.net import free_tcp_port
 
 SIZE = 64 * 1024
 
