@@ -58,7 +58,8 @@ class Names:
             raise ArgumentError(
                 f"registry must be a URL or a Registry, got {type(registry).__name__}"
             )
-        self._on_gone = on_gone
+        # Weakly: the engine owns this object; a strong bound method would make a cycle.
+        self._on_gone = weakref.WeakMethod(on_gone)
         self._lock = threading.Lock()
         self._aliases: dict[str, Announcement] = {}  # name -> what it resolved to
         self._watch: Watch | None = None
@@ -127,7 +128,9 @@ class Names:
         else:
             reason = f"{ev.name} was restarted (new announcement in {self.registry.url})"
         log.warning("peer %s (%s): %s", ev.name, known.engine, reason)
-        self._on_gone(known.engine, reason)
+        on_gone = self._on_gone()
+        if on_gone is not None:
+            on_gone(known.engine, reason)
 
     def close(self) -> None:
         with self._lock:
