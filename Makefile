@@ -38,7 +38,7 @@ test-hosts:
 ## announced capacity; decode-0's host is cut off mid-stream and its request runs again
 ## elsewhere; every request exactly once, bit-exact. About 2.5 min under emulation.
 test-fleet:
-	$(HIXL) demo --hosts 4 --prefill 2 --decode 2 --requests 8 --timeout 600
+	$(HIXL) demo --hosts 4 --prefill 2 --decode 2 --requests 12 --timeout 600
 
 ## check: format, lint and types (mypy --strict over hixl, benchmarks and tests; see pyproject)
 check:

@@ -100,12 +100,18 @@ def run_fleet_decode(
     *,
     stop_file: str | None = None,
     vanish_after: int | None = None,
+    restart_after: int | None = None,
 ) -> dict[str, Any]:
     """A decode worker; serves until SIGTERM, ``stop_file`` exists, or ``seconds``.
 
     With ``vanish_after`` (multi-host runs only) its host is cut off when the KV of one
-    more request than that has landed: a host lost mid-stream. Returns what it served."""
+    more request than that has landed: a host lost mid-stream. With ``restart_after`` the
+    worker restarts once after serving that many requests: its engine closes and a new
+    one comes up under the same name and address (a new process, as far as peers can
+    tell). While the registry is unreachable, capacity updates are kept and made when it
+    is back. Returns what it served."""
     from hixl.engine import Access, ConnState, Engine
+    from hixl.errors import RegistryUnavailable
 
     model = TinyLM(cfg)
     bn = cfg.blocks_needed
@@ -116,17 +122,45 @@ def run_fleet_decode(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     served: list[dict[str, Any]] = []
     end = time.monotonic() + seconds
-    with Engine(listen, name=name, role="decode", capacity=slots, registry=url) as eng:
-        eng.register(cache, access=Access.REMOTE_WRITE, name="kv")
-        free = list(range(slots))
-        owner: dict[int, tuple[str, int, int]] = {}
-        emit(f"ready: {name} at {eng.id}, {slots} slots of {bn} blocks")
-        next_check = 0.0
+
+    def start_engine() -> Engine:
+        while True:
+            try:
+                eng = Engine(listen, name=name, role="decode", capacity=slots, registry=url)
+            except (RegistryUnavailable, OSError) as exc:
+                if time.monotonic() > end:
+                    raise
+                emit(f"cannot start yet ({exc}); retrying")
+                time.sleep(0.5)
+                continue
+            eng.register(cache, access=Access.REMOTE_WRITE, name="kv")
+            emit(f"ready: {name} at {eng.id}, {slots} slots of {bn} blocks")
+            return eng
+
+    def set_capacity(eng: Engine, free: int) -> None:
+        try:
+            eng.set_capacity(free)
+        except RegistryUnavailable as exc:
+            emit(f"capacity {free} kept for later: {exc}")
+
+    eng = start_engine()
+    restarted = False
+    free = list(range(slots))
+    owner: dict[int, tuple[str, int, int]] = {}
+    next_check = 0.0
+    try:
         while not stop.is_set() and time.monotonic() < end:
             if stop_file is not None and time.monotonic() > next_check:
                 next_check = time.monotonic() + 0.5
                 if Path(stop_file).exists():
                     break
+            if restart_after is not None and not restarted and len(served) >= restart_after:
+                emit(f"restarting: a new engine under the same name {name}")
+                eng.close()
+                eng = start_engine()
+                restarted = True
+                free = list(range(slots))
+                owner.clear()
             for slot, (peer, _, _) in list(owner.items()):  # free slots of vanished prefills
                 try:
                     alive = eng.connection(peer).state is ConnState.READY
@@ -135,7 +169,7 @@ def run_fleet_decode(
                 if not alive:
                     del owner[slot]
                     free.append(slot)
-                    eng.set_capacity(len(free))
+                    set_capacity(eng, len(free))
             notes = eng.notifications()
             if not notes:
                 time.sleep(0.005)
@@ -148,7 +182,7 @@ def run_fleet_decode(
                         slot = free.pop() if free else -1
                         if slot >= 0:
                             owner[slot] = (note.peer, req, attempt)
-                            eng.set_capacity(len(free))
+                            set_capacity(eng, len(free))
                         answer = {"req": req, "attempt": attempt, "slot": slot}
                         answer |= {"pool": slots * bn, "block_size": cfg.block_size}
                         eng.notify(note.peer, "slot", json.dumps(answer).encode())
@@ -165,13 +199,15 @@ def run_fleet_decode(
                         result |= {"req": req, "attempt": attempt, "decode": name}
                         del owner[slot]
                         free.append(slot)
-                        eng.set_capacity(len(free))
+                        set_capacity(eng, len(free))
                         eng.notify(note.peer, "result", json.dumps(result).encode())
                         served.append(result)
                         emit(f"request {req} (attempt {attempt}): served, ok={result['ok']}")
                 except (HixlError, KeyError, ValueError, TypeError) as exc:
                     emit(f"ignoring {note.name!r} from {note.peer}: {exc}")
-    return {"role": "decode", "name": name, "served": served}
+    finally:
+        eng.close()
+    return {"role": "decode", "name": name, "served": served, "restarted": restarted}
 
 
 def _serve(
@@ -220,10 +256,20 @@ def wait_for_registry(url: str, seconds: float) -> None:
 
 
 def run_fleet_prefill(
-    cfg: DemoConfig, host: str, url: str, requests: list[int], seconds: float, emit: Emit
+    cfg: DemoConfig,
+    host: str,
+    url: str,
+    requests: list[int],
+    seconds: float,
+    emit: Emit,
+    on_done: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """A prefill worker: every request in ``requests`` completed exactly once, or an error."""
+    """A prefill worker: every request in ``requests`` completed exactly once, or an error.
+
+    ``on_done(n)`` is called after the ``n``-th completion. An attempt that fails because
+    the registry is unreachable is retried without blaming the decode worker."""
     from hixl.engine import Access, Engine
+    from hixl.errors import RegistryUnavailable
 
     model = TinyLM(cfg)
     src = source_layout(cfg)
@@ -258,6 +304,11 @@ def run_fleet_prefill(
                 ledger.fail(attempt)
                 time.sleep(0.05)
                 continue
+            except RegistryUnavailable as exc:
+                emit(f"request {req}: registry unreachable ({exc}); trying again shortly")
+                ledger.fail(attempt)
+                time.sleep(0.5)
+                continue
             except HixlError as exc:
                 waited = time.monotonic() - t0
                 emit(
@@ -272,8 +323,10 @@ def run_fleet_prefill(
                 continue
             if not ledger.complete(attempt):
                 continue
-            out |= {"seconds": time.monotonic() - t0}
+            out |= {"seconds": time.monotonic() - t0, "finished": time.monotonic()}
             results[req] = out
+            if on_done is not None:
+                on_done(len(results))
             emit(
                 f"request {req}: done on {target} (attempt {attempt.number}), "
                 f"{'bit-exact, same tokens' if out['ok'] else 'MISMATCH'} {out['tokens']}"
@@ -550,9 +603,15 @@ def run_fleet_hosts(
     """The fleet on ``prefill + decode`` hosts of the virtual wire, one VM each.
 
     host0 runs etcd and prefill-0, the next hosts the other prefill workers, then the
-    decode workers. With two or more decode workers, decode-0's host is cut off (no FIN,
-    no goodbye) when the KV of its second request has landed: that attempt fails when its
-    lease expires, and the request runs again on another decode worker.
+    decode workers. Three things go wrong on purpose, each checked in the summary:
+
+    * with two or more decode workers, decode-0's host is cut off (no FIN, no goodbye) when
+      the KV of its second request has landed: that attempt fails when its lease expires,
+      and the request runs again on another decode worker;
+    * etcd on host0 is stopped for 5 s after prefill-0's second request: work goes on over
+      live connections, and announcements are made again when it is back;
+    * the last decode worker restarts under the same name after serving 3 requests: the
+      prefill workers find it again and replace their connections to it.
     """
     import shutil
 
@@ -576,6 +635,7 @@ def run_fleet_hosts(
         if j == 0:
             cmd += ["--etcd", f"{host_address(0)}:{ETCD_PORT}", "--stop-file", stop]
             cmd += ["--wait-results", ",".join(results[1:])]
+            cmd += ["--etcd-outage-after", "2", "--etcd-outage-seconds", "5"]
         commands.append(cmd + common)
     for i in range(decode):
         addr = host_address(prefill + i)
@@ -583,6 +643,8 @@ def run_fleet_hosts(
         cmd += ["--stop-file", stop, "--result", str(share / f"decode-{i}.json")]
         if i == 0 and decode >= 2:
             cmd += ["--vanish-after", "1"]
+        if i == decode - 1:
+            cmd += ["--restart-after", "3"]
         commands.append(cmd + common)
     print(
         f"hixl demo --hosts {hosts}: etcd and prefill-0 on host0 ({host_address(0)}), "
@@ -601,6 +663,8 @@ def run_fleet_hosts(
             except (OSError, ValueError) as exc:
                 raise HixlError(f"{path} missing ({exc}); run status {rc}") from None
         vanished = decode >= 2 and not (share / "decode-0.json").exists()
+        last = share / f"decode-{decode - 1}.json"
+        restarted = last.exists() and bool(json.loads(last.read_text()).get("restarted"))
         if rc != 0:
             raise HixlError(f"a fleet host failed (exit status {rc}); its output is above")
     finally:
@@ -617,7 +681,11 @@ def run_fleet_hosts(
         "failures": [f for p in prefills for f in p["failures"]],
         "run_s": took,
     }
-    summary["ok"] = summary["all_ok"] and (decode < 2 or vanished)
+    outage = prefills[0].get("etcd_outage")
+    summary |= {"etcd_outage": outage, "restarted": restarted}
+    summary["ok"] = (
+        summary["all_ok"] and (decode < 2 or vanished) and outage is not None and restarted
+    )
     lines = [
         f"fleet on {hosts} hosts: {prefill} prefill x {decode} decode, {requests} requests"
         + (", decode-0's host cut off mid-stream" if vanished else ""),
@@ -628,6 +696,16 @@ def run_fleet_hosts(
     ]
     for f in summary["failures"]:
         lines.append(f"  request {f['req']} on {f['decode']} failed after {f['seconds']:.1f} s")
+    if outage is not None:
+        lines.append(
+            f"  etcd stopped for {outage['seconds']:.1f} s on host0; prefill-0 completed "
+            f"{outage['completed_during']} requests meanwhile"
+        )
+    else:
+        lines.append("  etcd outage: DID NOT HAPPEN")
+    lines.append(
+        f"  decode-{decode - 1} restarted under the same name: {'yes' if restarted else 'NO'}"
+    )
     lines += [
         f"  all bit-exact with identical tokens: {'yes' if summary['all_ok'] else 'NO'}",
         f"  {summary['requests_per_s']:.2f} req/s over {wall:.1f} s; whole run {took:.0f} s",
@@ -718,6 +796,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=600.0)
     p.add_argument("--stop-file", help="decode: stop serving once this file exists")
     p.add_argument("--vanish-after", type=int, help="decode: cut this host off mid-stream")
+    p.add_argument("--restart-after", type=int, help="decode: restart once after N requests")
+    p.add_argument("--etcd-outage-after", type=int, help="prefill with --etcd: stop etcd after N")
+    p.add_argument("--etcd-outage-seconds", type=float, default=5.0)
     p.add_argument("--etcd", help="prefill: run etcd here first, on HOST:PORT")
     p.add_argument(
         "--wait-results", default="", help="prefill with --etcd: result files to wait for"
@@ -744,6 +825,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 emit,
                 stop_file=args.stop_file,
                 vanish_after=args.vanish_after,
+                restart_after=args.restart_after,
             )
         elif args.etcd:
             return _prefill_with_etcd(cfg, args, emit)
@@ -766,10 +848,41 @@ def _prefill_with_etcd(cfg: DemoConfig, args: argparse.Namespace, emit: Emit) ->
     host, _, port = args.etcd.rpartition(":")
     reqs = [int(x) for x in args.requests.split(",") if x]
     end = time.monotonic() + args.seconds
+    outage: dict[str, Any] = {}
+    timers: list[threading.Timer] = []
     with EtcdServer(host, client_port=int(port), peer_port=int(port) + 1) as etcd:
         emit(f"etcd up at {etcd.url}")
+
+        def back() -> None:
+            etcd.start()
+            outage["back"] = time.monotonic()
+            emit(f"etcd started again after {outage['back'] - outage['stopped']:.1f} s")
+
+        def on_done(n: int) -> None:
+            if n == args.etcd_outage_after and not outage:
+                etcd.stop()
+                outage["stopped"] = time.monotonic()
+                emit(f"etcd stopped (for {args.etcd_outage_seconds:.0f} s) after {n} requests")
+                timer = threading.Timer(args.etcd_outage_seconds, back)
+                timer.start()
+                timers.append(timer)
+
         try:
-            result = run_fleet_prefill(cfg, args.host, etcd.url, reqs, args.seconds, emit)
+            result = run_fleet_prefill(
+                cfg, args.host, etcd.url, reqs, args.seconds, emit, on_done=on_done
+            )
+            for timer in timers:
+                timer.join(args.etcd_outage_seconds + 35.0)
+            if outage:
+                during = [
+                    r
+                    for r in result["results"].values()
+                    if outage["stopped"] < r["finished"] < outage.get("back", float("inf"))
+                ]
+                result["etcd_outage"] = {
+                    "seconds": outage.get("back", float("nan")) - outage["stopped"],
+                    "completed_during": len(during),
+                }
             Path(args.result).write_text(json.dumps(result))
             for path in [p for p in args.wait_results.split(",") if p]:
                 while not Path(path).exists():

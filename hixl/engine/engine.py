@@ -38,6 +38,7 @@ from hixl.errors import (
     HandshakeError,
     HixlError,
     RegistrationError,
+    RegistryUnavailable,
     StateError,
     TransferTimeout,
 )
@@ -393,17 +394,27 @@ class Engine:
         A name (no ``:``) is resolved through the engine's registry each time; the
         returned connection is then also found under that name (``put("decode-1", ...)``).
         If the name now belongs to another process than the one connected before (a
-        restart), the old connection is closed and replaced.  Returns the existing
-        connection when one is ready.  Raises :class:`ConnectionFailed` when nothing
-        answers or the peer refuses, :class:`HandshakeError` when it answers with
-        something malformed or fails authentication, :class:`TransferTimeout` after
-        ``timeout`` s; for a name, :class:`~hixl.errors.NameNotFound` or
-        :class:`~hixl.errors.RegistryUnavailable` (naming the registry).
+        restart), the old connection is closed and replaced; while the registry cannot be
+        reached, a ready connection made earlier by that name is returned as it is.
+        Returns the existing connection when one is ready.  Raises
+        :class:`ConnectionFailed` when nothing answers or the peer refuses,
+        :class:`HandshakeError` when it answers with something malformed or fails
+        authentication, :class:`TransferTimeout` after ``timeout`` s; for a name,
+        :class:`~hixl.errors.NameNotFound` or :class:`~hixl.errors.RegistryUnavailable`
+        (naming the registry).
         """
         self._check_open()
         names = self._names
         if ":" not in peer and names is not None:
-            ann, seen = names.resolve(peer)
+            try:
+                ann, seen = names.resolve(peer)
+            except RegistryUnavailable:
+                # The registry is down: a live connection made by name carries on.
+                known = names.engine_id(peer)
+                live = self._conns.get(known) if known is not None else None
+                if live is not None and live.state is ConnState.READY:
+                    return live
+                raise
             if seen is not None and (seen.instance != ann.instance or seen.engine != ann.engine):
                 with self._lock:
                     stale = self._conns.get(seen.engine)

@@ -126,12 +126,13 @@ def test_etcd_stopped_existing_connections_carry_on(etcd: EtcdServer) -> None:
     decode, kv = decode_engine(etcd.url, free_tcp_port())
     prefill = Engine("127.0.0.1:0", registry=etcd.url)
     try:
-        prefill.connect("decode-1", timeout=30)
+        conn = prefill.connect("decode-1", timeout=30)
         data = np.random.default_rng(3).integers(0, 256, SIZE, dtype=np.uint8)
         src = prefill.register(data)
         etcd.stop()
         prefill.put("decode-1", src, "kv")  # no registry needed for a live connection
         assert np.array_equal(kv, data)
+        assert prefill.connect("decode-1") is conn  # the live connection carries on
         t0 = time.monotonic()
         with pytest.raises(RegistryUnavailable, match=f"registry {etcd.url}"):
             prefill.connect("decode-2", timeout=30)
