@@ -610,7 +610,7 @@ def run_fleet_hosts(
       and the request runs again on another decode worker;
     * etcd on host0 is stopped for 5 s after prefill-0's second request: work goes on over
       live connections, and announcements are made again when it is back;
-    * the last decode worker restarts under the same name after serving 3 requests: the
+    * the last decode worker restarts under the same name after serving 7 requests: the
       prefill workers find it again and replace their connections to it.
     """
     import shutil
@@ -644,7 +644,7 @@ def run_fleet_hosts(
         if i == 0 and decode >= 2:
             cmd += ["--vanish-after", "1"]
         if i == decode - 1:
-            cmd += ["--restart-after", "3"]
+            cmd += ["--restart-after", "7"]
         commands.append(cmd + common)
     print(
         f"hixl demo --hosts {hosts}: etcd and prefill-0 on host0 ({host_address(0)}), "
