@@ -35,8 +35,9 @@ test-hosts:
 		--host '$(PY) tests/hosts/agent.py'
 
 ## test-fleet: four VMs on one wire, etcd on host0, 2 prefill x 2 decode workers routing by
-## announced capacity; decode-0's host is cut off mid-stream and its request runs again
-## elsewhere; every request exactly once, bit-exact. About 2.5 min under emulation.
+## announced capacity; decode-0's host is cut off mid-stream, etcd is stopped for 5 s, and
+## decode-1 restarts under the same name; every request exactly once, bit-exact.
+## About 2.5 min under emulation.
 test-fleet:
 	$(HIXL) demo --hosts 4 --prefill 2 --decode 2 --requests 12 --timeout 600
 
