@@ -101,15 +101,16 @@ def run_fleet_decode(
     stop_file: str | None = None,
     vanish_after: int | None = None,
     restart_after: int | None = None,
+    restart_file: str | None = None,
 ) -> dict[str, Any]:
     """A decode worker; serves until SIGTERM, ``stop_file`` exists, or ``seconds``.
 
     With ``vanish_after`` (multi-host runs only) its host is cut off when the KV of one
     more request than that has landed: a host lost mid-stream. With ``restart_after`` the
-    worker restarts once after serving that many requests: its engine closes and a new
-    one comes up under the same name and address (a new process, as far as peers can
-    tell). While the registry is unreachable, capacity updates are kept and made when it
-    is back. Returns what it served."""
+    worker restarts once after serving that many requests (with ``restart_file``, once
+    that file exists): its engine closes and a new one comes up under the same name and
+    address (a new process, as far as peers can tell). While the registry is unreachable,
+    capacity updates are kept and made when it is back. Returns what it served."""
     from hixl.engine import Access, ConnState, Engine
     from hixl.errors import RegistryUnavailable
 
@@ -150,11 +151,14 @@ def run_fleet_decode(
     next_check = 0.0
     try:
         while not stop.is_set() and time.monotonic() < end:
-            if stop_file is not None and time.monotonic() > next_check:
+            want_restart = restart_after is not None and len(served) >= restart_after
+            if time.monotonic() > next_check:
                 next_check = time.monotonic() + 0.5
-                if Path(stop_file).exists():
+                if stop_file is not None and Path(stop_file).exists():
                     break
-            if restart_after is not None and not restarted and len(served) >= restart_after:
+                if restart_file is not None and Path(restart_file).exists():
+                    want_restart = True
+            if want_restart and not restarted:
                 emit(f"restarting: a new engine under the same name {name}")
                 eng.close()
                 eng = start_engine()
@@ -301,12 +305,12 @@ def run_fleet_prefill(
             try:
                 out = _one_request(eng, region, model, cfg, src, kv, target, attempt.number, req)
             except _Busy:
-                ledger.fail(attempt)
+                ledger.fail(attempt, count=False)
                 time.sleep(0.05)
                 continue
             except RegistryUnavailable as exc:
                 emit(f"request {req}: registry unreachable ({exc}); trying again shortly")
-                ledger.fail(attempt)
+                ledger.fail(attempt, count=False)
                 time.sleep(0.5)
                 continue
             except HixlError as exc:
@@ -608,10 +612,10 @@ def run_fleet_hosts(
     * with two or more decode workers, decode-0's host is cut off (no FIN, no goodbye) when
       the KV of its second request has landed: that attempt fails when its lease expires,
       and the request runs again on another decode worker;
-    * etcd on host0 is stopped for 5 s after prefill-0's second request: work goes on over
-      live connections, and announcements are made again when it is back;
-    * the last decode worker restarts under the same name after serving 7 requests: the
-      prefill workers find it again and replace their connections to it.
+    * after prefill-0's first request, the last decode worker restarts under the same
+      name: the prefill workers find it again and replace their connections to it;
+    * after prefill-0's third request, etcd on host0 is stopped for 5 s: work goes on over
+      live connections, and announcements are made again when it is back.
     """
     import shutil
 
@@ -627,6 +631,7 @@ def run_fleet_hosts(
     common = ["--registry", etcd_url, "--seconds", f"{timeout:.0f}", *cfg.to_argv()]
     results = [str(share / f"prefill-{j}.json") for j in range(prefill)]
     stop = str(share / "stop")
+    restart = str(share / "restart")
     commands = []
     for j in range(prefill):
         mine = ",".join(str(r) for r in range(requests) if r % prefill == j)
@@ -635,7 +640,8 @@ def run_fleet_hosts(
         if j == 0:
             cmd += ["--etcd", f"{host_address(0)}:{ETCD_PORT}", "--stop-file", stop]
             cmd += ["--wait-results", ",".join(results[1:])]
-            cmd += ["--etcd-outage-after", "2", "--etcd-outage-seconds", "5"]
+            cmd += ["--restart-file", restart, "--restart-at", "1"]
+            cmd += ["--etcd-outage-after", "3", "--etcd-outage-seconds", "5"]
         commands.append(cmd + common)
     for i in range(decode):
         addr = host_address(prefill + i)
@@ -644,7 +650,7 @@ def run_fleet_hosts(
         if i == 0 and decode >= 2:
             cmd += ["--vanish-after", "1"]
         if i == decode - 1:
-            cmd += ["--restart-after", "7"]
+            cmd += ["--restart-file", restart]
         commands.append(cmd + common)
     print(
         f"hixl demo --hosts {hosts}: etcd and prefill-0 on host0 ({host_address(0)}), "
@@ -797,6 +803,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--stop-file", help="decode: stop serving once this file exists")
     p.add_argument("--vanish-after", type=int, help="decode: cut this host off mid-stream")
     p.add_argument("--restart-after", type=int, help="decode: restart once after N requests")
+    p.add_argument(
+        "--restart-file",
+        help="decode: restart once when this file exists; prefill with --etcd: write it",
+    )
+    p.add_argument("--restart-at", type=int, help="prefill with --etcd: after N requests")
     p.add_argument("--etcd-outage-after", type=int, help="prefill with --etcd: stop etcd after N")
     p.add_argument("--etcd-outage-seconds", type=float, default=5.0)
     p.add_argument("--etcd", help="prefill: run etcd here first, on HOST:PORT")
@@ -826,6 +837,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stop_file=args.stop_file,
                 vanish_after=args.vanish_after,
                 restart_after=args.restart_after,
+                restart_file=args.restart_file,
             )
         elif args.etcd:
             return _prefill_with_etcd(cfg, args, emit)
@@ -859,6 +871,9 @@ def _prefill_with_etcd(cfg: DemoConfig, args: argparse.Namespace, emit: Emit) ->
             emit(f"etcd started again after {outage['back'] - outage['stopped']:.1f} s")
 
         def on_done(n: int) -> None:
+            if args.restart_file and n == args.restart_at:
+                Path(args.restart_file).write_text("restart\n")
+                emit(f"asked the last decode worker to restart, after {n} requests")
             if n == args.etcd_outage_after and not outage:
                 etcd.stop()
                 outage["stopped"] = time.monotonic()

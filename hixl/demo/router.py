@@ -110,14 +110,18 @@ class Ledger:
         self._done[attempt.request] = attempt
         return True
 
-    def fail(self, attempt: Attempt) -> bool:
-        """Give up ``attempt``; the request waits for another worker. False if stale."""
+    def fail(self, attempt: Attempt, *, count: bool = True) -> bool:
+        """Give up ``attempt``; the request waits for another worker. False if stale.
+
+        ``count=False`` for an attempt that never reached a worker (no slot free, registry
+        unreachable): it is not counted in :attr:`retries`."""
         if self._running.get(attempt.request) != attempt:
             return False
         del self._running[attempt.request]
         self._pending[attempt.request] = None
         self._pending.move_to_end(attempt.request, last=False)  # re-run it first
-        self.retries += 1
+        if count:
+            self.retries += 1
         return True
 
     def worker_lost(self, worker: str) -> list[int]:
