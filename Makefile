@@ -4,7 +4,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 PY := $(BIN)/python
 HIXL := $(BIN)/hixl
 
-.PHONY: setup test test-unit test-registry test-rdma test-hosts test-fleet check demo bench bench-smoke
+.PHONY: setup test test-unit test-registry test-rdma test-hosts test-fleet check demo bench bench-smoke bench-peers
 
 ## setup: system packages (and the VM path if the kernel lacks rdma_rxe), then .venv
 setup:
@@ -52,6 +52,12 @@ check:
 ## BENCH_ARGS=--quick for a short smoke run.
 bench:
 	$(HIXL) bench $(BENCH_ARGS)
+
+## bench-peers: hixl beside Mooncake's Transfer Engine and perftest in one VM boot; installs the
+## peers on demand into .venv-peers (never into .venv). A peer that fails is reported, not fatal.
+## NIXL=1 adds NVIDIA NIXL (opt in), as installed and tuned.
+bench-peers:
+	$(HIXL) bench --peers $(if $(NIXL),--nixl) --sections peers $(BENCH_ARGS)
 
 ## bench-smoke: every benchmark's --help (by path and with -m) and every path that needs no
 ## device, natively and in well under a minute, so that none can rot (CI runs it)

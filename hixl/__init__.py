@@ -38,6 +38,7 @@ from hixl.engine import (
 from hixl.errors import (
     AlignmentError,
     ArgumentError,
+    AuthenticationError,
     BoundsError,
     CompletionError,
     ConnectionFailed,
@@ -62,6 +63,7 @@ __all__ = [
     "Access",
     "AlignmentError",
     "ArgumentError",
+    "AuthenticationError",
     "BlockListDesc",
     "BoundsError",
     "CompletionError",

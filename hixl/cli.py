@@ -342,14 +342,39 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from hixl.testbed.vm import run_with_rdma
 
-    script = bench_checkout(args.source) / "benchmarks" / "run_all.py"
+    checkout = bench_checkout(args.source)
+    script = checkout / "benchmarks" / "run_all.py"
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d_%H%M%S")
     run_dir = Path(args.out).resolve() / stamp
     run_dir.mkdir(parents=True, exist_ok=True)
     extra = list(args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd)
     flags = ["--quick"] if args.quick else []
-    flags += ["--sections", args.sections] if args.sections else []
-    invocation = shlex.join(["hixl", "bench", *flags, *(["--", *extra] if extra else [])])
+    # The command as the user gave it, for the record.
+    shown = [*flags, *(["--sections", args.sections] if args.sections else [])]
+    shown += ["--peers"] if args.peers else []
+    shown += ["--nixl"] if args.peers and args.nixl else []
+    invocation = shlex.join(["hixl", "bench", *shown, *(["--", *extra] if extra else [])])
+    sections = args.sections
+    if args.peers:
+        listed = (sections or "transfer,layer,overhead").split(",")
+        sections = ",".join([*listed, "peers"] if "peers" not in listed else listed)
+        # The VM sees the host's files read-only: install the peers here, first. A peer
+        # that fails to install is recorded in the run directory and reported, not fatal.
+        peers = "mooncake,nixl" if args.nixl else "mooncake"
+        subprocess.run(
+            [
+                sys.executable,
+                str(checkout / "benchmarks" / "bench_peers.py"),
+                "--install",
+                "--peers",
+                peers,
+                "--run-dir",
+                str(run_dir),
+            ],
+            check=False,
+        )
+        extra = ["--peers-args", f"--peers {peers}", *extra]
+    flags += ["--sections", sections] if sections else []
     base = [sys.executable, str(script), "--run-dir", str(run_dir), "--invocation", invocation]
     # Measure where rxe is (the VM writes only into the run directory), report on this host.
     cfg = _vm_config(args)
@@ -373,7 +398,23 @@ def _add_bench(sub: _Subparsers) -> None:
         "Arguments after '--' go to run_all.py.",
     )
     p.add_argument("--quick", action="store_true", help="a short smoke run")
-    p.add_argument("--sections", metavar="LIST", help="of transfer,layer,overhead (default all)")
+    p.add_argument(
+        "--sections",
+        metavar="LIST",
+        help="of transfer,layer,overhead,peers (default transfer,layer,overhead)",
+    )
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="also run hixl beside its peers (Mooncake Transfer Engine), installed on demand "
+        "into .venv-peers of the checkout, in the same VM boot",
+    )
+    p.add_argument(
+        "--nixl",
+        action="store_true",
+        help="with --peers: NVIDIA NIXL too, as installed and tuned (opt in: its wheel bundles "
+        "UCX and its own libibverbs; installed without torch, about 70 MB)",
+    )
     p.add_argument(
         "--out",
         default="results/bench",
@@ -468,6 +509,28 @@ def _cmd_demo_hosts(args: argparse.Namespace) -> int:
     return 0 if summary["ok"] else 1
 
 
+# --- token -----------------------------------------------------------------------------
+
+
+def _cmd_token(args: argparse.Namespace) -> int:
+    import secrets
+
+    print(secrets.token_hex(32))
+    return 0
+
+
+def _add_token(sub: _Subparsers) -> None:
+    p = sub.add_parser(
+        "token",
+        help="print a fresh random 256-bit token for Engine(token=...)",
+        description="Print 64 hex digits (256 bits from the system's secure random "
+        "source), to give every engine of a deployment as Engine(token=...). "
+        "With a token, engines prove to each other that they know it before "
+        "any region key is sent; see docs/architecture.md for what it protects.",
+    )
+    p.set_defaults(handler=_cmd_token)
+
+
 # --- entry point -----------------------------------------------------------------------
 
 _COMMANDS: list[Callable[[_Subparsers], None]] = [
@@ -478,6 +541,7 @@ _COMMANDS: list[Callable[[_Subparsers], None]] = [
     _add_run,
     _add_bench,
     _add_demo,
+    _add_token,
 ]
 
 

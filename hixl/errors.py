@@ -21,6 +21,7 @@ __all__ = [
     "TransferTimeout",
     "PeerError",
     "HandshakeError",
+    "AuthenticationError",
     "ConnectionFailed",
     "StateError",
     "VMError",
@@ -108,6 +109,11 @@ class PeerError(HixlError, ConnectionError):
 
 class HandshakeError(PeerError):
     """Metadata received from the network is malformed, untrusted or incompatible."""
+
+
+class AuthenticationError(HandshakeError):
+    """A handshake proof did not match: a different token, a token on one side only, or
+    handshake messages altered on the way. The message says which side lacks what."""
 
 
 class ConnectionFailed(PeerError):

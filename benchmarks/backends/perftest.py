@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import resource
 import shlex
 import subprocess
 import time
@@ -149,6 +150,10 @@ class PerftestRun:
     server_output: str
     wall_s: float  # client process start to exit, connection set-up included
     side: str = "client"  # whose result table is used: "client", or "server" (see run())
+    # CPU seconds (user + system) of each process, from the parent's reaped-children usage;
+    # None where another child of this process may have been reaped in between.
+    client_cpu_s: float | None = None
+    server_cpu_s: float | None = None
 
     @property
     def output(self) -> str:
@@ -159,6 +164,12 @@ class PerftestRun:
     def command(self) -> str:
         """Both command lines, as one shell-readable string."""
         return f"{shlex.join(self.server_cmd)} &  {shlex.join(self.client_cmd)}"
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's reaped children so far."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 #: perftest prints this when its cycles-per-microsecond regression is too noisy to use
@@ -271,6 +282,7 @@ class Perftest:
                     raise BenchError(f"{tool} server did not listen on port {port} within 20 s")
                 time.sleep(0.05)
             t0 = time.perf_counter()
+            cpu0 = _children_cpu()
             try:
                 client = subprocess.run(
                     client_cmd,
@@ -284,16 +296,27 @@ class Perftest:
                     f"{shlex.join(client_cmd)} timed out after {self.timeout} s"
                 ) from exc
             wall = time.perf_counter() - t0
+            cpu1 = _children_cpu()
             try:
                 server_out = server.communicate(timeout=30.0)[0]
             except subprocess.TimeoutExpired:
                 server.kill()
                 server_out = server.communicate()[0]
+            cpu2 = _children_cpu()
             if client.returncode != 0:
                 raise BenchError(
                     f"{shlex.join(client_cmd)} exited {client.returncode}:\n{_tail(client.stdout)}"
                 )
-            return PerftestRun(tool, server_cmd, client_cmd, client.stdout, server_out, wall)
+            return PerftestRun(
+                tool,
+                server_cmd,
+                client_cmd,
+                client.stdout,
+                server_out,
+                wall,
+                client_cpu_s=cpu1 - cpu0,
+                server_cpu_s=cpu2 - cpu1,
+            )
         finally:
             if server.poll() is None:
                 server.kill()

@@ -19,62 +19,45 @@ strings. The length is checked against the decoder's ``max_payload`` (default
 type        payload keys
 ==========  ==========================================================================
 HELLO       ``engine_id``, ``nonce`` (16 bytes)
-CHALLENGE   ``engine_id``, ``nonce`` (16 bytes), ``proof`` (empty or 32 bytes)
+CHALLENGE   ``engine_id``, ``nonce`` (16 bytes)
 INFO        ``proof``, ``qpn``, ``psn``, ``gid``, ``mtu``, ``max_sge``, ``recv_slots``,
             ``recv_slot_size``, ``regions`` (list of region objects)
 ACCEPT      same keys as INFO
 READY       none (``{}``)
-REGIONS     ``regions``
+REGIONS     ``add``, ``remove`` (lists of region objects)
 ERROR       ``code`` (one of :class:`ErrorCode`), ``message``
 BYE         ``reason``
-NOTIFY      ``name``, ``message`` (bytes)
+PING        ``nonce`` (16 bytes)
+PONG        ``nonce`` (16 bytes)
 ==========  ==========================================================================
 
 A region object has the keys ``addr``, ``length``, ``rkey``, ``access``, ``name``
-(see :class:`RemoteRegion`).
+(see :class:`RemoteRegion`). Type 9 (NOTIFY, a TCP notification of version 1) is retired:
+notifications travel only as RDMA SENDs, and a frame of type 9 is refused as unknown.
 
 Protocol
 --------
-::
+The handshake (HELLO, CHALLENGE, INFO, ACCEPT, READY) and its proofs are described and
+driven by :mod:`hixl.core.handshake`: the client proves first, and with a token the
+proofs cover every field of every handshake message. Version 2 changed the handshake
+(no proof in CHALLENGE, a real one in ACCEPT), REGIONS (deltas) and added PING/PONG.
 
-    client                                         server
-      HELLO(engine_id=C, nonce=Nc)          ->
-                                            <-     CHALLENGE(engine_id=S, nonce=Ns,
-                                                             proof=P("server", Nc, S))
-      verify the server's proof
-      INFO(proof=P("client", Ns, C),        ->
-           qpn, psn, gid, ..., regions)
-                                                   verify the client's proof; on failure
-                                                   send ERROR(AUTH) and close: no rkeys
-                                                   ever go to an unproven client
-                                                   create the QP, move it to RTR/RTS
-                                            <-     ACCEPT(proof=b"", qpn, psn, gid, ...,
-                                                          regions)
-      move the QP to RTR and RTS
-      READY                                 ->
-
-Afterwards the same TCP connection carries REGIONS (a new list of the sender's exposed
-regions, replacing the previous one), NOTIFY, ERROR and BYE in either direction. Either
-side may answer a message it cannot accept with ERROR (``VERSION`` for another protocol
-version, ``MALFORMED`` for a bad frame, ``ALREADY_CONNECTED``, ``BUSY``, ``INTERNAL``) and
-close; :attr:`Decoder.error_code` says which code fits a decoding failure.
-
-Authentication is optional and mutual. With a shared token both ends prove knowledge of it
-with ``P(role, nonce, engine_id) = HMAC-SHA256(token, "hixl/1|" role "|" nonce "|"
-engine_id)`` (:func:`proof`): the server over the client's fresh nonce, the client over the
-server's. The role keeps one side's proof from being reflected as the other's, the nonces
-keep old proofs from being replayed. Without a token every proof is empty, and an end that
-has a token refuses an empty proof (:func:`verify_proof`), so both ends must agree on
-whether a token is used. The proofs authenticate the ends at handshake time; they do not
-protect later bytes from an on-path attacker (there is no channel encryption).
+Afterwards the same TCP connection carries, in either direction, REGIONS (regions the
+sender has started or stopped exposing since its last message: ``remove`` applies first,
+then ``add``), PING (answered by a PONG with the same nonce: a liveness probe), ERROR and
+BYE. Either side may answer a message it cannot accept with ERROR and close:
+``VERSION`` (another protocol version), ``MALFORMED`` (a bad frame), ``AUTH`` (a proof
+that does not match), ``ALREADY_CONNECTED`` (a live connection holds the claimed id),
+``BUSY`` (too many handshakes at once: try again), ``LIMIT`` (a configured limit such as
+``max_peers``), ``TIMEOUT`` (a handshake step came too late), ``OVERFLOW`` (the sender
+filled a bounded queue, such as unread notifications) or ``INTERNAL``.
+:attr:`Decoder.error_code` says which code fits a decoding failure.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
-import hmac
 import ipaddress
 import json
 import operator
@@ -109,7 +92,8 @@ __all__ = [
     "Info",
     "Message",
     "MsgType",
-    "Notify",
+    "Ping",
+    "Pong",
     "QpInfo",
     "Ready",
     "Regions",
@@ -119,12 +103,11 @@ __all__ = [
     "expect",
     "make_nonce",
     "parse_engine_id",
-    "proof",
-    "verify_proof",
+    "region_size",
 ]
 
 #: Version of the wire format this module speaks; a frame with another version is refused.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: First four bytes of every frame.
 MAGIC = b"HIXL"
 #: Frame header: magic, version (u16), message type (u16), payload length in bytes (u32).
@@ -151,8 +134,6 @@ _MAX_SGE = 1024
 _MAX_RECV_SLOTS = 65536
 _MAX_RECV_SLOT_SIZE = 65536
 _MAX_REGION_NAME = 128
-_MAX_NOTIFY_NAME = 256
-_MAX_NOTIFY_MESSAGE = 4096
 _MAX_ERROR_MESSAGE = 4096
 _MAX_BYE_REASON = 1024
 _MAX_HOSTNAME = 253
@@ -160,7 +141,6 @@ _MAX_ENGINE_ID = 320
 # The longest integer literal a payload may hold: u64 values have at most 20 digits. The cap
 # is applied while parsing, so a megabyte of digits never reaches int() (quadratic).
 _MAX_INT_DIGITS = 24
-_PROOF_LABEL = b"hixl/%d|" % PROTOCOL_VERSION
 
 
 class MsgType(enum.IntEnum):
@@ -174,7 +154,9 @@ class MsgType(enum.IntEnum):
     REGIONS = 6
     ERROR = 7
     BYE = 8
-    NOTIFY = 9
+    # 9 was NOTIFY (version 1): retired, refused as unknown
+    PING = 10
+    PONG = 11
 
 
 class ErrorCode(enum.StrEnum):
@@ -185,6 +167,9 @@ class ErrorCode(enum.StrEnum):
     MALFORMED = "MALFORMED"
     ALREADY_CONNECTED = "ALREADY_CONNECTED"
     BUSY = "BUSY"
+    LIMIT = "LIMIT"
+    TIMEOUT = "TIMEOUT"
+    OVERFLOW = "OVERFLOW"
     INTERNAL = "INTERNAL"
 
 
@@ -418,32 +403,29 @@ class Hello:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Challenge:
-    """Server -> client: the server's id, its nonce, and its proof over the client's nonce.
-
-    ``proof`` is ``b""`` when the server has no token, else 32 bytes.
-    """
+    """Server -> client: the server's id and a fresh 16-byte nonce; no proof (the client
+    proves first, see :mod:`hixl.core.handshake`)."""
 
     TYPE: ClassVar[MsgType] = MsgType.CHALLENGE
     engine_id: str
     nonce: bytes
-    proof: bytes
 
     def __post_init__(self) -> None:
         _set(self, "engine_id", _engine_id("Challenge.engine_id", self.engine_id))
         _set(self, "nonce", _bytes("Challenge.nonce", self.nonce, (NONCE_SIZE,)))
-        _set(self, "proof", _bytes("Challenge.proof", self.proof, (0, PROOF_SIZE)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QpInfo:
     """What one end tells the other to connect an RC queue pair and reach its memory.
 
-    Not a message itself: :class:`Info` (client -> server, with the client's proof) and
-    :class:`Accept` (server -> client, proof ``b""``) are. ``qpn`` is the 24-bit non-zero QP
-    number, ``psn`` the 24-bit starting packet sequence number, ``gid`` 16 bytes, ``mtu`` the
-    path MTU in bytes (256..4096, a power of two), ``max_sge`` 1..1024, ``recv_slots`` and
-    ``recv_slot_size`` (bytes) describe the posted receive buffers (0..65536 each) and
-    ``regions`` the exposed memory (at most 4096, no two with the same rkey and addr).
+    Not a message itself: :class:`Info` (client -> server) and :class:`Accept` (server ->
+    client) are, each with its sender's proof (``b""`` without a token, else 32 bytes).
+    ``qpn`` is the 24-bit non-zero QP number, ``psn`` the 24-bit starting packet sequence
+    number, ``gid`` 16 bytes, ``mtu`` the path MTU in bytes (256..4096, a power of two),
+    ``max_sge`` 1..1024, ``recv_slots`` and ``recv_slot_size`` (bytes) describe the posted
+    receive buffers (0..65536 each) and ``regions`` the exposed memory (at most 4096, no
+    two with the same rkey and addr).
     """
 
     proof: bytes
@@ -478,14 +460,14 @@ class QpInfo:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Info(QpInfo):
-    """Client -> server: the client's proof over the server nonce, its QP and regions."""
+    """Client -> server: the client's QP and regions, and its proof over the transcript."""
 
     TYPE: ClassVar[MsgType] = MsgType.INFO
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Accept(QpInfo):
-    """Server -> client, sent only to a proven client: the server's QP and regions."""
+    """Server -> client, sent only to a proven client: the server's QP, regions and proof."""
 
     TYPE: ClassVar[MsgType] = MsgType.ACCEPT
 
@@ -499,13 +481,19 @@ class Ready:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Regions:
-    """Either direction, after READY: the sender's exposed regions now (replaces the last)."""
+    """Either direction, after READY: what the sender stopped (``remove``) and started
+    (``add``) exposing since its last message; the receiver removes first, then adds.
+
+    Each list holds at most 4096 regions, no two with the same rkey and addr.
+    """
 
     TYPE: ClassVar[MsgType] = MsgType.REGIONS
-    regions: tuple[RemoteRegion, ...]
+    add: tuple[RemoteRegion, ...] = ()
+    remove: tuple[RemoteRegion, ...] = ()
 
     def __post_init__(self) -> None:
-        _set(self, "regions", _regions("Regions.regions", self.regions))
+        _set(self, "add", _regions("Regions.add", self.add))
+        _set(self, "remove", _regions("Regions.remove", self.remove))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -545,31 +533,48 @@ class Bye:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Notify:
-    """Either direction: a named notification over TCP (the fallback when no recv slot fits).
+class Ping:
+    """Either direction, after READY: is the other end alive? Answered by :class:`Pong`.
 
-    ``name`` is 1..256 printable characters, ``message`` up to 4096 bytes.
+    ``nonce`` is 16 bytes, echoed in the answer.
     """
 
-    TYPE: ClassVar[MsgType] = MsgType.NOTIFY
-    name: str
-    message: bytes
+    TYPE: ClassVar[MsgType] = MsgType.PING
+    nonce: bytes
 
     def __post_init__(self) -> None:
-        _set(self, "name", _text("Notify.name", self.name, 1, _MAX_NOTIFY_NAME))
-        _set(
-            self,
-            "message",
-            _bytes("Notify.message", self.message, None, _MAX_NOTIFY_MESSAGE),
-        )
+        _set(self, "nonce", _bytes("Ping.nonce", self.nonce, (NONCE_SIZE,)))
 
 
-Message = Hello | Challenge | Info | Accept | Ready | Regions | Error | Bye | Notify
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pong:
+    """The answer to a :class:`Ping`, carrying its ``nonce``."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PONG
+    nonce: bytes
+
+    def __post_init__(self) -> None:
+        _set(self, "nonce", _bytes("Pong.nonce", self.nonce, (NONCE_SIZE,)))
+
+
+Message = Hello | Challenge | Info | Accept | Ready | Regions | Error | Bye | Ping | Pong
 
 _CLASSES: dict[MsgType, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, Challenge, Info, Accept, Ready, Regions, Error, Bye, Notify)
+    cls.TYPE: cls
+    for cls in (Hello, Challenge, Info, Accept, Ready, Regions, Error, Bye, Ping, Pong)
 }
 assert set(_CLASSES) == set(MsgType)
+
+
+def region_size(region: RemoteRegion) -> int:
+    """Bytes ``region`` takes in an encoded INFO, ACCEPT or REGIONS payload (with a comma).
+
+    An engine keeps the sum of its exposed regions' sizes under :data:`MAX_PAYLOAD` less
+    room for the other fields, so its handshake messages always fit a peer's decoder.
+    """
+    obj = _region_json(region)
+    return len(json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")) + 1
+
 
 # Wire form of each field kind, keyed by the annotation string of the dataclass field
 # (``from __future__ import annotations`` keeps them as written above).
@@ -891,9 +896,9 @@ class Decoder:
         if n >= 8:
             (raw_type,) = struct.unpack_from("!H", head, 6)
             if raw_type not in _CLASSES:
-                raise HandshakeError(
-                    f"unknown message type {raw_type} (known: {min(MsgType)}..{max(MsgType)})"
-                )
+                retired = " (NOTIFY of protocol version 1, retired)" if raw_type == 9 else ""
+                known = ", ".join(str(int(t)) for t in sorted(_CLASSES))
+                raise HandshakeError(f"unknown message type {raw_type}{retired} (known: {known})")
         if n >= HEADER_SIZE:
             (length,) = struct.unpack_from("!I", head, 8)
             if length > self._max_payload:
@@ -916,7 +921,7 @@ def decode(frame: bytes | bytearray | memoryview, *, max_payload: int = MAX_PAYL
     return messages[0]
 
 
-_M = TypeVar("_M", Hello, Challenge, Info, Accept, Ready, Regions, Error, Bye, Notify)
+_M = TypeVar("_M", Hello, Challenge, Info, Accept, Ready, Regions, Error, Bye, Ping, Pong)
 
 
 def expect(msg: Message, kind: type[_M]) -> _M:
@@ -933,69 +938,9 @@ def expect(msg: Message, kind: type[_M]) -> _M:
     raise HandshakeError(f"expected a {kind.TYPE.name} message, got {msg.TYPE.name}")
 
 
-# --------------------------------------------------------------------------- authentication
+# --------------------------------------------------------------------------- nonces
 
 
 def make_nonce() -> bytes:
     """A fresh random 16-byte nonce from :mod:`secrets`."""
     return secrets.token_bytes(NONCE_SIZE)
-
-
-_ROLES = ("client", "server")
-
-
-def _proof_input(role: str, nonce: bytes, engine_id: str) -> bytes:
-    if role not in _ROLES:
-        raise ValueError(f"role must be 'client' or 'server', got {_show(role)}")
-    if not isinstance(nonce, bytes | bytearray | memoryview) or len(nonce) != NONCE_SIZE:
-        size = len(nonce) if isinstance(nonce, bytes | bytearray | memoryview) else "?"
-        raise ValueError(f"nonce must be {NONCE_SIZE} bytes, got {size}")
-    if not isinstance(engine_id, str):
-        raise ValueError(f"engine_id must be a str, got {type(engine_id).__name__}")
-    # role has no '|' and the nonce has a fixed size, so the input splits one way only.
-    return b"".join(
-        (_PROOF_LABEL, role.encode(), b"|", bytes(nonce), b"|", engine_id.encode("utf-8"))
-    )
-
-
-def _check_token(token: bytes | None) -> None:
-    if token is not None and (not isinstance(token, bytes) or not token):
-        raise ValueError("token must be non-empty bytes, or None for no authentication")
-
-
-def proof(token: bytes | None, role: str, peer_nonce: bytes, own_engine_id: str) -> bytes:
-    """The proof the end playing ``role`` sends: it knows ``token``, for this handshake.
-
-    ``HMAC-SHA256(token, b"hixl/1|" + role + b"|" + peer_nonce + b"|" + own_engine_id)``,
-    32 bytes; ``b""`` when ``token`` is None. ``role`` is ``"client"`` or ``"server"``,
-    ``peer_nonce`` the 16-byte nonce the other end sent. Raises :class:`ValueError` for an
-    empty token, an unknown role or a nonce of the wrong size.
-    """
-    return _compute_proof(token, role, peer_nonce, own_engine_id)
-
-
-def _compute_proof(token: bytes | None, role: str, nonce: bytes, engine_id: str) -> bytes:
-    _check_token(token)
-    data = _proof_input(role, nonce, engine_id)
-    if token is None:
-        return b""
-    return hmac.new(token, data, hashlib.sha256).digest()
-
-
-def verify_proof(
-    token: bytes | None, role: str, nonce: bytes, engine_id: str, proof: bytes
-) -> bool:
-    """Whether ``proof`` from the peer playing ``role`` is right for this handshake.
-
-    ``nonce`` is the nonce this end sent, ``engine_id`` the id the peer claims. With a token
-    the proof must equal :func:`proof` (compared in constant time); an empty proof fails.
-    Without a token only an empty proof passes (a peer that proves a token expects one we
-    cannot check). Never raises for a bad ``proof``; raises :class:`ValueError` for an
-    empty token, an unknown role or a nonce of the wrong size.
-    """
-    expected = _compute_proof(token, role, nonce, engine_id)
-    if not isinstance(proof, bytes | bytearray | memoryview):
-        return False
-    if token is None:
-        return len(proof) == 0
-    return len(proof) == PROOF_SIZE and hmac.compare_digest(expected, bytes(proof))

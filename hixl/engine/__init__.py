@@ -33,20 +33,25 @@ same with :class:`~hixl.errors.TransferTimeout`.  Other connections are not affe
 
 Threads and locks
 -----------------
-Threads: application threads (any number), the progress thread (one per engine), and
-one short-lived handshake thread per incoming connection (at most 16 at once).
+Threads: application threads (any number) and the progress thread (one per engine).
+Incoming handshakes need no thread: the progress thread drives each on a non-blocking
+socket (:class:`~hixl.engine.handshake.Listener`); ``connect`` runs the client side in
+the calling thread.
 
 ``Engine._lock`` (an RLock; ``Engine._notify_cv`` is a condition on it) guards the
 engine's tables and every connection's bookkeeping: the region table, the connection
 tables (by peer id and by QPN), the set of pending handles, the notification queue, the
-notification send slots, each connection's state, send window and control outbox, and
-posting to a queue pair (so chunks go out in order).  Held for dictionary updates,
+notification send slots and per-peer counts, the exposed-region index, each connection's
+state, send window, control outbox and probe fields, and posting to a queue pair (so
+chunks go out in order).  Held for dictionary updates,
 counters, ``ibv_post_send``/``ibv_poll_cq`` and state moves.  **Never held across socket
 I/O, a sleep, or a wait on another thread** (the condition's own wait releases it).
 Control messages (REGIONS, BYE) are queued in the connection's outbox under the lock and
 written by the progress thread with non-blocking sends; a peer that leaves more than
-``MAX_OUTBOX`` bytes unread fails.  Handshakes run on their own blocking sockets without
-the lock and take it only to create, index or adopt a connection.
+``MAX_OUTBOX`` bytes unread fails.  Handshakes run on their own sockets without the lock
+and take it only to admit (limits, probe, queue pair), index or adopt a connection.  The
+listener's own tables (handshakes under way, per-source counts) belong to the progress
+thread alone and need no lock.
 
 ``handles._handle_lock`` orders a handle's finish against a waiter creating its Event.
 It is innermost.

@@ -28,7 +28,7 @@ import numpy as np
 from hixl.core import notify, wire
 from hixl.core.states import ConnEvent, ConnState, next_state
 from hixl.core.wire import RemoteRegion
-from hixl.errors import ConnectionFailed, RegistrationError, StateError
+from hixl.errors import ConnectionFailed, HandshakeError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
 
 if TYPE_CHECKING:
@@ -68,6 +68,12 @@ class Connection:
         self.mtu = 0
         self.sent_regions: tuple[RemoteRegion, ...] = ()  # what our handshake message carried
         self._remote: tuple[RemoteRegion, ...] = ()
+        self._remote_map: dict[tuple[int, int], RemoteRegion] = {}  # by (rkey, addr)
+        # Liveness probe (engine lock): the nonce of our last PING, when it went out, and
+        # when a PONG with that nonce came back.
+        self.probe_nonce: bytes | None = None
+        self.probe_started = 0.0
+        self.pong_at = -1.0
         self._dev = engine.device
         self._qp_timeout = engine.qp_timeout
         self._qp = self._dev.create_rc_qp(
@@ -127,11 +133,31 @@ class Connection:
 
     def exposes(self, region: RemoteRegion) -> bool:
         """True when ``region`` is one the peer currently exposes."""
-        return region in self._remote
+        return self._remote_map.get((region.rkey, region.addr)) == region
 
     def set_remote_regions(self, regions: tuple[RemoteRegion, ...]) -> None:
-        """The peer's latest announcement (one tuple swap: readers need no lock)."""
-        self._remote = regions
+        """The peer's regions as its handshake announced them (one tuple swap)."""
+        self._remote_map = {(r.rkey, r.addr): r for r in regions}
+        self._remote = tuple(self._remote_map.values())
+
+    def update_remote_regions(
+        self, add: tuple[RemoteRegion, ...], remove: tuple[RemoteRegion, ...]
+    ) -> None:
+        """Apply a peer's REGIONS change: ``remove`` first, then ``add`` (engine lock).
+
+        Readers see the old or the new tuple, never a mix.  Raises :class:`HandshakeError`
+        when the peer would expose more than :data:`wire.MAX_REGIONS` regions.
+        """
+        for r in remove:
+            self._remote_map.pop((r.rkey, r.addr), None)
+        for r in add:
+            self._remote_map[(r.rkey, r.addr)] = r
+        if len(self._remote_map) > wire.MAX_REGIONS:
+            raise HandshakeError(
+                f"peer {self.peer} would expose {len(self._remote_map)} regions "
+                f"(at most {wire.MAX_REGIONS})"
+            )
+        self._remote = tuple(self._remote_map.values())
 
     def __repr__(self) -> str:
         return (
@@ -182,7 +208,7 @@ class Connection:
             retry_cnt=7,  # rxe reads 7 as "retry until the transfer deadline"
             rnr_retry=7,
         )
-        self._remote = remote.regions
+        self.set_remote_regions(remote.regions)
 
     def attach(self, sock: socket.socket, decoder: wire.Decoder) -> None:
         """Keep the handshake socket as the control channel (non-blocking from now on)."""
@@ -250,6 +276,10 @@ class Connection:
     def post(self, chunk: Chunk) -> None:
         """Post one chunk on the queue pair; only its last request is signaled."""
         self._qp.post_send(chunk.requests, chunk.wr_id)
+
+    def oldest_inflight(self) -> Chunk | None:
+        """The chunk posted first among those not completed yet (posting order)."""
+        return next(iter(self._inflight.values()), None)
 
     def completed(self, wr_id: int) -> Chunk | None:
         """The in-flight chunk whose signaled request completed, or None if unknown."""

@@ -153,15 +153,20 @@ class NotifySlots:
         self._mr = device.register(self._buf.ctypes.data, self._buf.nbytes, 0, self._buf)
         self._free = list(range(count))
 
-    def take(self, payload: bytes) -> tuple[int, verbs.SendRequest]:
-        """A slot holding ``payload`` and the SEND work request that carries it."""
+    def take(self, payload: bytes, *, fence: bool = False) -> tuple[int, verbs.SendRequest]:
+        """A slot holding ``payload`` and the SEND work request that carries it.
+
+        ``fence`` (for a notification after READs) makes the SEND wait until the READs
+        before it have completed, so the target hears "done" only once its memory has
+        been read.
+        """
         if not self._free:
             raise StateError(f"{self.count} notifications already in flight")
         slot = self._free.pop()
         start = slot * notify.SLOT_BYTES
         self._buf[start : start + len(payload)] = np.frombuffer(payload, np.uint8)
         sge = (self._mr.addr + start, len(payload), self._mr.lkey)
-        return slot, verbs.SendRequest(0, verbs.WR_SEND, [sge])
+        return slot, verbs.SendRequest(0, verbs.WR_SEND, [sge], fence=fence)
 
     def release(self, slot: int) -> None:
         self._free.append(slot)

@@ -7,6 +7,7 @@ The threading and locking rules are in the package docstring (:mod:`hixl.engine`
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import secrets
 import socket
@@ -16,7 +17,7 @@ import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hixl.core import notify, wire
 from hixl.core.descriptors import Descriptor
@@ -27,7 +28,7 @@ from hixl.core.wire import RemoteRegion
 from hixl.engine.connection import RECV_SLOTS, Chunk, Connection
 from hixl.engine.datapath import CHUNK, NotifySlots, Planner
 from hixl.engine.handles import TransferHandle, TransferRequest
-from hixl.engine.handshake import Channel, client_handshake, printable, serve_handshake
+from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
 from hixl.engine.names import Names
 from hixl.engine.progress import Progress
 from hixl.engine.regions import Access, Region, buffer_span
@@ -53,7 +54,8 @@ __all__ = ["Diagnostics", "Engine"]
 log = logging.getLogger("hixl.engine")
 
 SEND_NOTIFY_SLOTS = 256  # notifications in flight per engine
-MAX_HANDSHAKES = 16  # server-side handshakes at once
+# Room left in a handshake message for everything but the exposed regions, bytes.
+_REGION_BYTES = wire.MAX_PAYLOAD - 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +65,9 @@ class Diagnostics:
     ``progress_thread_id`` is the native id of the progress thread and
     ``progress_alive`` whether it runs; ``completion_events`` tells whether it sleeps
     on completion channels (True) or polls the CQs; ``pending_transfers`` counts
-    transfers not finished yet.
+    transfers not finished yet; ``handshakes`` counts incoming handshakes under way and
+    ``refused_busy`` the sockets answered ERROR(BUSY) so far; ``notifications`` counts
+    notifications received and not taken yet.
     """
 
     progress_thread_id: int | None
@@ -72,6 +76,9 @@ class Diagnostics:
     pending_transfers: int
     peers: int
     regions: int
+    handshakes: int = 0
+    refused_busy: int = 0
+    notifications: int = 0
 
 
 class Engine:
@@ -85,8 +92,20 @@ class Engine:
     sent.  ``alignment`` is the policy for offsets inside regions (bytes, 0 to
     turn it off).  ``qp_timeout`` is the verbs ACK-timeout exponent, which
     bounds how long a silent peer takes to fail a transfer.  ``max_peers``
-    caps connections.  ``completion_events=False`` makes the progress thread
+    caps connections, checked before a queue pair is made or any key sent.
+    ``max_handshakes`` and ``max_handshakes_per_source`` cap incoming
+    handshakes under way, in all and from one IP address (over either, a
+    client is answered ERROR(BUSY) and asks again); ``handshake_timeout``
+    bounds a whole handshake, each of its steps has a shorter deadline.
+    ``max_notifications_per_peer`` and ``max_notifications`` cap
+    notifications received and not yet taken, from one peer and in all: a
+    peer that would pass either has its connection failed (it is told
+    ERROR(OVERFLOW)).  ``completion_events=False`` makes the progress thread
     poll the CQs instead of sleeping on completion channels (a test hook).
+
+    Without a token any client that reaches the port learns the rkeys of
+    every remotely accessible region; an engine listening on an address
+    other than loopback without one logs a WARNING once.
 
     ``registry`` (a URL such as ``"etcd://10.0.0.1:2379"`` or ``"memory://NAME"``, or a
     :class:`hixl.registry.Registry` the caller shares) lets :meth:`connect` take peer
@@ -94,9 +113,10 @@ class Engine:
     device's GID and MTU, ``capacity``) under a lease that ends with the engine. Without a
     registry nothing is needed: peers are ``"ip:port"`` as always.
 
-    Raises :class:`ArgumentError` for a bad id, :class:`DeviceError` when no
-    device is usable, :class:`OSError` when the address cannot be bound,
-    :class:`~hixl.errors.RegistryUnavailable` naming the registry when it does not answer.
+    Raises :class:`ArgumentError` for a bad id, an empty token or a limit
+    below 1, :class:`DeviceError` when no device is usable, :class:`OSError`
+    when the address cannot be bound, :class:`~hixl.errors.RegistryUnavailable`
+    naming the registry when it does not answer.
     """
 
     def __init__(
@@ -112,17 +132,33 @@ class Engine:
         handshake_timeout: float = 10.0,
         qp_timeout: int = 14,
         max_peers: int = 64,
+        max_handshakes: int = 256,
+        max_handshakes_per_source: int = 32,
+        max_notifications_per_peer: int = 1024,
+        max_notifications: int = 16384,
         completion_events: bool = True,
         name: str | None = None,
         registry: str | Registry | None = None,
         role: str = "engine",
         capacity: int = 0,
     ) -> None:
+        self._closed = True  # until fully built, so __del__ stays quiet on failure
         try:
             host, tcp_port = wire.parse_engine_id(engine_id)
         except ValueError as exc:
             raise ArgumentError(f"bad engine id {engine_id!r}: {exc}") from exc
-        self._closed = True  # until fully built, so __del__ stays quiet on failure
+        limits = {
+            "max_peers": max_peers,
+            "max_handshakes": max_handshakes,
+            "max_handshakes_per_source": max_handshakes_per_source,
+            "max_notifications_per_peer": max_notifications_per_peer,
+            "max_notifications": max_notifications,
+        }
+        for what, value in limits.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ArgumentError(f"{what} must be an integer >= 1, got {value!r}")
+        if handshake_timeout <= 0:
+            raise ArgumentError(f"handshake_timeout must be > 0 seconds, got {handshake_timeout}")
         self._names: Names | None = None
         if name is not None and registry is None:
             raise ArgumentError(f"name={name!r} needs registry= (an etcd:// or memory:// URL)")
@@ -131,11 +167,13 @@ class Engine:
                 f"name={name!r}: an engine that does not listen (port 0 in {engine_id!r}) "
                 "cannot be announced"
             )
+        self._token = _token_bytes(token)
         if registry is not None:
-            # First, so that an unreachable registry fails before any device is opened.
+            # Before the device, so that an unreachable registry fails before it is opened.
             self._names = Names(registry, self._peer_gone)
-        self._token = token.encode() if isinstance(token, str) else token
         self._handshake_timeout = handshake_timeout
+        self._max_notes_per_peer = max_notifications_per_peer
+        self._max_notes = max_notifications
         self.qp_timeout = qp_timeout
         self._max_peers = max_peers
         self._lock = threading.RLock()
@@ -162,7 +200,7 @@ class Engine:
             self._notify_slots = NotifySlots(self._dev, SEND_NOTIFY_SLOTS)
             listener: socket.socket | None = None
             if tcp_port:
-                listener = socket.create_server((host, tcp_port), backlog=64)
+                listener = socket.create_server((host, tcp_port), backlog=1024)
                 listener.setblocking(False)
                 self.id = engine_id
             else:
@@ -179,14 +217,37 @@ class Engine:
         self._by_qpn: dict[int, Connection] = {}
         self._handles: set[TransferHandle] = set()
         self._notes: deque[Notification] = deque()
+        self._note_counts: dict[str, int] = {}  # notifications queued, per peer
+        # What peers see: every remotely accessible region, by (rkey, addr), in
+        # registration order, and the bytes they take in a handshake message.
+        self._exposed_map: dict[tuple[int, int], RemoteRegion] = {}
+        self._exposed_bytes = 0
         self._next_wr = 1
-        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._outgoing: set[Connection] = set()  # connections with control output queued
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
         self._broken: str | None = None  # why the progress thread died, if it did
         self._progress = Progress(self, listener, (self.send_cq, self.recv_cq), completion_events)
+        self._incoming: Listener | None = None
+        if listener is not None:
+            self._incoming = Listener(
+                self,
+                listener,
+                register=self._progress.register,
+                unregister=self._progress.unregister,
+                max_handshakes=max_handshakes,
+                max_per_source=max_handshakes_per_source,
+                timeout=handshake_timeout,
+            )
         self._closed = False
         self._progress.start()
+        if listener is not None and self._token is None and not _is_loopback(host):
+            log.warning(
+                "engine %s listens on a non-loopback address without a token: any client "
+                "that reaches the port gets the rkeys of every remotely accessible region; "
+                "give every engine Engine(token=...) (see 'hixl token') and use a private "
+                "fabric",
+                self.id,
+            )
         if name is not None and self._names is not None:
             try:
                 self._names.announce(
@@ -240,6 +301,9 @@ class Engine:
                 pending_transfers=len(self._handles),
                 peers=len(self._conns),
                 regions=len(self._regions),
+                handshakes=self._incoming.pending if self._incoming is not None else 0,
+                refused_busy=self._incoming.refused_busy if self._incoming is not None else 0,
+                notifications=len(self._notes),
             )
 
     def close(self) -> None:
@@ -262,6 +326,8 @@ class Engine:
             self._handles.clear()
             self._notify_cv.notify_all()
         self._progress.stop()
+        if self._incoming is not None:
+            self._incoming.close()  # the progress thread is gone: nobody else touches it
         if self._listener is not None:
             self._listener.close()
         self._release_dead()
@@ -329,11 +395,30 @@ class Engine:
                         f"access={existing.access!r} name={existing.name!r}; deregister first"
                     )
                 return existing
+            exposing = bool(access & (Access.REMOTE_READ | Access.REMOTE_WRITE))
+            if exposing and len(self._exposed_map) >= wire.MAX_REGIONS:
+                raise RegistrationError(
+                    f"engine {self.id} already exposes {len(self._exposed_map)} regions to "
+                    f"peers, the most a handshake carries (MAX_REGIONS={wire.MAX_REGIONS}); "
+                    "deregister one, or register this one without remote access"
+                )
             mr = self._dev.register(addr, length, int(access), owner)
             region = Region(self, mr, access, name)
+            remote = region.remote
+            if remote is not None:
+                size = wire.region_size(remote)
+                if self._exposed_bytes + size > _REGION_BYTES:
+                    mr.close()
+                    raise RegistrationError(
+                        f"engine {self.id} exposes regions taking {self._exposed_bytes} bytes "
+                        f"in a handshake message; this one ({size} bytes, name of "
+                        f"{len(name)} characters) would pass the {_REGION_BYTES}-byte limit: "
+                        "use shorter names or fewer regions"
+                    )
+                self._exposed_map[(remote.rkey, remote.addr)] = remote
+                self._exposed_bytes += size
+                self._announce(add=(remote,))
             self._regions[(addr, length)] = region
-            if region.remote is not None:
-                self._announce()
         log.debug("registered %r", region)
         return region
 
@@ -343,10 +428,13 @@ class Engine:
             if self._regions.get((region.addr, region.length)) is not region:
                 return
             del self._regions[(region.addr, region.length)]
-            was_remote = region.remote is not None
+            remote = region.remote
             region.mr.close()
-            if was_remote and not self._closed:
-                self._announce()
+            if remote is not None:
+                del self._exposed_map[(remote.rkey, remote.addr)]
+                self._exposed_bytes -= wire.region_size(remote)
+                if not self._closed:
+                    self._announce(remove=(remote,))
 
     @property
     def regions(self) -> list[Region]:
@@ -370,11 +458,16 @@ class Engine:
 
     def _exposed(self) -> tuple[RemoteRegion, ...]:
         with self._lock:
-            return tuple(r.remote for r in self._regions.values() if r.remote is not None)
+            return tuple(self._exposed_map.values())
 
-    def _announce(self) -> None:
-        """Queue our exposed regions to every live peer (caller holds the lock)."""
-        msg = wire.encode(wire.Regions(regions=self._exposed()))
+    def _announce(
+        self, add: tuple[RemoteRegion, ...] = (), remove: tuple[RemoteRegion, ...] = ()
+    ) -> None:
+        """Queue one change of our exposed regions to every live peer (caller holds the lock).
+
+        One message of the change alone: its cost does not grow with the regions exposed.
+        """
+        msg = wire.encode(wire.Regions(add=add, remove=remove))
         for conn in list(self._conns.values()):
             if conn.state is ConnState.READY:
                 self._queue_control(conn, msg)
@@ -396,10 +489,14 @@ class Engine:
         If the name now belongs to another process than the one connected before (a
         restart), the old connection is closed and replaced; while the registry cannot be
         reached, a ready connection made earlier by that name is returned as it is.
-        Returns the existing connection when one is ready.  Raises
-        :class:`ConnectionFailed` when nothing answers or the peer refuses,
-        :class:`HandshakeError` when it answers with something malformed or fails
-        authentication, :class:`TransferTimeout` after ``timeout`` s; for a name,
+
+        Returns the existing connection when one is ready.  Raises only
+        :class:`~hixl.HixlError` subclasses: :class:`ConnectionFailed` when nothing
+        answers, the connection breaks or the peer refuses (ALREADY_CONNECTED, LIMIT such
+        as its ``max_peers``, or BUSY until ``timeout``; the peer's reason is in the
+        message), :class:`AuthenticationError` when a proof does not match (the message
+        says which side lacks the token), :class:`HandshakeError` when the peer answers
+        something malformed, :class:`TransferTimeout` after ``timeout`` s; for a name,
         :class:`~hixl.errors.NameNotFound` or :class:`~hixl.errors.RegistryUnavailable`
         (naming the registry).
         """
@@ -435,36 +532,94 @@ class Engine:
             if old is not None:
                 self._drop(old, "replaced by a new connection", send_bye=False)
         deadline = time.monotonic() + timeout
-        try:
-            sock = socket.create_connection((host, port), timeout=max(0.01, timeout))
-        except TimeoutError as exc:
-            raise TransferTimeout(f"connect to {peer}: no answer within {timeout} s") from exc
-        except OSError as exc:
-            raise ConnectionFailed(f"connect to {peer}: {exc.strerror or exc}") from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = client_handshake(self, sock, peer, self._token, deadline)
+        conn = client_handshake(self, peer, (host, port), self._token, deadline)
         log.debug("connected to %r", conn)
         return conn
+
+    def _peer_count(self) -> int:
+        """Connections that count against ``max_peers`` (caller holds the lock)."""
+        claims = self._incoming.claims() if self._incoming is not None else set()
+        return len(self._conns) + len(claims - set(self._conns))
 
     def _new_connection(self, peer: str, *, outbound: bool) -> Connection:
         with self._lock:
             self._check_open()
+            if self._peer_count() >= self._max_peers:
+                raise ConnectionFailed(
+                    f"engine {self.id} already has {self._peer_count()} peers "
+                    f"(max_peers={self._max_peers})"
+                )
             conn = Connection(self, peer, outbound)
             self._by_qpn[conn.qpn] = conn
             return conn
 
-    def _replace_connection(self, peer: str) -> Connection | None:
-        """A new inbound connection for ``peer``, or None while a live one holds that id."""
+    def _admit(self, peer: str, info: wire.Info, claims: set[str]) -> Admission:
+        """Whether a proven client may connect as ``peer``; progress thread, never blocks.
+
+        Checked before any queue pair exists or any key is sent: the engine is open,
+        no other handshake holds the id, a READY connection under the id is probed
+        (it keeps the id if it answers), and ``max_peers``.  On success the queue pair
+        is made and connected to the client's.
+        """
         with self._lock:
-            self._check_open()
+            if self._closed or self._broken is not None:
+                return Admission(code=wire.ErrorCode.BUSY, message=f"engine {self.id} is closing")
+            if peer in claims:
+                return Admission(
+                    code=wire.ErrorCode.ALREADY_CONNECTED,
+                    message=f"a handshake for {peer} is already under way with {self.id}",
+                )
             old = self._conns.get(peer)
             if old is not None and old.state is ConnState.READY:
-                return None
+                self._start_probe(old)
+                return Admission(probe=old)
+            count = len(self._conns) - (old is not None) + len(claims - set(self._conns))
+            if count >= self._max_peers:
+                return Admission(
+                    code=wire.ErrorCode.LIMIT,
+                    message=f"engine {self.id} already has {count} peers "
+                    f"(max_peers={self._max_peers})",
+                )
             if old is not None:
-                self._drop(old, "replaced by a new connection", send_bye=False)
-            conn = Connection(self, peer, outbound=False)
+                self._drop(old, f"replaced by a new connection from {peer}", send_bye=False)
+            try:
+                conn = Connection(self, peer, outbound=False)
+            except HixlError as exc:
+                return Admission(code=wire.ErrorCode.INTERNAL, message=f"no queue pair: {exc}")
             self._by_qpn[conn.qpn] = conn
-            return conn
+        try:
+            conn.establish(info)
+        except HixlError as exc:
+            self._discard(conn)
+            return Admission(code=wire.ErrorCode.INTERNAL, message=f"queue pair: {exc}")
+        return Admission(conn=conn)
+
+    def _start_probe(self, conn: Connection) -> None:
+        """Ask a READY connection whether it is alive: PING on its control channel."""
+        nonce = wire.make_nonce()
+        conn.probe_nonce = nonce
+        conn.probe_started = time.monotonic()
+        self._queue_control(conn, wire.encode(wire.Ping(nonce=nonce)))
+
+    def _probe_outcome(self, conn: Connection, expired: bool) -> str | None:
+        """``"alive"``, ``"dead"`` or None (no answer yet) for a probe of ``conn``.
+
+        Dead: the connection failed or closed meanwhile (its goodbye or EOF was read), or
+        it did not answer before the probe's deadline, which fails it now.
+        """
+        with self._lock:
+            if conn.state is not ConnState.READY:
+                return "dead"
+            if conn.pong_at >= conn.probe_started:
+                return "alive"
+            if not expired:
+                return None
+            self._fail(
+                conn,
+                "no answer to a liveness probe within the deadline, while a new handshake "
+                "claimed its id",
+            )
+            return "dead"
 
     def _discard(self, conn: Connection) -> None:
         """Forget a connection whose handshake did not finish."""
@@ -472,41 +627,37 @@ class Engine:
             self._by_qpn.pop(conn.qpn, None)
         conn.destroy()
 
-    def _adopt(self, conn: Connection, chan: Channel) -> None:
-        """Make a handshaken connection live: index it and watch its control socket."""
+    def _adopt(
+        self,
+        conn: Connection,
+        sock: socket.socket,
+        decoder: wire.Decoder,
+        pending: list[wire.Message],
+    ) -> None:
+        """Make a handshaken connection live: index it and watch its control socket.
+
+        ``pending`` are control messages that arrived with the handshake's last one.
+        """
         with self._lock:
             self._check_open()
-            if len(self._conns) >= self._max_peers:
-                raise ConnectionFailed(
-                    f"engine {self.id} already has {len(self._conns)} peers "
-                    f"(max_peers={self._max_peers})"
-                )
+            old = self._conns.get(conn.peer)
+            if old is not None and old is not conn:
+                if old.state is ConnState.READY:
+                    raise ConnectionFailed(f"{conn.peer} got connected meanwhile")
+                self._drop(old, "replaced by a new connection", send_bye=False)
             conn.transition(ConnEvent.ESTABLISHED)
-            conn.attach(chan.sock, chan.decoder)
+            conn.attach(sock, decoder)
             self._conns[conn.peer] = conn
             self._progress.watch(conn)
-            for msg in chan.pending:
+            for msg in pending:
                 self._on_control(conn, msg)
             # Regions registered or released since the handshake carried ours were announced
             # only to live connections, which this one was not yet: tell the peer now.
-            exposed = self._exposed()
-            if exposed != conn.sent_regions:
-                self._queue_control(conn, wire.encode(wire.Regions(regions=exposed)))
-
-    def _serve(self, sock: socket.socket, addr: Any) -> None:
-        """An incoming connection: run its handshake in a thread of its own."""
-        if not self._handshakes.acquire(blocking=False):
-            sock.close()  # too many handshakes at once; the peer may retry
-            return
-        sock.setblocking(True)
-
-        def serve() -> None:
-            try:
-                serve_handshake(self, sock, addr, self._token, self._handshake_timeout)
-            finally:
-                self._handshakes.release()
-
-        threading.Thread(target=serve, daemon=True, name=f"hixl-handshake-{addr[0]}").start()
+            sent = {(r.rkey, r.addr): r for r in conn.sent_regions}
+            added = tuple(r for k, r in self._exposed_map.items() if k not in sent)
+            removed = tuple(r for k, r in sent.items() if k not in self._exposed_map)
+            if added or removed:
+                self._queue_control(conn, wire.encode(wire.Regions(add=added, remove=removed)))
 
     def disconnect(self, peer: str) -> None:
         """Close the connection to ``peer``; its pending transfers fail.  Unknown peers: no-op."""
@@ -785,8 +936,14 @@ class Engine:
             handle = TransferHandle(conn.peer, nbytes, len(wrs), time.monotonic() + timeout)
             chunks = [Chunk(wrs[i : i + CHUNK], handle) for i in range(0, len(wrs), CHUNK)]
             if payload is not None:
-                slot, send = self._notify_slots.take(payload)
+                # After READs the SEND is fenced: it starts only once they have completed,
+                # so the peer is told "done" after its memory was read, not before.
+                fence = any(r.opcode == verbs.WR_RDMA_READ for r in wrs)
+                slot, send = self._notify_slots.take(payload, fence=fence)
                 chunks.append(Chunk([send], handle, slot))
+                log.debug(
+                    "notification %r to %s posted%s", notify, peer, " fenced" if fence else ""
+                )
             handle.chunks_left = len(chunks)
             for chunk in chunks:
                 chunk.wr_id = self._next_wr
@@ -824,13 +981,16 @@ class Engine:
         with self._lock:
             out = list(self._notes)
             self._notes.clear()
+            self._note_counts.clear()
             return out
 
     def wait_notification(self, name: str, timeout: float, peer: str | None = None) -> Notification:
         """Wait up to ``timeout`` s for a notification called ``name`` (from ``peer``).
 
-        The matching notification is taken out of the queue; others stay.
-        Raises :class:`TransferTimeout` when none arrives in time.
+        The matching notification is taken out of the queue; others stay.  ``peer`` is
+        matched against the id the sender's connection proved in its handshake.
+        Raises :class:`TransferTimeout` when none arrives in time, :class:`StateError`
+        when the engine is closed (or closes while waiting).
         """
         deadline = time.monotonic() + timeout
         with self._notify_cv:
@@ -838,14 +998,48 @@ class Engine:
                 for note in self._notes:
                     if note.name == name and (peer is None or note.peer == peer):
                         self._notes.remove(note)
+                        self._note_taken(note.peer)
                         return note
+                if self._closed or self._broken is not None:
+                    self._check_open()
+                    raise StateError(f"engine {self.id} is closed")
                 left = deadline - time.monotonic()
-                if left <= 0 or self._closed:
+                if left <= 0:
                     break
                 self._notify_cv.wait(left)
         raise TransferTimeout(
             f"no notification {name!r}{' from ' + peer if peer else ''} within {timeout} s"
         )
+
+    def _note_taken(self, peer: str) -> None:
+        left = self._note_counts.get(peer, 1) - 1
+        if left > 0:
+            self._note_counts[peer] = left
+        else:
+            self._note_counts.pop(peer, None)
+
+    def _queue_note(self, conn: Connection, note: Notification) -> None:
+        """Keep a received notification, or fail its sender past a cap (caller holds lock)."""
+        queued = self._note_counts.get(note.peer, 0)
+        if queued >= self._max_notes_per_peer or len(self._notes) >= self._max_notes:
+            if queued >= self._max_notes_per_peer:
+                why = (
+                    f"{queued} notifications from {note.peer} are not taken yet "
+                    f"(max_notifications_per_peer={self._max_notes_per_peer})"
+                )
+            else:
+                why = (
+                    f"{len(self._notes)} notifications are not taken yet "
+                    f"(max_notifications={self._max_notes})"
+                )
+            reason = f"notification queue full at {self.id}: {why}; the sender is cut off"
+            if conn.state is ConnState.READY and conn.sock is not None:
+                self._queue_control(conn, error_frame(wire.ErrorCode.OVERFLOW, reason))
+            self._fail(conn, reason)
+            return
+        self._notes.append(note)
+        self._note_counts[note.peer] = queued + 1
+        self._notify_cv.notify_all()
 
     # -- progress thread callbacks (all but the socket reads run under the lock) -----------
     def _reap_send(self, wcs: list[verbs.Completion]) -> int:
@@ -856,7 +1050,21 @@ class Engine:
                 continue
             chunk = conn.completed(wc.wr_id)
             if chunk is None:
-                continue  # completion of a chunk that was already failed
+                if not wc.ok and conn.state is ConnState.READY:
+                    # An unsignaled request failed (its wr_id is 0).  RC completes in
+                    # order, so it belongs to the oldest chunk in flight, and its status
+                    # is the real cause: the flushes that follow only echo it.
+                    first = conn.oldest_inflight()
+                    err = CompletionError(
+                        f"RDMA transfer to {conn.peer}",
+                        wc.status,
+                        wc.status_name,
+                        wc.wr_id,
+                        wc.vendor_err,
+                    )
+                    culprit = first.handle if first is not None else None
+                    self._fail(conn, f"completion error {wc.status_name}", err, culprit=culprit)
+                continue  # otherwise: completion of a chunk that was already failed
             op = "RDMA transfer" if chunk.notify_slot is None else "notification"
             self._release_notify(chunk)
             handle = chunk.handle
@@ -899,8 +1107,7 @@ class Engine:
             if note is None:
                 log.warning("dropped a malformed notification from %s", conn.peer)
                 continue
-            self._notes.append(note)
-            self._notify_cv.notify_all()
+            self._queue_note(conn, note)
         return len(wcs)
 
     def _expire(self, now: float) -> None:
@@ -968,7 +1175,16 @@ class Engine:
 
     def _on_control(self, conn: Connection, msg: wire.Message) -> None:
         if isinstance(msg, wire.Regions):
-            conn.set_remote_regions(msg.regions)
+            try:
+                conn.update_remote_regions(msg.add, msg.remove)
+            except HandshakeError as exc:
+                self._progress.unwatch(conn)
+                self._fail(conn, f"bad REGIONS update: {exc}")
+        elif isinstance(msg, wire.Ping):
+            self._queue_control(conn, wire.encode(wire.Pong(nonce=msg.nonce)))
+        elif isinstance(msg, wire.Pong):
+            if msg.nonce == conn.probe_nonce:
+                conn.pong_at = time.monotonic()
         elif isinstance(msg, wire.Bye):
             # Notifications the peer sent before its goodbye come first.
             self._reap_recv(self.recv_cq.poll(64))
@@ -978,6 +1194,29 @@ class Engine:
             self._fail(conn, f"peer reported {msg.code}: {msg.message}")
         else:
             self._fail(conn, f"unexpected {type(msg).__name__} on the control channel")
+
+
+def _token_bytes(token: bytes | str | None) -> bytes | None:
+    """The token as bytes; :class:`ArgumentError` for an empty or mistyped one."""
+    if token is None:
+        return None
+    if isinstance(token, str):
+        token = token.encode("utf-8")
+    if not isinstance(token, bytes):
+        raise ArgumentError(f"token must be str, bytes or None, got {type(token).__name__}")
+    if not token:
+        raise ArgumentError(
+            "token must not be empty (an empty token would fail every handshake); pass "
+            "None for no authentication, or a random one from 'hixl token'"
+        )
+    return token
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.partition("%")[0]).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 _notify = notify  # the module, under a name the ``notify`` parameters do not shadow

@@ -1,40 +1,91 @@
-"""The connection handshake, client and server side, over a blocking TCP socket.
+"""The connection handshake: client side on a blocking socket, server side in the selector.
 
-Client                                  Server (listener, one short-lived thread each)
-HELLO(id, nonce_c)             ->
-                               <-       CHALLENGE(id, nonce_s, proof_s)
-INFO(proof_c, QP, GID, regions) ->
-                               <-       ACCEPT(QP, GID, regions)   or ERROR(code)
-READY                          ->
-The socket then stays open as the connection's control channel.  Every step has the
-handshake's deadline; socket I/O here never runs under the engine lock.
+The messages, their order and the proofs are :mod:`hixl.core.handshake` (sans-I/O); this
+module moves the bytes.
+
+Client (:func:`client_handshake`): runs in the thread that called ``Engine.connect`` on a
+blocking socket with the caller's deadline. Every ``OSError`` becomes a
+:class:`~hixl.errors.ConnectionFailed`, a timeout a :class:`~hixl.errors.TransferTimeout`.
+A server that answers ``ERROR(BUSY)`` is asked again after a short pause until the deadline.
+
+Server (:class:`Listener`): no thread per handshake. The progress thread accepts, and each
+handshake is a small state machine (:class:`Incoming`) on a non-blocking socket in the
+progress thread's selector, so an idle socket costs a file descriptor and a few hundred
+bytes, never a thread or a slot others wait for. Each step has its own short deadline
+(the first frame within :data:`FIRST_FRAME_S` of accept, the next ones within
+:data:`STEP_S`) inside the engine's ``handshake_timeout``; a late step is answered with
+ERROR(TIMEOUT) and closed. There are at most ``max_handshakes`` at once and
+``max_handshakes_per_source`` from one IP address; a socket over either limit is answered
+ERROR(BUSY) and closed at once, so a client always hears why.
+
+Nothing that depends on the token, no queue pair and no rkey exists before the client's
+INFO has passed its proof check and the engine has admitted the peer (``max_peers``, and
+no live connection under the same id). A READY connection keeps its id: a handshake
+claiming it is refused with ERROR(ALREADY_CONNECTED), unless the old connection is already
+FAILED or CLOSED or does not answer a PING within :data:`PROBE_S` (a peer that died without
+a word). The probe is a control message like any other; nothing waits for it under a lock.
+
+Socket I/O here never runs under the engine lock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import selectors
 import socket
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hixl.core import wire
-from hixl.core.states import ConnState
-from hixl.errors import ConnectionFailed, HandshakeError, HixlError, TransferTimeout
+from hixl.core.handshake import ClientHandshake, ServerHandshake
+from hixl.errors import (
+    AuthenticationError,
+    ConnectionFailed,
+    HandshakeError,
+    HixlError,
+    TransferTimeout,
+)
 
 if TYPE_CHECKING:
     from hixl.engine.connection import Connection
     from hixl.engine.engine import Engine
 
-__all__ = ["Channel", "client_handshake", "printable", "serve_handshake"]
+__all__ = [
+    "FIRST_FRAME_S",
+    "PROBE_S",
+    "STEP_S",
+    "Admission",
+    "Channel",
+    "Incoming",
+    "Listener",
+    "client_handshake",
+    "printable",
+]
 
 log = logging.getLogger("hixl.engine")
+
+FIRST_FRAME_S = 1.0  # the client's HELLO must arrive this soon after accept, seconds
+STEP_S = 3.0  # each later step (INFO after CHALLENGE, READY after ACCEPT), seconds
+PROBE_S = 2.0  # a live connection must answer a PING this soon to keep its id, seconds
+BUSY_RETRY_S = 0.05  # first pause before a client asks a BUSY server again, seconds
+ACCEPTS_PER_ROUND = 64  # connections taken from the listen queue per progress round
+MAX_PENDING_BYTES = 32 << 20  # bytes buffered by all unfinished handshakes together
+HELLO_MAX_PAYLOAD = 4096  # a HELLO is small: a first frame announcing more is refused
 
 
 def printable(text: str, limit: int) -> str:
     """``text`` cut to ``limit`` characters with anything the wire refuses replaced."""
     return "".join(c if c.isprintable() or c in "\t\n" else "?" for c in text[:limit])
+
+
+def error_frame(code: wire.ErrorCode, message: str) -> bytes:
+    return wire.encode(wire.Error(code=code, message=printable(message, 1000)))
+
+
+# --------------------------------------------------------------------------- client side
 
 
 class Channel:
@@ -43,7 +94,7 @@ class Channel:
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
         self.peer = peer
-        self.decoder = wire.Decoder(max_payload=1 << 20)
+        self.decoder = wire.Decoder(max_payload=wire.MAX_PAYLOAD)
         self.pending: deque[wire.Message] = deque()
 
     def send(self, msg: wire.Message, deadline: float) -> None:
@@ -81,90 +132,424 @@ class Channel:
     def expect(self, kind: type[Any], deadline: float) -> Any:
         msg = self.recv(deadline)
         if isinstance(msg, wire.Error):
-            raise ConnectionFailed(f"{self.peer} refused: {msg.code}: {msg.message}")
+            text = f"{self.peer} refused the handshake: {msg.code}: {msg.message}"
+            if msg.code is wire.ErrorCode.AUTH:
+                raise AuthenticationError(text)
+            if msg.code is wire.ErrorCode.BUSY:
+                raise _Busy(text)
+            raise ConnectionFailed(text)
         return wire.expect(msg, kind)
 
-    def refuse(self, code: Any, message: str) -> None:
-        """Best effort: tell the peer why, within a second, then give up on it."""
-        try:
-            self.sock.settimeout(1.0)
-            self.sock.sendall(wire.encode(wire.Error(code=code, message=printable(message, 1000))))
-        except (OSError, HixlError):
-            pass
+
+class _Busy(ConnectionFailed):
+    """The server had too many handshakes at once; asking again later may work."""
 
 
 def client_handshake(
-    engine: Engine, sock: socket.socket, peer: str, token: bytes | None, deadline: float
+    engine: Engine, peer: str, address: tuple[str, int], token: bytes | None, deadline: float
 ) -> Connection:
-    """Run the client side on a connected socket; return the adopted connection."""
-    chan = Channel(sock, peer)
+    """Connect to ``address`` and run the client side; return the adopted connection.
+
+    A server that answers ERROR(BUSY) is asked again after a pause (doubling from
+    :data:`BUSY_RETRY_S`) until ``deadline``.
+    """
+    pause = BUSY_RETRY_S
+    while True:
+        try:
+            return _client_attempt(engine, peer, address, token, deadline)
+        except _Busy as exc:
+            if time.monotonic() + pause >= deadline:
+                raise ConnectionFailed(f"{exc} (asked until the connect deadline)") from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+
+
+def _client_attempt(
+    engine: Engine, peer: str, address: tuple[str, int], token: bytes | None, deadline: float
+) -> Connection:
+    left = deadline - time.monotonic()
+    try:
+        sock = socket.create_connection(address, timeout=max(0.01, left))
+    except TimeoutError as exc:
+        raise TransferTimeout(f"connect to {peer}: no answer within the deadline") from exc
+    except OSError as exc:
+        raise ConnectionFailed(f"connect to {peer}: {exc.strerror or exc}") from exc
     conn: Connection | None = None
     try:
-        nonce = wire.make_nonce()
-        chan.send(wire.Hello(engine_id=engine.id, nonce=nonce), deadline)
-        ch = chan.expect(wire.Challenge, deadline)
-        if not wire.verify_proof(token, "server", nonce, ch.engine_id, ch.proof):
-            raise HandshakeError(f"peer {peer} could not prove it knows the token")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        chan = Channel(sock, peer)
+        hs = ClientHandshake(engine.id, token, peer=peer)
+        chan.send(hs.hello, deadline)
+        hs.on_challenge(chan.expect(wire.Challenge, deadline))
         conn = engine._new_connection(peer, outbound=True)
-        own = wire.proof(token, "client", ch.nonce, engine.id)
-        chan.send(conn.local_info(wire.Info, own, engine._exposed()), deadline)
-        acc = chan.expect(wire.Accept, deadline)
-        conn.establish(acc)
-        chan.send(wire.Ready(), deadline)
-        engine._adopt(conn, chan)
+        chan.send(hs.info(conn.local_info(wire.Info, b"", engine._exposed())), deadline)
+        conn.establish(hs.on_accept(chan.expect(wire.Accept, deadline)))
+        chan.send(hs.ready(), deadline)
+        engine._adopt(conn, chan.sock, chan.decoder, list(chan.pending))
         return conn
     except BaseException:
         if conn is not None:
             engine._discard(conn)
-        sock.close()
+        with contextlib.suppress(OSError):
+            sock.close()
         raise
 
 
-def serve_handshake(
-    engine: Engine, sock: socket.socket, addr: Any, token: bytes | None, timeout: float
-) -> None:
-    """Server side of the handshake, in its own short-lived thread; never raises."""
-    deadline = time.monotonic() + timeout
-    chan = Channel(sock, f"{addr[0]}:{addr[1]}")
-    conn: Connection | None = None
-    try:
-        hello = chan.expect(wire.Hello, deadline)
-        chan.peer = hello.engine_id
-        nonce = wire.make_nonce()
-        chan.send(
-            wire.Challenge(
-                engine_id=engine.id,
-                nonce=nonce,
-                proof=wire.proof(token, "server", hello.nonce, engine.id),
-            ),
-            deadline,
-        )
-        info = chan.expect(wire.Info, deadline)
-        if not wire.verify_proof(token, "client", nonce, hello.engine_id, info.proof):
-            chan.refuse(wire.ErrorCode.AUTH, "authentication failed")
-            raise HandshakeError(f"peer {hello.engine_id} failed authentication")
-        old = engine._conns.get(hello.engine_id)
-        if old is not None and old.state is ConnState.READY:
-            # A peer that disconnects and reconnects at once: its goodbye (or EOF) may be
-            # waiting unread on the old control socket.  Read it (never blocks) first.
-            engine._read_control(old)
-        conn = engine._replace_connection(hello.engine_id)
-        if conn is None:
-            chan.refuse(
-                wire.ErrorCode.ALREADY_CONNECTED,
-                f"{hello.engine_id} is already connected to {engine.id}",
-            )
-            raise ConnectionFailed(f"peer {hello.engine_id} is already connected")
-        conn.establish(info)
-        chan.send(conn.local_info(wire.Accept, b"", engine._exposed()), deadline)
-        chan.expect(wire.Ready, deadline)
-        engine._adopt(conn, chan)
-        log.debug("accepted %r", conn)
-    except Exception as exc:  # noqa: BLE001 - a bad peer must never stop the listener
-        log.info("handshake from %s rejected: %s", chan.peer, exc)
-        if isinstance(exc, HandshakeError) and chan.decoder.error_code is not None:
-            chan.refuse(chan.decoder.error_code, str(exc))
-        if conn is not None and engine._conns.get(conn.peer) is not conn:
-            engine._discard(conn)
+# --------------------------------------------------------------------------- server side
+
+
+class Admission:
+    """The engine's answer to a proven INFO: go ahead, refuse, or probe the old holder."""
+
+    __slots__ = ("code", "conn", "message", "probe")
+
+    def __init__(
+        self,
+        *,
+        conn: Connection | None = None,
+        code: wire.ErrorCode | None = None,
+        message: str = "",
+        probe: Connection | None = None,
+    ) -> None:
+        self.conn = conn
+        self.code = code
+        self.message = message
+        self.probe = probe
+
+
+class Incoming:
+    """One server-side handshake in progress.  Progress thread only."""
+
+    __slots__ = (
+        "accepted_at",
+        "conn",
+        "decoder",
+        "deadline",
+        "expect",
+        "hs",
+        "info",
+        "outbox",
+        "probe",
+        "sock",
+        "source",
+        "total_deadline",
+    )
+
+    def __init__(self, sock: socket.socket, source: str, hs: ServerHandshake, now: float):
+        self.sock = sock
+        self.source = source
+        self.hs = hs
+        self.decoder = wire.Decoder(max_payload=HELLO_MAX_PAYLOAD)
+        self.outbox = bytearray()
+        self.accepted_at = now
+        self.deadline = now + FIRST_FRAME_S
+        self.total_deadline = now
+        self.expect = "HELLO"
+        self.conn: Connection | None = None  # made once the engine admitted the peer
+        self.info: wire.Info | None = None
+        self.probe: tuple[Connection, float] | None = None  # (old connection, deadline)
+
+    @property
+    def peer(self) -> str:
+        return self.hs.peer or self.source
+
+    def __repr__(self) -> str:
+        return f"<Incoming from={self.source} peer={self.hs.peer} expect={self.expect}>"
+
+
+class Listener:
+    """Accepts connections and drives their server-side handshakes.  Progress thread only.
+
+    ``register(sock, data, mask)`` / ``unregister(sock)`` put a socket in the progress
+    thread's selector (``data`` is the :class:`Incoming`).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        sock: socket.socket,
+        *,
+        register: Callable[[socket.socket, object, int], None],
+        unregister: Callable[[socket.socket], None],
+        max_handshakes: int,
+        max_per_source: int,
+        timeout: float,
+    ) -> None:
+        self._engine = engine
+        self._sock = sock
+        self._register = register
+        self._unregister = unregister
+        self.max_handshakes = max_handshakes
+        self.max_per_source = max_per_source
+        self._timeout = timeout
+        self._pending: dict[socket.socket, Incoming] = {}
+        self._per_source: dict[str, int] = {}
+        self._claimed: set[str] = set()  # ids of admitted peers not READY yet
+        self._buffered = 0
+        self.refused_busy = 0  # sockets answered ERROR(BUSY), for diagnostics
+
+    @property
+    def pending(self) -> int:
+        """Handshakes in progress."""
+        return len(self._pending)
+
+    def claims(self) -> set[str]:
+        """Ids of peers admitted and not yet READY (their ids are taken).
+
+        Any thread: the copy is one C-level operation, atomic under the GIL.
+        """
+        return set(self._claimed)
+
+    # -- accepting -------------------------------------------------------------------------
+    def accept(self) -> None:
+        """Take what waits in the listen queue (a bounded number per round)."""
+        for _ in range(ACCEPTS_PER_ROUND):
+            try:
+                sock, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.debug("accept: %s", exc)
+                return
+            self._take(sock, str(addr[0]))
+
+    def _take(self, sock: socket.socket, source: str) -> None:
+        sock.setblocking(False)
         with contextlib.suppress(OSError):
-            sock.close()
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._engine.closed:
+            _close(sock)
+            return
+        busy = None
+        if len(self._pending) >= self.max_handshakes:
+            busy = (
+                f"{len(self._pending)} handshakes under way (max_handshakes={self.max_handshakes})"
+            )
+        elif self._per_source.get(source, 0) >= self.max_per_source:
+            busy = (
+                f"{self._per_source[source]} handshakes from {source} under way "
+                f"(max_handshakes_per_source={self.max_per_source})"
+            )
+        elif self._buffered > MAX_PENDING_BYTES:
+            busy = f"handshakes hold {self._buffered} bytes (at most {MAX_PENDING_BYTES})"
+        if busy is not None:
+            self.refused_busy += 1
+            _refuse_now(sock, wire.ErrorCode.BUSY, f"engine {self._engine.id} is busy: {busy}")
+            return
+        now = time.monotonic()
+        inc = Incoming(sock, source, ServerHandshake(self._engine.id, self._engine._token), now)
+        inc.total_deadline = now + self._timeout
+        self._pending[sock] = inc
+        self._per_source[source] = self._per_source.get(source, 0) + 1
+        self._register(sock, inc, selectors.EVENT_READ)
+
+    # -- events ----------------------------------------------------------------------------
+    def on_event(self, inc: Incoming, mask: int) -> None:
+        """The selector reported ``inc``'s socket readable and/or writable."""
+        if inc.sock not in self._pending:
+            return
+        if mask & selectors.EVENT_WRITE:
+            self._flush(inc)
+        if mask & selectors.EVENT_READ and inc.sock in self._pending:
+            self._read(inc)
+
+    def _read(self, inc: Incoming) -> None:
+        try:
+            data = inc.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._finish(inc, f"socket error: {exc}")
+            return
+        if not data:
+            self._finish(inc, f"closed by {inc.peer} while {inc.expect} was expected")
+            return
+        before = inc.decoder.buffered
+        try:
+            msgs = inc.decoder.feed(data)
+        except HandshakeError as exc:
+            self._refuse(inc, inc.decoder.error_code or wire.ErrorCode.MALFORMED, str(exc))
+            return
+        finally:
+            self._buffered += inc.decoder.buffered - before
+        if self._buffered > MAX_PENDING_BYTES and inc.decoder.buffered:
+            self._refuse(
+                inc,
+                wire.ErrorCode.BUSY,
+                f"handshakes under way hold {self._buffered} bytes (at most "
+                f"{MAX_PENDING_BYTES}); try again",
+            )
+            return
+        for i, msg in enumerate(msgs):
+            if inc.sock not in self._pending:
+                return
+            if inc.expect == "READY" and isinstance(msg, wire.Ready):
+                self._ready(inc, msg, msgs[i + 1 :])
+                return
+            self._step(inc, msg)
+
+    def _step(self, inc: Incoming, msg: wire.Message) -> None:
+        if isinstance(msg, wire.Error):
+            self._finish(inc, f"{inc.peer} gave up: {msg.code}: {msg.message}")
+            return
+        try:
+            if inc.expect == "HELLO":
+                challenge = inc.hs.on_hello(wire.expect(msg, wire.Hello))
+                if inc.decoder.buffered:
+                    raise HandshakeError("the client sent more before it had the CHALLENGE")
+                # INFO carries the client's regions: up to a full frame from now on.
+                inc.decoder = wire.Decoder(max_payload=wire.MAX_PAYLOAD)
+                inc.expect, inc.deadline = "INFO", self._step_deadline(inc)
+                self._send(inc, wire.encode(challenge))
+            elif inc.expect == "INFO":
+                inc.info = inc.hs.on_info(wire.expect(msg, wire.Info))
+                self._admit(inc)
+            else:
+                raise HandshakeError(f"expected {inc.expect}, got {msg.TYPE.name}")
+        except AuthenticationError as exc:
+            self._refuse(inc, wire.ErrorCode.AUTH, str(exc))
+        except HandshakeError as exc:
+            self._refuse(inc, wire.ErrorCode.MALFORMED, str(exc))
+
+    def _admit(self, inc: Incoming) -> None:
+        """The client proved itself: ask the engine whether it may connect, then ACCEPT."""
+        assert inc.info is not None
+        verdict = self._engine._admit(inc.hs.peer or "", inc.info, self.claims())
+        if verdict.probe is not None:
+            inc.expect, inc.probe = "PROBE", (verdict.probe, time.monotonic() + PROBE_S)
+            return
+        if verdict.conn is None:
+            assert verdict.code is not None
+            self._refuse(inc, verdict.code, verdict.message)
+            return
+        inc.conn = verdict.conn
+        self._claimed.add(inc.peer)
+        try:
+            accept = inc.hs.accept(inc.conn.local_info(wire.Accept, b"", self._engine._exposed()))
+            frame = wire.encode(accept)
+        except HixlError as exc:
+            self._refuse(inc, wire.ErrorCode.INTERNAL, f"could not answer: {exc}")
+            return
+        inc.expect, inc.deadline = "READY", self._step_deadline(inc)
+        self._send(inc, frame)
+
+    def _ready(self, inc: Incoming, msg: wire.Ready, rest: list[wire.Message]) -> None:
+        assert inc.conn is not None
+        try:
+            inc.hs.on_ready(msg)
+        except HandshakeError as exc:
+            self._refuse(inc, wire.ErrorCode.MALFORMED, str(exc))
+            return
+        if inc.outbox:  # the client answered an ACCEPT it cannot have read in full
+            self._refuse(inc, wire.ErrorCode.MALFORMED, "READY before the whole ACCEPT")
+            return
+        self._forget(inc)
+        conn, inc.conn = inc.conn, None
+        try:
+            self._engine._adopt(conn, inc.sock, inc.decoder, rest)
+        except HixlError as exc:
+            log.info("handshake from %s: not adopted: %s", inc.peer, exc)
+            self._engine._discard(conn)
+            _close(inc.sock)
+            return
+        log.debug("accepted %r from %s", conn, inc.source)
+
+    # -- deadlines and probes ----------------------------------------------------------------
+    def sweep(self, now: float) -> None:
+        """Refuse late handshakes; settle liveness probes.  Called every progress round."""
+        for inc in list(self._pending.values()):
+            if inc.probe is not None:
+                self._settle_probe(inc, now)
+            elif now >= inc.deadline or now >= inc.total_deadline:
+                waited = now - inc.accepted_at
+                self._refuse(
+                    inc,
+                    wire.ErrorCode.TIMEOUT,
+                    f"no {inc.expect} from {inc.peer} in time ({waited:.1f} s after accept; "
+                    f"first frame within {FIRST_FRAME_S} s, each step within {STEP_S} s, "
+                    f"all within handshake_timeout={self._timeout} s)",
+                )
+
+    def _settle_probe(self, inc: Incoming, now: float) -> None:
+        assert inc.probe is not None
+        old, deadline = inc.probe
+        outcome = self._engine._probe_outcome(old, now >= deadline)
+        if outcome is None:
+            return  # no answer yet, and time is left
+        inc.probe = None
+        if outcome == "alive":
+            self._refuse(
+                inc,
+                wire.ErrorCode.ALREADY_CONNECTED,
+                f"{inc.peer} is already connected to {self._engine.id} and answers; "
+                "a connection keeps its id until it fails or disconnects",
+            )
+            return
+        inc.expect = "INFO"
+        self._admit(inc)
+
+    def _step_deadline(self, inc: Incoming) -> float:
+        return min(time.monotonic() + STEP_S, inc.total_deadline)
+
+    # -- output and endings --------------------------------------------------------------
+    def _send(self, inc: Incoming, data: bytes) -> None:
+        inc.outbox += data
+        self._flush(inc)
+
+    def _flush(self, inc: Incoming) -> None:
+        while inc.outbox:
+            try:
+                sent = inc.sock.send(bytes(inc.outbox[:262144]))
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self._finish(inc, f"socket error: {exc}")
+                return
+            del inc.outbox[:sent]
+        mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if inc.outbox else 0)
+        self._register(inc.sock, inc, mask)
+
+    def _refuse(self, inc: Incoming, code: wire.ErrorCode, message: str) -> None:
+        """Tell the client why (best effort, never blocks), then close."""
+        log.info("handshake from %s (%s) refused: %s: %s", inc.peer, inc.source, code, message)
+        with contextlib.suppress(OSError):
+            inc.sock.send(error_frame(code, message))
+        self._finish(inc, None)
+
+    def _finish(self, inc: Incoming, why: str | None) -> None:
+        if why is not None:
+            log.info("handshake from %s (%s) ended: %s", inc.peer, inc.source, why)
+        self._forget(inc)
+        if inc.conn is not None:
+            self._engine._discard(inc.conn)
+            inc.conn = None
+        _close(inc.sock)
+
+    def _forget(self, inc: Incoming) -> None:
+        if self._pending.pop(inc.sock, None) is None:
+            return
+        if inc.conn is not None:
+            self._claimed.discard(inc.peer)
+        self._buffered -= inc.decoder.buffered
+        left = self._per_source.get(inc.source, 1) - 1
+        if left:
+            self._per_source[inc.source] = left
+        else:
+            self._per_source.pop(inc.source, None)
+        self._unregister(inc.sock)
+
+    def close(self) -> None:
+        """Close every unfinished handshake (the engine is closing)."""
+        for inc in list(self._pending.values()):
+            self._finish(inc, None)
+
+
+def _refuse_now(sock: socket.socket, code: wire.ErrorCode, message: str) -> None:
+    with contextlib.suppress(OSError):
+        sock.send(error_frame(code, message))
+    _close(sock)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.close()

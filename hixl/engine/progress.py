@@ -1,7 +1,8 @@
 """The progress thread: completions, control traffic, deadlines and the listener.
 
 One thread per engine sleeps in a selector on the completion channels' descriptors,
-the listening socket, every connection's control socket and a wake-up socket pair, so
+the listening socket, every unfinished handshake's socket, every connection's control
+socket and a wake-up socket pair, so
 it releases the GIL while idle and wakes at once for a completion, a peer's message,
 an incoming connection or a control message to send.  It wakes every 20 ms while
 transfers are pending (deadlines) and every 100 ms otherwise.  Where completion
@@ -23,6 +24,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
+from hixl.engine.handshake import Incoming
 from hixl.errors import HixlError
 from hixl.verbs import adapter as verbs
 
@@ -37,6 +39,7 @@ log = logging.getLogger("hixl.engine")
 IDLE_MAX = 0.002  # longest sleep when the thread has to poll, seconds
 SLEEP_PENDING = 0.02  # with completion events: longest sleep while transfers are pending
 SLEEP_IDLE = 0.1  # ... and with nothing pending
+SWEEP_EVERY = 0.05  # how often unfinished handshakes are checked against their deadlines
 POLL_BATCH = 64  # completions taken per poll
 _WAKE = object()  # selector key data of the socket that wakes the thread
 _LISTENER = object()
@@ -71,6 +74,7 @@ class Progress:
         self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._stop = threading.Event()
         self._next_expiry_check = 0.0
+        self._next_sweep = 0.0
         # The thread holds the engine only weakly between rounds, so an engine the
         # application forgets to close is still collected (and warns, and closes).
         self.thread = threading.Thread(
@@ -105,6 +109,17 @@ class Progress:
         if conn.sock is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(conn.sock)
+
+    def register(self, sock: socket.socket, data: object, mask: int) -> None:
+        """Watch ``sock`` for ``mask`` with ``data`` as its key data (a handshake)."""
+        try:
+            self._selector.modify(sock, mask, data)
+        except KeyError:
+            self._selector.register(sock, mask, data)
+
+    def unregister(self, sock: socket.socket) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(sock)
 
     def stop(self) -> None:
         """Stop the thread and wait for it (unless called from it)."""
@@ -146,10 +161,18 @@ class Progress:
                     timeout = SLEEP_PENDING if engine._has_pending() else SLEEP_IDLE
                 else:
                     timeout = idle
+            incoming = engine._incoming
+            if incoming is not None and incoming.pending and now >= self._next_sweep:
+                incoming.sweep(now)  # handshake deadlines and liveness probes
+                self._next_sweep = now + SWEEP_EVERY
             for key, mask in self._selector.select(timeout=timeout):
                 data = key.data
                 if data is _LISTENER:
-                    self._accept(engine)
+                    if incoming is not None:
+                        incoming.accept()
+                elif isinstance(data, Incoming):
+                    if incoming is not None:
+                        incoming.on_event(data, mask)
                 elif data is _WAKE:
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(4096)
@@ -192,14 +215,6 @@ class Progress:
                 self._armed.discard(cq)  # more may be queued from before the arming
                 busy = True
         return busy
-
-    def _accept(self, engine: Engine) -> None:
-        assert self._listener is not None
-        try:
-            sock, addr = self._listener.accept()
-        except OSError:
-            return
-        engine._serve(sock, addr)
 
 
 def _loop(engine_ref: weakref.ref[Engine], stop: threading.Event) -> None:

@@ -107,6 +107,7 @@ WR_SEND_WITH_IMM = 3
 WR_RDMA_READ = 4
 _RDMA_OPCODES = frozenset((WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, WR_RDMA_READ))
 _SIGNALED = 2  # IBV_SEND_SIGNALED
+_FENCE = 1  # IBV_SEND_FENCE: start only after every earlier READ/atomic has completed
 _WR_CACHE = 256  # pyverbs work requests a queue pair keeps for reuse
 
 
@@ -589,7 +590,8 @@ class SendRequest:
 
     ``opcode`` is one of the ``WR_*`` constants; ``sges`` are
     ``(address, length, lkey)``; ``remote_addr``/``rkey`` are used by RDMA
-    opcodes; ``imm`` by the ``*_WITH_IMM`` opcodes.
+    opcodes; ``imm`` by the ``*_WITH_IMM`` opcodes.  ``fence`` posts it with
+    ``IBV_SEND_FENCE`` (it waits for earlier READs to complete).
     """
 
     wr_id: int
@@ -599,6 +601,7 @@ class SendRequest:
     rkey: int = 0
     imm: int | None = None
     signaled: bool = True
+    fence: bool = False
 
 
 _QPS_NAMES = {0: "RESET", 1: "INIT", 2: "RTR", 3: "RTS", 4: "SQD", 5: "SQE", 6: "ERR"}
@@ -750,7 +753,7 @@ class QueuePair:
                     opcode=req.opcode,
                     num_sge=len(sges),
                     sg=sges or None,
-                    send_flags=_SIGNALED if signaled else 0,
+                    send_flags=(_SIGNALED if signaled else 0) | (_FENCE if req.fence else 0),
                     next_wr=nxt,
                 )
                 if req.imm is not None:
@@ -784,10 +787,11 @@ class QueuePair:
                     self._wr_cache.clear()
                 entry = self._wr_cache[key] = (w, sges)
             w = entry[0]
+            fence = _FENCE if req.fence else 0
             if signal_id is None:
-                w.wr_id, w.send_flags = req.wr_id, _SIGNALED if req.signaled else 0
+                w.wr_id, w.send_flags = req.wr_id, (_SIGNALED if req.signaled else 0) | fence
             else:
-                w.wr_id, w.send_flags = signal_id, _SIGNALED
+                w.wr_id, w.send_flags = signal_id, _SIGNALED | fence
             self._qp.post_send(w)
         except PyverbsError as exc:
             raise _verbs_error("post_send", exc) from exc

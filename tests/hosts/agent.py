@@ -10,7 +10,8 @@ Ops: ``engine`` (open a listening engine), ``register`` (a buffer, zeros or seed
 random bytes), ``sha`` (of a buffer), ``wait_note``, ``notify``, ``conn`` (state and MTU
 of the connection to a peer), ``port`` (this host's rxe port), ``link_flap`` (NIC down
 for a while, then up, in the background), ``wait_active``, ``vanish_when_written``
-(power the host off as soon as a transfer starts landing), ``bye``.
+(power the host off as soon as a transfer starts landing), ``put_loop_start`` /
+``put_loop_stop`` (4 KiB puts to a peer's region in a loop, with their latencies), ``bye``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,19 @@ class Agent:
         self.engine: Engine | None = None
         self.buffers: dict[str, npt.NDArray[np.uint8]] = {}
         self.flap: threading.Thread | None = None
+        self.put_loop: tuple[threading.Thread, threading.Event, list[float]] | None = None
+
+    def start_put_loop(self, peer: str, name: str) -> dict[str, Any]:
+        """Put 4 KiB into ``peer``'s region ``name`` again and again, timing each put."""
+        if self.put_loop is not None:
+            raise HixlError("a put loop is already running")
+        eng = self.eng()
+        _wait_region(eng, peer, name, 20.0)
+        stop, lat = threading.Event(), list[float]()
+        thread = threading.Thread(target=_put_loop, args=(eng, peer, name, stop, lat))
+        thread.start()
+        self.put_loop = (thread, stop, lat)
+        return {}
 
     def eng(self) -> Engine:
         if self.engine is None:
@@ -101,6 +115,16 @@ class Agent:
             return {"state": conn.state.name, "mtu": conn.mtu}
         if op == "port":
             return port_state()
+        if op == "put_loop_start":
+            return self.start_put_loop(str(req["peer"]), str(req["name"]))
+        if op == "put_loop_stop":
+            if self.put_loop is None:
+                raise HixlError("no put loop running")
+            thread, stop, lat = self.put_loop
+            stop.set()
+            thread.join(timeout=30)
+            self.put_loop = None
+            return {"count": len(lat), "max_s": max(lat, default=0.0), "alive": thread.is_alive()}
         if op == "link_flap":
             # The answer travels over the link being taken down, so it goes first: the
             # link drops ``after_s`` later and comes back ``down_s`` after that.
@@ -144,6 +168,32 @@ class Agent:
             print(f"agent: data is landing (all landed: {landed_all}); powering off", flush=True)
             vanish(f"asked to vanish mid-transfer; the last byte had landed: {landed_all}")
         raise HixlError(f"unknown op {op!r}")
+
+
+def _wait_region(eng: Engine, peer: str, name: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            eng.connection(peer).remote_region(name)
+            return
+        except HixlError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _put_loop(eng: Engine, peer: str, name: str, stop: threading.Event, lat: list[float]) -> None:
+    src = eng.register(pattern(5, 4096), access=Access.NONE)
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            eng.put(peer, src, name, timeout=30)
+        except HixlError as exc:
+            print(f"agent: put loop: {exc}", flush=True)
+            lat.append(float("inf"))
+            return
+        lat.append(time.monotonic() - t0)
+        time.sleep(0.002)
 
 
 def main() -> int:

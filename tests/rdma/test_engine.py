@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hixl.core import wire as _wire
 from hixl.core.descriptors import BlockListDesc, ContiguousDesc, StridedDesc
 from hixl.engine import Access, ConnState, Engine, TransferRequest, TransferStatus, handshake
 from hixl.errors import (
@@ -310,14 +309,14 @@ def test_region_registered_during_the_handshake_reaches_the_peer(
     server = Engine(f"127.0.0.1:{free_tcp_port()}")
     client = Engine("127.0.0.1:0")
     late = np.zeros(4096, np.uint8)
-    expect = handshake.Channel.expect
+    ready = handshake.Listener._ready
 
-    def register_then_expect(chan: Any, kind: Any, deadline: float) -> Any:
-        if kind is _wire.Ready:  # server side, ACCEPT already sent
-            server.register(late, access=Access.REMOTE_WRITE, name="late")
-        return expect(chan, kind, deadline)
+    def register_then_ready(listener: Any, inc: Any, msg: Any, rest: Any) -> None:
+        # server side: the ACCEPT went out, READY arrived, the connection is not live yet
+        server.register(late, access=Access.REMOTE_WRITE, name="late")
+        ready(listener, inc, msg, rest)
 
-    monkeypatch.setattr(handshake.Channel, "expect", register_then_expect)
+    monkeypatch.setattr(handshake.Listener, "_ready", register_then_ready)
     try:
         client.connect(server.id, timeout=30.0)
         conn = client.connection(server.id)

@@ -153,3 +153,14 @@ def test_fleet_needs_one_host_per_worker(capsys: pytest.CaptureFixture[str]) -> 
     assert _cli.main(["demo", "--prefill", "2", "--decode", "2", "--hosts", "3"]) == 2
     err = capsys.readouterr().err
     assert "--hosts 3: the fleet needs one host per worker (2 + 2)" in err
+
+
+def test_token_prints_a_fresh_256_bit_token(capsys: pytest.CaptureFixture[str]) -> None:
+    tokens = []
+    for _ in range(3):
+        assert _cli.main(["token"]) == 0
+        out = capsys.readouterr().out
+        assert out.endswith("\n") and out.count("\n") == 1
+        tokens.append(out.strip())
+    assert all(len(t) == 64 and int(t, 16) >= 0 and t == t.lower() for t in tokens)
+    assert len(set(tokens)) == 3

@@ -1,0 +1,39 @@
+"""Engine options are checked before any device is opened: these run without RDMA."""
+
+from __future__ import annotations
+
+import pytest
+
+from hixl import ArgumentError, Engine
+
+
+@pytest.mark.parametrize("token", ["", b""])
+def test_an_empty_token_is_refused_with_the_way_out(token: str | bytes) -> None:
+    with pytest.raises(ArgumentError, match=r"token must not be empty .*'hixl token'"):
+        Engine("127.0.0.1:0", token=token)
+
+
+def test_a_token_of_another_type_is_refused() -> None:
+    with pytest.raises(ArgumentError, match="token must be str, bytes or None, got int"):
+        Engine("127.0.0.1:0", token=123)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        "max_peers",
+        "max_handshakes",
+        "max_handshakes_per_source",
+        "max_notifications_per_peer",
+        "max_notifications",
+    ],
+)
+@pytest.mark.parametrize("value", [0, -1, True, 2.5])
+def test_limits_below_one_or_not_integers_are_refused(option: str, value: object) -> None:
+    with pytest.raises(ArgumentError, match=rf"{option} must be an integer >= 1, got {value!r}"):
+        Engine("127.0.0.1:0", **{option: value})  # type: ignore[arg-type]
+
+
+def test_handshake_timeout_must_be_positive() -> None:
+    with pytest.raises(ArgumentError, match="handshake_timeout must be > 0 seconds, got 0"):
+        Engine("127.0.0.1:0", handshake_timeout=0)
