@@ -37,7 +37,7 @@ test-hosts:
 ## test-fleet: four VMs on one wire, etcd on host0, 2 prefill x 2 decode workers routing by
 ## announced capacity; decode-0's host is cut off mid-stream, etcd is stopped for 5 s, and
 ## decode-1 restarts under the same name; every request exactly once, bit-exact.
-## About 3 min under emulation (138-170 s in four runs on 2026-11-30).
+## About 3 min under emulation (138-170 s in five runs on 2026-11-30).
 test-fleet:
 	$(HIXL) demo --hosts 4 --prefill 2 --decode 2 --requests 12 --timeout 600
 
