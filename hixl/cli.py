@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hixl.errors import HixlError
+from hixl.errors import ArgumentError, HixlError
 
 __all__ = ["main"]
 
@@ -452,16 +452,44 @@ def _add_demo(sub: _Subparsers) -> None:
     p.add_argument(
         "--hosts",
         type=int,
-        choices=(1, 2),
+        choices=range(1, 9),
         default=1,
+        metavar="N",
         help="2: decode and prefill on two VMs (own kernels and rxe, one "
-        "virtual wire) instead of two processes on one device",
+        "virtual wire) instead of two processes on one device; with --prefill/--decode, "
+        "one VM per worker (N = P + D), etcd on host0",
     )
     _mtu_option(p, "with --hosts 2: NIC MTU, once for both or once per host")
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=1,
+        metavar="P",
+        help="fleet mode: P prefill workers (with --decode; found through a private etcd)",
+    )
+    p.add_argument(
+        "--decode",
+        type=int,
+        default=1,
+        metavar="D",
+        help="fleet mode: D decode workers; with D >= 2 one is killed mid-stream",
+    )
+    p.add_argument(
+        "--requests", type=int, default=12, metavar="N", help="fleet mode: requests (default 12)"
+    )
     p.set_defaults(handler=_cmd_demo, demo_handler=cmd_demo)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.prefill > 1 or args.decode > 1:
+        if args.hosts not in (1, args.prefill + args.decode):
+            raise ArgumentError(
+                f"--hosts {args.hosts}: the fleet needs one host per worker "
+                f"({args.prefill} + {args.decode})"
+            )
+        from hixl.demo.fleet import cmd_fleet
+
+        return cmd_fleet(args)
     if args.hosts > 1:
         return _cmd_demo_hosts(args)
     handler: Callable[[argparse.Namespace], int] = args.demo_handler

@@ -25,6 +25,9 @@ __all__ = [
     "ConnectionFailed",
     "StateError",
     "VMError",
+    "RegistryError",
+    "RegistryUnavailable",
+    "NameNotFound",
 ]
 
 
@@ -123,3 +126,15 @@ class StateError(HixlError, RuntimeError):
 
 class VMError(HixlError):
     """The soft-RoCE VM could not be found, booted, or did not finish in time."""
+
+
+class RegistryError(HixlError):
+    """The engine registry (etcd or the in-process one) refused or failed a call."""
+
+
+class RegistryUnavailable(RegistryError, ConnectionError):
+    """The registry cannot be reached in time; the message names its URL."""
+
+
+class NameNotFound(RegistryError, LookupError):
+    """No live engine is announced under the name asked for."""

@@ -13,7 +13,7 @@ fi
 
 # libibverbs-dev and gcc: a unit test checks hixl's cffi layouts against <infiniband/verbs.h>.
 pkgs=(rdma-core ibverbs-providers ibverbs-utils rdmacm-utils perftest python3-pyverbs
-      python3-venv iproute2 kmod libibverbs-dev gcc)
+      python3-venv iproute2 kmod libibverbs-dev gcc etcd-server etcd-client)
 
 kernel_has_rxe() {
   [ -d /sys/class/infiniband ] && return 0

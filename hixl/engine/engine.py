@@ -17,7 +17,7 @@ import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from hixl.engine.connection import RECV_SLOTS, Chunk, Connection
 from hixl.engine.datapath import NotifySlots, Planner, signal_interval
 from hixl.engine.handles import TransferHandle, TransferRequest
 from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
+from hixl.engine.names import Names
 from hixl.engine.progress import Progress
 from hixl.engine.regions import Access, Region, buffer_span
 from hixl.errors import (
@@ -40,10 +41,15 @@ from hixl.errors import (
     HandshakeError,
     HixlError,
     RegistrationError,
+    RegistryUnavailable,
     StateError,
     TransferTimeout,
 )
 from hixl.verbs import adapter as verbs
+from hixl.verbs.adapter import gid_to_str
+
+if TYPE_CHECKING:
+    from hixl.registry import Registry, Watch
 
 __all__ = ["Diagnostics", "Engine"]
 
@@ -103,9 +109,16 @@ class Engine:
     every remotely accessible region; an engine listening on an address
     other than loopback without one logs a WARNING once.
 
+    ``registry`` (a URL such as ``"etcd://10.0.0.1:2379"`` or ``"memory://NAME"``, or a
+    :class:`hixl.registry.Registry` the caller shares) lets :meth:`connect` take peer
+    names; with ``name`` the engine also announces itself there (``role``, its id, the
+    device's GID and MTU, ``capacity``) under a lease that ends with the engine. Without a
+    registry nothing is needed: peers are ``"ip:port"`` as always.
+
     Raises :class:`ArgumentError` for a bad id, an empty token or a limit
     below 1, :class:`DeviceError` when no device is usable, :class:`OSError`
-    when the address cannot be bound.
+    when the address cannot be bound, :class:`~hixl.errors.RegistryUnavailable`
+    naming the registry when it does not answer.
     """
 
     def __init__(
@@ -126,6 +139,10 @@ class Engine:
         max_notifications_per_peer: int = 1024,
         max_notifications: int = 16384,
         completion_events: bool = True,
+        name: str | None = None,
+        registry: str | Registry | None = None,
+        role: str = "engine",
+        capacity: int = 0,
     ) -> None:
         self._closed = True  # until fully built, so __del__ stays quiet on failure
         try:
@@ -144,7 +161,18 @@ class Engine:
                 raise ArgumentError(f"{what} must be an integer >= 1, got {value!r}")
         if handshake_timeout <= 0:
             raise ArgumentError(f"handshake_timeout must be > 0 seconds, got {handshake_timeout}")
+        self._names: Names | None = None
+        if name is not None and registry is None:
+            raise ArgumentError(f"name={name!r} needs registry= (an etcd:// or memory:// URL)")
+        if name is not None and not tcp_port:
+            raise ArgumentError(
+                f"name={name!r}: an engine that does not listen (port 0 in {engine_id!r}) "
+                "cannot be announced"
+            )
         self._token = _token_bytes(token)
+        if registry is not None:
+            # Before the device, so that an unreachable registry fails before it is opened.
+            self._names = Names(registry, self._peer_gone)
         self._handshake_timeout = handshake_timeout
         self._max_notes_per_peer = max_notifications_per_peer
         self._max_notes = max_notifications
@@ -152,7 +180,12 @@ class Engine:
         self._max_peers = max_peers
         self._lock = threading.RLock()
         self._notify_cv = threading.Condition(self._lock)
-        self._dev = verbs.open_device(device, port, gid_index)
+        try:
+            self._dev = verbs.open_device(device, port, gid_index)
+        except BaseException:
+            if self._names is not None:
+                self._names.close()
+            raise
         try:
             caps = self._dev.caps
             self.sq_depth = max(32, min(send_queue_depth, caps.max_qp_wr))
@@ -179,6 +212,8 @@ class Engine:
                 self.id = f"{host}:0~{secrets.token_hex(4)}"
         except BaseException:
             self._dev.close()
+            if self._names is not None:
+                self._names.close()
             raise
         self._listener = listener
         self._planner = Planner(self.limits, alignment or None)
@@ -218,6 +253,14 @@ class Engine:
                 "fabric",
                 self.id,
             )
+        if name is not None and self._names is not None:
+            try:
+                self._names.announce(
+                    name, role, self.id, gid_to_str(self._dev.gid), self._dev.active_mtu, capacity
+                )
+            except BaseException:
+                self.close()
+                raise
         log.debug("engine %s up on %r", self.id, self._dev)
 
     # -- lifetime ------------------------------------------------------------------------
@@ -269,11 +312,18 @@ class Engine:
             )
 
     def close(self) -> None:
-        """Fail pending transfers, say goodbye to peers, release every resource.  Idempotent."""
+        """Fail pending transfers, say goodbye to peers, release every resource.  Idempotent.
+
+        An engine with a name leaves its registry first (peers watching see it go at once).
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            names, self._names = self._names, None
+        if names is not None:
+            names.close()
+        with self._lock:
             for conn in list(self._conns.values()):
                 self._drop(conn, "engine closed", send_bye=True)
             for h in list(self._handles):
@@ -437,7 +487,13 @@ class Engine:
 
     # -- connections ---------------------------------------------------------------------
     def connect(self, peer: str, timeout: float = 10.0) -> Connection:
-        """Connect to the engine listening at ``peer`` (``"ip:port"``).
+        """Connect to the engine listening at ``peer`` (``"ip:port"``, or a name).
+
+        A name (no ``:``) is resolved through the engine's registry each time; the
+        returned connection is then also found under that name (``put("decode-1", ...)``).
+        If the name now belongs to another process than the one connected before (a
+        restart), the old connection is closed and replaced; while the registry cannot be
+        reached, a ready connection made earlier by that name is returned as it is.
 
         Returns the existing connection when one is ready.  Raises only
         :class:`~hixl.HixlError` subclasses: :class:`ConnectionFailed` when nothing
@@ -445,13 +501,33 @@ class Engine:
         as its ``max_peers``, or BUSY until ``timeout``; the peer's reason is in the
         message), :class:`AuthenticationError` when a proof does not match (the message
         says which side lacks the token), :class:`HandshakeError` when the peer answers
-        something malformed, :class:`TransferTimeout` after ``timeout`` s.
+        something malformed, :class:`TransferTimeout` after ``timeout`` s; for a name,
+        :class:`~hixl.errors.NameNotFound` or :class:`~hixl.errors.RegistryUnavailable`
+        (naming the registry).
         """
         self._check_open()
+        names = self._names
+        if ":" not in peer and names is not None:
+            try:
+                ann, seen = names.resolve(peer)
+            except RegistryUnavailable:
+                # The registry is down: a live connection made by name carries on.
+                known = names.engine_id(peer)
+                live = self._conns.get(known) if known is not None else None
+                if live is not None and live.state is ConnState.READY:
+                    return live
+                raise
+            if seen is not None and (seen.instance != ann.instance or seen.engine != ann.engine):
+                with self._lock:
+                    stale = self._conns.get(seen.engine)
+                    if stale is not None:
+                        self._drop(stale, f"{peer} was restarted", send_bye=False)
+            peer = ann.engine
         try:
             host, port = wire.parse_engine_id(peer)
         except ValueError as exc:
-            raise ArgumentError(f"bad peer id {peer!r}: {exc}") from exc
+            hint = "" if names is not None else " (names need Engine(registry=...))"
+            raise ArgumentError(f"bad peer id {peer!r}: {exc}{hint}") from exc
         if port == 0:
             raise ArgumentError(f"peer {peer!r} does not listen (port 0)")
         with self._lock:
@@ -598,11 +674,44 @@ class Engine:
     def connection(self, peer: str) -> Connection:
         """The connection to ``peer``; :class:`ConnectionFailed` if there is none."""
         conn = self._conns.get(peer)  # one dict lookup is atomic: no lock on the hot path
+        if conn is None and self._names is not None:
+            engine_id = self._names.engine_id(peer)
+            if engine_id is not None:
+                conn = self._conns.get(engine_id)
         if conn is None:
             with self._lock:
                 known = sorted(self._conns)
             raise ConnectionFailed(f"not connected to {peer!r} (connected: {known})")
         return conn
+
+    def _peer_gone(self, engine_id: str, reason: str) -> None:
+        """Registry watch thread: a peer reached by name left or restarted; fail it now."""
+        with self._lock:
+            conn = self._conns.get(engine_id)
+            if conn is not None and not self._closed:
+                self._fail(conn, reason)
+
+    @property
+    def registry(self) -> Registry | None:
+        """The registry this engine uses, or None."""
+        names = self._names
+        return None if names is None else names.registry
+
+    def set_capacity(self, capacity: int) -> None:
+        """Announce a new capacity (free KV blocks for a decode worker) under this
+        engine's name; :class:`StateError` for an engine without a name."""
+        names = self._names
+        if names is None:
+            raise StateError(f"engine {self.id} has no registry")
+        names.set_capacity(capacity)
+
+    def watch(self) -> Watch:
+        """A :class:`hixl.registry.Watch` on this engine's registry: the live view of every
+        announced engine and the joins, leaves and capacity changes from now on."""
+        registry = self.registry
+        if registry is None:
+            raise StateError(f"engine {self.id} has no registry (Engine(registry=...))")
+        return registry.watch()
 
     @property
     def peers(self) -> list[str]:
@@ -831,7 +940,7 @@ class Engine:
                 for b in built:
                     self._planner.give_back(b)
                 raise
-            handle = TransferHandle(peer, nbytes, num_wrs, time.monotonic() + timeout)
+            handle = TransferHandle(conn.peer, nbytes, num_wrs, time.monotonic() + timeout)
             every = self._every
             chunks = []
             for b in built:

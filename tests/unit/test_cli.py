@@ -149,6 +149,12 @@ def test_bench_finds_this_checkout_and_refuses_a_directory_without_benchmarks(
         _cli.bench_checkout(str(tmp_path))
 
 
+def test_fleet_needs_one_host_per_worker(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["demo", "--prefill", "2", "--decode", "2", "--hosts", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--hosts 3: the fleet needs one host per worker (2 + 2)" in err
+
+
 def test_token_prints_a_fresh_256_bit_token(capsys: pytest.CaptureFixture[str]) -> None:
     tokens = []
     for _ in range(3):
