@@ -59,6 +59,7 @@ SEND_SIGNALED = 2
 SEND_FENCE = 1
 #: ``ibv_sge.length`` is 32 bits.
 _MAX_SGE_LEN = 0xFFFF_FFFF
+_U64 = 0xFFFF_FFFF_FFFF_FFFF
 
 
 def _dtype(cname: str, fields: Sequence[tuple[str, str, tuple[str, ...]]]) -> np.dtype[Any]:
@@ -282,6 +283,17 @@ class SendChain:
         chain = cls(max(plan.num_wrs, 1), max(plan.num_sges, 1))
         chain.fill_plan(plan, **kwargs)
         return chain
+
+    def shift(self, local_by: int, remote_by: int) -> None:
+        """Move every SGE address by ``local_by`` and every remote address by ``remote_by``
+        bytes (either may be negative): the same layout at other offsets of the same
+        regions.  The caller checks that the moved chain stays inside its regions."""
+        if local_by:
+            addr = self._sges["addr"][: self.num_sges]
+            np.add(addr, np.uint64(local_by & _U64), out=addr)
+        if remote_by:
+            raddr = self._wrs["remote_addr"][: self.num_wrs]
+            np.add(raddr, np.uint64(remote_by & _U64), out=raddr)
 
     def set_signals(
         self, first_id: int, every: int, start: int = 0, stop: int | None = None
