@@ -55,6 +55,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hixl.core.descriptors import (
+    BlockListDesc,
     ContiguousDesc,
     Descriptor,
     NdStridedDesc,
@@ -547,6 +548,22 @@ def place(desc: object) -> Placement | None:
             count *= n
         return Placement(
             ("nd", d.shape, d.strides, d.size), d.offset + low, high - low + d.size, count * d.size
+        )
+    if t is BlockListDesc or t is Segments:
+        seg: Segments = desc.to_segments()  # type: ignore[attr-defined]
+        off, ln = seg.offsets, seg.lengths
+        size = int(ln[0])
+        if off.size == 1:
+            return Placement(("contiguous", size), int(off[0]), size, size)
+        stride = int(off[1]) - int(off[0])
+        if not bool((ln == size).all()) or not bool((np.diff(off) == stride).all()):
+            return None
+        step = (off.size - 1) * stride
+        return Placement(
+            ("strided", int(off.size), size, stride),
+            int(off[0]) + min(0, step),
+            abs(step) + size,
+            seg.nbytes,
         )
     return None
 

@@ -12,7 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hixl.core.descriptors import ContiguousDesc, NdStridedDesc, Segments, StridedDesc, as_segments
+from hixl.core.descriptors import (
+    BlockListDesc,
+    ContiguousDesc,
+    NdStridedDesc,
+    Segments,
+    StridedDesc,
+    as_segments,
+)
 from hixl.core.plan import (
     DeviceLimits,
     Op,
@@ -81,8 +88,14 @@ def test_shifted_shape_plan_is_the_plan(
     if data.draw(st.booleans()):
         n = as_segments(ldesc).nbytes  # type: ignore[arg-type]
         rdesc = ContiguousDesc(offset=data.draw(offsets), nbytes=n, alignment=None)
+    if data.draw(st.booleans()):  # the same blocks spelled out as a block list
+        seg = as_segments(ldesc)  # type: ignore[arg-type]
+        ldesc = BlockListDesc(offsets=seg.offsets, lengths=seg.lengths, alignment=None)
     lp, rp = place(ldesc), place(rdesc)
-    assert lp is not None and rp is not None
+    assert rp is not None
+    if lp is None:  # blocks not equally spaced: planned as they are
+        assert isinstance(ldesc, BlockListDesc)
+        return
     try:
         direct = plan_transfer(ldesc, rdesc, op, limits)  # type: ignore[arg-type]
     except DescriptorError:
@@ -107,7 +120,31 @@ def test_base_plus_span_is_the_bounds_check(desc: object, region_length: int) ->
         assert p.base + p.span <= region_length
 
 
+@settings(max_examples=300, deadline=None)
+@given(descs(), st.booleans())
+def test_a_block_list_of_equal_equally_spaced_blocks_is_a_strided_shape(
+    desc: object, jitter: bool
+) -> None:
+    seg = as_segments(desc)  # type: ignore[arg-type]
+    offs = seg.offsets.copy()
+    if jitter and offs.size > 2:
+        offs[-1] += 1  # no longer equally spaced (or, as a whole descriptor, equal sizes)
+    blocks = BlockListDesc(offsets=offs, lengths=seg.lengths, alignment=None)
+    p = place(blocks)
+    if p is None:
+        assert offs.size > 2 and (
+            len(set(np.diff(offs).tolist())) > 1 or len(set(seg.lengths.tolist())) > 1
+        )
+        return
+    at0 = as_segments(shape_desc(p.shape))
+    assert np.array_equal(at0.offsets + p.base, offs)
+    assert np.array_equal(at0.lengths, seg.lengths)
+    assert p.base + p.span == int((offs + seg.lengths).max())
+
+
 def test_other_descriptors_have_no_shape() -> None:
-    assert place(Segments([0, 64], [8, 8])) is None
+    assert place(Segments([0, 64, 100], [8, 8, 8])) is None
+    assert place(Segments([0, 64, 128], [8, 8, 9])) is None
+    assert place(Segments([0, 64, 128], [8, 8, 8])) == (("strided", 3, 8, 64), 0, 136, 24)
     with pytest.raises(DescriptorError, match="not a descriptor shape"):
         shape_desc(("blocks", 3))
