@@ -1,11 +1,11 @@
 """From transfer requests to work-request chains: checks, cached plans and chains, notifications.
 
-A request is checked, planned (:mod:`hixl.core.plan`, cached per descriptor pair and
-region sizes) and written into a :class:`~hixl.verbs.chain.SendChain` -- C arrays of
+A request is checked, planned (:mod:`hixl.core.plan`, cached per pair of descriptor
+shapes, see :func:`hixl.core.plan.place`) and written into a :class:`~hixl.verbs.chain.SendChain` -- C arrays of
 ``ibv_send_wr``/``ibv_sge`` filled by numpy, no Python object per work request.  Built
 chains are reused: a chain whose WRs are all posted goes back to a pool keyed by the
-plan and the four addresses and keys, and the next request with the same layout takes
-it as it is (the engine only rewrites its ``wr_id``s and signal flags).
+shapes and the regions' addresses and keys, and the next request with the same layout
+takes it and shifts its addresses to its own offsets (the engine rewrites its ``wr_id``s).
 
 ``build`` runs without the engine lock: it reads only immutable values (a region's
 keys, the peer's announced region tuple) and the caches, whose dict and list
@@ -72,9 +72,10 @@ class Built:
 class Planner:
     """Checks requests against regions and policy, and turns them into work requests.
 
-    Bounds, alignment and the plan depend only on (op, descriptors, region sizes), and
-    KV transfers repeat the same layout layer after layer, so each is planned once.
-    Descriptors that cannot be hashed (block lists hold arrays) are planned every time.
+    The plan depends only on (op, the two descriptor shapes), and KV transfers repeat the
+    same layout layer after layer and offset after offset, so each is planned once;
+    bounds and alignment are checked per call.  Block lists that are not a strided shape
+    are planned every time.
     """
 
     def __init__(self, limits: DeviceLimits, alignment: int | None) -> None:
