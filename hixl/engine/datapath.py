@@ -1,8 +1,9 @@
 """From transfer requests to work-request chains: checks, cached plans and chains, notifications.
 
 A request is checked, planned (:mod:`hixl.core.plan`, cached per pair of descriptor
-shapes, see :func:`hixl.core.plan.place`) and written into a :class:`~hixl.verbs.chain.SendChain` -- C arrays of
-``ibv_send_wr``/``ibv_sge`` filled by numpy, no Python object per work request.  Built
+shapes, see :func:`hixl.core.plan.place`) and written into a
+:class:`~hixl.verbs.chain.SendChain` -- C arrays of ``ibv_send_wr``/``ibv_sge`` filled
+by numpy, no Python object per work request.  Built
 chains are reused: a chain whose WRs are all posted goes back to a pool keyed by the
 shapes and the regions' addresses and keys, and the next request with the same layout
 takes it and shifts its addresses to its own offsets (the engine rewrites its ``wr_id``s).
