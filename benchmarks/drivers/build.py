@@ -16,8 +16,14 @@ one contiguous remote range (256 WRs of 32 SGEs). For each, in one run:
 Targets (issue 14): plan + build of each form within the wire time of 2 MiB at 100 Gb/s
 (168 us; moonshot 400 Gb/s, 42 us), and <= 20 ns per SGE for chains of >= 1000 SGEs.
 
+With ``--device`` (a verbs device, e.g. in the VM), both forms are also sent by a
+blocking ``put`` between two engines on one device, alternating with ``ib_write_bw``
+moving the same bytes in the same number of work requests (``-s 256 -n 8192`` for the
+layer, ``-s 8192 -n 256`` for the gather form), and the ratio of the medians is reported.
+
     python benchmarks/bench_build.py                 # medians, a table, the targets
     python benchmarks/bench_build.py --json results/build.json --repeat 500
+    hixl run -- .venv/bin/python benchmarks/bench_build.py --device --device-repeat 3
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from hixl.core.plan import DeviceLimits, Op, Plan, plan_transfer
 from hixl.verbs.chain import SendChain
 
 from ..common import (
+    BenchError,
     command_line,
     fmt_ratio,
     fmt_us,
@@ -132,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stride", type=int, default=320, help="bytes between rows")
     p.add_argument("--repeat", type=int, default=300, help="timed runs per step (median)")
     p.add_argument("--json", type=Path, default=None, help="write results to this file")
+    p.add_argument("--device", action="store_true", help="also put both forms vs ib_write_bw")
+    p.add_argument("--device-repeat", type=int, default=3, help="pairs per form (median)")
     args = p.parse_args(argv)
 
     setup = gather_setup(need_device=False)
@@ -203,7 +212,89 @@ def main(argv: list[str] | None = None) -> int:
             f"({r['reuse_us'] / WIRE_400G_US:.2f}x the 400 Gb/s wire time); "
             f"{r['build_ns_per_sge']:.1f} ns/SGE"
         )
+    wire: list[dict[str, Any]] = []
+    if args.device:
+        wire = device_section(args.rows, args.size, args.stride, args.device_repeat)
     if args.json is not None:
-        write_json(args.json, {"setup": setup, "results": results, "verdicts": verdicts})
+        write_json(
+            args.json, {"setup": setup, "results": results, "verdicts": verdicts, "wire": wire}
+        )
         print(f"wrote {args.json}")
     return 0
+
+
+def device_section(rows: int, size: int, stride: int, repeat: int) -> list[dict[str, Any]]:
+    """Both forms put by hixl vs ib_write_bw with the same bytes and WR count, same run."""
+    import numpy as np
+
+    from hixl.engine import Access, Engine
+    from hixl.testbed.net import free_tcp_port
+
+    from ..backends.perftest import Perftest, bw_wall_check, parse_bw
+    from ..common import median, quiet_logs, ratio
+
+    quiet_logs()
+    setup = gather_setup(need_device=True)
+    perftest = Perftest(setup["device"], setup["gid_index"])
+    server = Engine(f"127.0.0.1:{free_tcp_port()}", alignment=0)
+    client = Engine("127.0.0.1:0", alignment=0)
+    out = []
+    try:
+        src = np.random.default_rng(1).integers(0, 256, rows * stride, dtype=np.uint8)
+        dst = np.zeros(rows * stride, dtype=np.uint8)
+        r = client.register(src)
+        server.register(dst, access=Access.REMOTE_WRITE, name="dst")
+        client.connect(server.id, timeout=30.0)
+        gather_wrs = rows * size // (32 * size)
+        for name, (ld, rd), wr_size, wrs in zip(
+            ("layer", "gather"),
+            [(ld, rd) for _, ld, rd in cases(rows, size, stride)],
+            (size, 32 * size),
+            (rows, gather_wrs),
+            strict=True,
+        ):
+
+            def put(ld: Descriptor = ld, rd: Descriptor = rd) -> None:
+                client.put(server.id, r, "dst", local_desc=ld, remote_desc=rd, timeout=120)
+
+            put()  # plan and chain built once, as for every later layer
+            hixl_bps: list[float] = []
+            perf_bps: list[float] = []
+            for i in range(repeat):
+                for turn in (0, 1) if i % 2 == 0 else (1, 0):
+                    if turn == 0:
+                        run = perftest.run(
+                            "ib_write_bw",
+                            ["-s", str(wr_size), "-n", str(wrs), "-t", "128"],
+                            check=bw_wall_check(wr_size, wrs),
+                        )
+                        perf_bps.append(parse_bw(run.output).avg_Bps)
+                    else:
+                        t0 = time.perf_counter()
+                        put()
+                        hixl_bps.append(rows * size / (time.perf_counter() - t0))
+            want = src.reshape(rows, stride)[:, :size]
+            got = dst.reshape(rows, stride)[:, :size] if name == "layer" else dst[: rows * size]
+            if not np.array_equal(got.reshape(-1), want.reshape(-1)):
+                raise BenchError(f"{name} put: destination differs from the source")
+            h, pb = median(hixl_bps) or 0.0, median(perf_bps) or 0.0
+            ratio_ = ratio(h, pb)
+            out.append(
+                {
+                    "form": name,
+                    "wrs": wrs,
+                    "wr_bytes": wr_size,
+                    "hixl_Bps": h,
+                    "ib_write_bw_Bps": pb,
+                    "ratio": ratio_,
+                }
+            )
+            print(
+                f"{name}: hixl put {rows * size} B in {wrs} WRs: {h / 1e6:.1f} MB/s; "
+                f"ib_write_bw -s {wr_size} -n {wrs}: {pb / 1e6:.1f} MB/s; "
+                f"ratio {fmt_ratio(ratio_)}"
+            )
+    finally:
+        client.close()
+        server.close()
+    return out
