@@ -1,11 +1,12 @@
 """From transfer requests to work-request chains: checks, cached plans and chains, notifications.
 
-A request is checked, planned (:mod:`hixl.core.plan`, cached per descriptor pair and
-region sizes) and written into a :class:`~hixl.verbs.chain.SendChain` -- C arrays of
-``ibv_send_wr``/``ibv_sge`` filled by numpy, no Python object per work request.  Built
+A request is checked, planned (:mod:`hixl.core.plan`, cached per pair of descriptor
+shapes, see :func:`hixl.core.plan.place`) and written into a
+:class:`~hixl.verbs.chain.SendChain` -- C arrays of ``ibv_send_wr``/``ibv_sge`` filled
+by numpy, no Python object per work request.  Built
 chains are reused: a chain whose WRs are all posted goes back to a pool keyed by the
-plan and the four addresses and keys, and the next request with the same layout takes
-it as it is (the engine only rewrites its ``wr_id``s and signal flags).
+shapes and the regions' addresses and keys, and the next request with the same layout
+takes it and shifts its addresses to its own offsets (the engine rewrites its ``wr_id``s).
 
 ``build`` runs without the engine lock: it reads only immutable values (a region's
 keys, the peer's announced region tuple) and the caches, whose dict and list
@@ -22,7 +23,17 @@ import numpy as np
 
 from hixl.core import notify, wire
 from hixl.core.descriptors import ContiguousDesc, Descriptor, as_segments
-from hixl.core.plan import DeviceLimits, Op, Plan, check_alignment, check_bounds, plan_transfer
+from hixl.core.plan import (
+    DeviceLimits,
+    Op,
+    Placement,
+    Plan,
+    check_alignment,
+    check_bounds,
+    place,
+    plan_transfer,
+    shift_plan,
+)
 from hixl.core.wire import RemoteRegion
 from hixl.engine.regions import Access, Region
 from hixl.errors import ArgumentError, RegistrationError, StateError
@@ -49,28 +60,30 @@ def signal_interval(sq_depth: int) -> int:
     return max(16, min(256, sq_depth // 8))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs a microsecond per request
 class Built:
     """One request as a filled chain: its byte count and the key it goes back under."""
 
     chain: SendChain
     nbytes: int
     key: tuple[Any, ...] | None  # None: built for this request only (unhashable descriptors)
+    bases: tuple[int, int]  # the local and remote addresses the chain's plan starts from
 
 
 class Planner:
     """Checks requests against regions and policy, and turns them into work requests.
 
-    Bounds, alignment and the plan depend only on (op, descriptors, region sizes), and
-    KV transfers repeat the same layout layer after layer, so each is planned once.
-    Descriptors that cannot be hashed (block lists hold arrays) are planned every time.
+    The plan depends only on (op, the two descriptor shapes), and KV transfers repeat the
+    same layout layer after layer and offset after offset, so each is planned once;
+    bounds and alignment are checked per call.  Block lists that are not a strided shape
+    are planned every time.
     """
 
     def __init__(self, limits: DeviceLimits, alignment: int | None) -> None:
         self.limits = limits
         self.alignment = alignment
         self._plans: dict[tuple[Any, ...], Plan] = {}
-        self._chains: dict[tuple[Any, ...], list[SendChain]] = {}
+        self._chains: dict[tuple[Any, ...], list[tuple[SendChain, tuple[int, int]]]] = {}
         self._chain_wrs = 0  # WRs held by idle chains (approximate: no lock)
 
     def build(self, owner: object, conn: Connection, req: TransferRequest, index: int) -> Built:
@@ -96,31 +109,98 @@ class Planner:
                 f"{where}: peer region {remote.name or hex(remote.addr)} "
                 f"(length={remote.length}) is not remotely {verb}"
             )
-        plan, pkey = self._cached(op, req.local_desc, req.remote_desc, local, remote, where)
+        ldesc, rdesc = req.local_desc, req.remote_desc
         opcode = verbs.WR_RDMA_WRITE if op is Op.WRITE else verbs.WR_RDMA_READ
+        placed = self._placed(ldesc, rdesc, op, opcode, local, remote, where)
+        if placed is None:  # not a shape (block lists, Segments): planned as it is
+            plan, pkey = self._cached(op, ldesc, rdesc, local, remote, where)
+            lbase = rbase = 0
+        else:
+            plan, pkey, lbase, rbase = placed
+        local_addr, remote_addr = local.addr + lbase, remote.addr + rbase
         key = None
         if pkey is not None:
             key = (pkey, local.addr, local.lkey, remote.addr, remote.rkey)
             pool = self._chains.get(key)
             if pool:
                 try:
-                    chain = pool.pop()
+                    chain, (la, ra) = pool.pop()
                 except IndexError:  # another thread took the last one
                     pass
                 else:
                     self._chain_wrs -= chain.capacity
-                    if not any(r.closed for r in chain.regions):
-                        return Built(chain, plan.nbytes, key)
+                    if not local.closed:  # the chain's one region
+                        chain.shift(local_addr - la, remote_addr - ra)
+                        return Built(chain, plan.nbytes, key, (local_addr, remote_addr))
         chain = SendChain.for_plan(
             plan,
             opcode=opcode,
-            local_addr=local.addr,
+            local_addr=local_addr,
             lkey=local.lkey,
-            remote_addr=remote.addr,
+            remote_addr=remote_addr,
             rkey=remote.rkey,
             regions=(local,),
         )
-        return Built(chain, plan.nbytes, key)
+        return Built(chain, plan.nbytes, key, (local_addr, remote_addr))
+
+    def _placed(
+        self,
+        ldesc: Descriptor | None,
+        rdesc: Descriptor | None,
+        op: Op,
+        opcode: int,
+        local: Region,
+        remote: RemoteRegion,
+        where: str,
+    ) -> tuple[Plan, tuple[Any, ...], int, int] | None:
+        """Plan, cache key and the two base offsets of a request made of shapes.
+
+        The plan of a shape is cached at offset 0 and shifted by the bases when the chain
+        is filled, so a stream writing one layout at new offsets plans it once.  Bounds
+        and alignment depend on the bases and are checked on every call (O(ndim)); when
+        one fails, or on a cache miss, the request is planned as it is, which raises the
+        same errors as ever.  None when a descriptor is not a shape.
+        """
+        llen, rlen = local.length, remote.length
+        if ldesc is None:
+            lp = None
+        else:
+            lp = place(ldesc)
+            if lp is None:
+                return None
+        if rdesc is None:
+            rp = None
+        else:
+            rp = place(rdesc)
+            if rp is None:
+                return None
+        if lp is None:
+            n = llen if rp is None else rp.nbytes
+            lp = Placement(("contiguous", n), 0, n, n)
+        if rp is None:
+            rp = Placement(("contiguous", lp.nbytes), 0, lp.nbytes, lp.nbytes)
+        key = (opcode, lp.shape, rp.shape)  # an int hashes faster than the Op enum
+        plan = self._plans.get(key)
+        align = self.alignment
+        fits = (
+            lp.nbytes > 0
+            and lp.base + lp.span <= llen
+            and rp.base + rp.span <= rlen
+            and not (
+                align
+                and (
+                    (ldesc is not None and ldesc.first_misaligned(0, align) is not None)
+                    or (rdesc is not None and rdesc.first_misaligned(0, align) is not None)
+                )
+            )
+        )
+        if plan is None or not fits:
+            real = self._plan(ldesc, rdesc, op, llen, rlen, where)  # raises what is wrong
+            plan = shift_plan(real, -lp.base, -rp.base)
+            if len(self._plans) >= PLAN_CACHE:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan, key, lp.base, rp.base
 
     def give_back(self, built: Built) -> None:
         """Return a chain whose WRs are all posted, for the next request with its layout."""
@@ -132,7 +212,7 @@ class Planner:
             self._chain_wrs = 0
         pool = self._chains.setdefault(key, [])
         if len(pool) < CHAINS_PER_KEY:
-            pool.append(chain)
+            pool.append((chain, built.bases))
             self._chain_wrs += chain.capacity
 
     def _cached(

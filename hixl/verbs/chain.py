@@ -59,6 +59,7 @@ SEND_SIGNALED = 2
 SEND_FENCE = 1
 #: ``ibv_sge.length`` is 32 bits.
 _MAX_SGE_LEN = 0xFFFF_FFFF
+_U64 = 0xFFFF_FFFF_FFFF_FFFF
 
 
 def _dtype(cname: str, fields: Sequence[tuple[str, str, tuple[str, ...]]]) -> np.dtype[Any]:
@@ -126,10 +127,13 @@ class SendChain:
     """
 
     __slots__ = (
+        "_flags_for",
         "_group_cache",
+        "_sge_addr",
         "_sge_mem",
         "_sges",
         "_wr_mem",
+        "_wr_raddr",
         "_wrs",
         "capacity",
         "head",
@@ -156,6 +160,8 @@ class SendChain:
         self.sge_base = address(self._sge_mem)
         self._wrs = np.frombuffer(ffi.buffer(self._wr_mem), WR_DTYPE)
         self._sges = np.frombuffer(ffi.buffer(self._sge_mem), SGE_DTYPE)
+        self._sge_addr = self._sges["addr"]
+        self._wr_raddr = self._wrs["remote_addr"]
         # Every WR links to the next once and for all; only the terminator moves.
         links = self._wrs["next"]
         links[:] = self.wr_base + _WR_SIZE * np.arange(1, capacity + 1, dtype=np.uint64)
@@ -164,6 +170,7 @@ class SendChain:
         self.num_sges = 0
         self.regions: tuple[Any, ...] = ()
         self._group_cache: tuple[int, int, npt.NDArray[np.uint64]] | None = None
+        self._flags_for: tuple[int, int, int] | None = None  # (start, stop, every) flags hold
 
     def __repr__(self) -> str:
         return (
@@ -234,6 +241,7 @@ class SendChain:
         if old and old != n:
             self._wrs["next"][old - 1] = self.wr_address(old) if old < self.capacity else 0
         self.num_wrs = self.num_sges = 0  # half-written: not postable until the end
+        self._flags_for = None
         w = self._wrs[:n]
         w["wr_id"] = 0
         w["send_flags"] = 0
@@ -283,6 +291,25 @@ class SendChain:
         chain.fill_plan(plan, **kwargs)
         return chain
 
+    def shift(self, local_by: int, remote_by: int) -> None:
+        """Move every SGE address by ``local_by`` and every remote address by ``remote_by``
+        bytes (either may be negative): the same layout at other offsets of the same
+        regions.  The caller checks that the moved chain stays inside its regions."""
+        if local_by:
+            if self.num_sges == 1:  # one SGE: cheaper through cffi than numpy
+                sge = self._sge_mem[0]
+                sge.addr = (sge.addr + local_by) & _U64
+            else:
+                addr = self._sge_addr[: self.num_sges]
+                np.add(addr, np.uint64(local_by & _U64), out=addr)
+        if remote_by:
+            if self.num_wrs == 1:
+                rdma = self._wr_mem[0].wr.rdma
+                rdma.remote_addr = (rdma.remote_addr + remote_by) & _U64
+            else:
+                raddr = self._wr_raddr[: self.num_wrs]
+                np.add(raddr, np.uint64(remote_by & _U64), out=raddr)
+
     def set_signals(
         self, first_id: int, every: int, start: int = 0, stop: int | None = None
     ) -> int:
@@ -304,6 +331,7 @@ class SendChain:
         if m == 1:  # a single WR (notifications): no arrays needed
             w1 = self.head[start]
             w1.wr_id, w1.send_flags = first_id, SEND_SIGNALED
+            self._flags_for = None
             return 1
         cache = self._group_cache
         if cache is None or cache[0] != m or cache[1] != every:
@@ -311,10 +339,12 @@ class SendChain:
             self._group_cache = cache
         w = self._wrs[start:stop]
         np.add(cache[2], np.uint64(first_id), out=w["wr_id"])
-        flags = w["send_flags"]
-        flags[:] = 0
-        flags[every - 1 :: every] = SEND_SIGNALED
-        flags[m - 1] = SEND_SIGNALED
+        if self._flags_for != (start, stop, every):  # a reused chain keeps its flags
+            flags = w["send_flags"]
+            flags[:] = 0
+            flags[every - 1 :: every] = SEND_SIGNALED
+            flags[m - 1] = SEND_SIGNALED
+            self._flags_for = (start, stop, every)
         return (m + every - 1) // every
 
     def fence(self, index: int) -> None:
@@ -325,6 +355,7 @@ class SendChain:
         if not 0 <= index < self.num_wrs:
             raise ArgumentError(f"fence: WR {index} outside the chain's 0..{self.num_wrs}")
         self.head[index].send_flags |= SEND_FENCE
+        self._flags_for = None
 
     def check_regions(self) -> None:
         """Raise :class:`RegistrationError` when a region the chain uses was closed."""

@@ -16,7 +16,7 @@ import pytest
 from hixl.core.descriptors import StridedDesc
 from hixl.core.states import ConnState
 from hixl.engine import Access, Engine
-from hixl.errors import CompletionError, RegistrationError
+from hixl.errors import BoundsError, CompletionError, RegistrationError
 
 from .conftest import listening_engine
 
@@ -184,3 +184,43 @@ def test_a_deregistered_region_is_refused_and_its_memory_registered_again_works(
     client.put(server.id, r2, "dst", local_desc=desc, remote_desc=desc)
     got, want = dst.reshape(64, 256), src.reshape(64, 256)
     assert np.array_equal(got[:, :128], want[:, :128]) and not got[:, 128:].any()
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_one_layout_at_ever_new_offsets_moves_the_right_bytes(
+    loose: tuple[Engine, Engine], op: str
+) -> None:
+    """A stream moves one strided layout to a new offset on both sides every time (as KV
+    writes do): the engine plans the layout once and reuses its chain, shifted, so every
+    transfer must still land exactly its own bytes, and a placement that reaches past a
+    region's end is refused before anything is posted, as on the first call."""
+    client, server = loose
+    n = 1 << 16
+    remote_mem = pattern(n, 2) if op == "read" else np.zeros(n, np.uint8)
+    local_mem = np.zeros(n, np.uint8) if op == "read" else pattern(n, 3)
+    server.register(remote_mem, access=RW, name="mem")
+    r = client.register(local_mem, access=RW)
+    client.connect(server.id, timeout=30.0)
+    move = client.put if op == "write" else client.get
+    src, dst = (local_mem, remote_mem) if op == "write" else (remote_mem, local_mem)
+    expect = dst.copy()
+    for k, (lo, ro) in enumerate([(0, 5000), (777, 0), (4096, 9999), (123, 40000), (0, 5000)]):
+        ldesc = StridedDesc(offset=lo + 16 * 63, count=16, size=40, stride=-63, alignment=None)
+        rdesc = StridedDesc(offset=ro, count=20, size=32, stride=100, alignment=None)
+        move(server.id, r, "mem", local_desc=ldesc, remote_desc=rdesc, timeout=30)
+        lsrc = [lo + 16 * 63 - 63 * i for i in range(16)]
+        lbytes = np.concatenate([local_mem[a : a + 40] for a in lsrc])
+        rbytes = np.concatenate([remote_mem[ro + 100 * i : ro + 100 * i + 32] for i in range(20)])
+        if op == "write":
+            for i in range(20):
+                expect[ro + 100 * i : ro + 100 * i + 32] = lbytes[32 * i : 32 * i + 32]
+        else:
+            for i, a in enumerate(lsrc):
+                expect[a : a + 40] = rbytes[40 * i : 40 * i + 40]
+        assert np.array_equal(dst, expect), f"transfer {k} at local {lo} remote {ro}"
+    before = dst.copy()
+    too_far = StridedDesc(offset=n - 1900 + 1, count=20, size=32, stride=100, alignment=None)
+    ldesc = StridedDesc(offset=16 * 63, count=16, size=40, stride=-63, alignment=None)
+    with pytest.raises(BoundsError, match=f"remote out of bounds: offset={n - 1900 + 1 + 1900} "):
+        move(server.id, r, "mem", local_desc=ldesc, remote_desc=too_far, timeout=30)
+    assert np.array_equal(dst, before)
