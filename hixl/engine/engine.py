@@ -29,7 +29,7 @@ from hixl.core.plan import DeviceLimits
 from hixl.core.states import ConnEvent, ConnState
 from hixl.core.wire import RemoteRegion
 from hixl.engine.connection import RECV_SLOTS, Batch, Chunk, Connection
-from hixl.engine.datapath import NotifySlots, Planner, signal_interval
+from hixl.engine.datapath import Built, NotifySlots, Planner, Template, signal_interval
 from hixl.engine.handles import TransferHandle, TransferRequest
 from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
 from hixl.engine.names import Names
@@ -57,6 +57,7 @@ __all__ = ["Diagnostics", "Engine"]
 log = logging.getLogger("hixl.engine")
 
 SEND_NOTIFY_SLOTS = 256  # notifications in flight per engine
+TEMPLATES = 1024  # single requests kept checked and planned (see Engine._one)
 # Room left in a handshake message for everything but the exposed regions, bytes.
 _REGION_BYTES = wire.MAX_PAYLOAD - 4096
 
@@ -231,6 +232,7 @@ class Engine:
             raise
         self._listener = listener
         self._planner = Planner(self.limits, alignment or None)
+        self._templates: dict[tuple[Any, ...], Template] = {}
         self._regions: dict[tuple[int, int], Region] = {}
         self._conns: dict[str, Connection] = {}
         self._by_qpn: dict[int, Connection] = {}
@@ -362,6 +364,7 @@ class Engine:
         self._release_dead()
         self._progress.close()
         self._regions.clear()
+        self._templates.clear()
         self._dev.close()
         log.debug("engine %s closed", self.id)
 
@@ -847,10 +850,18 @@ class Engine:
         :class:`CompletionError`, :class:`ConnectionFailed` or
         :class:`TransferTimeout` (after ``timeout`` seconds) after it.
         """
-        req = TransferRequest(
-            op="write", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
-        )
-        self._submit(peer, [req], notify, notify_message, timeout, now=True).wait()
+        self._one(
+            "write",
+            peer,
+            local,
+            remote,
+            local_desc,
+            remote_desc,
+            notify,
+            notify_message,
+            timeout,
+            now=True,
+        ).wait()
 
     def get(
         self,
@@ -866,10 +877,9 @@ class Engine:
 
         Errors as for :meth:`put`.  ``local`` needs ``Access.LOCAL_WRITE``.
         """
-        req = TransferRequest(
-            op="read", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
-        )
-        self._submit(peer, [req], None, b"", timeout, now=True).wait()
+        self._one(
+            "read", peer, local, remote, local_desc, remote_desc, None, b"", timeout, now=True
+        ).wait()
 
     def put_async(
         self,
@@ -884,10 +894,18 @@ class Engine:
         timeout: float = 30.0,
     ) -> TransferHandle:
         """Start a put (see :meth:`put`); return its :class:`TransferHandle`."""
-        req = TransferRequest(
-            op="write", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
+        return self._one(
+            "write",
+            peer,
+            local,
+            remote,
+            local_desc,
+            remote_desc,
+            notify,
+            notify_message,
+            timeout,
+            now=False,
         )
-        return self._submit(peer, [req], notify, notify_message, timeout, now=False)
 
     def get_async(
         self,
@@ -900,10 +918,9 @@ class Engine:
         timeout: float = 30.0,
     ) -> TransferHandle:
         """Start a get (see :meth:`get`); return its :class:`TransferHandle`."""
-        req = TransferRequest(
-            op="read", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
+        return self._one(
+            "read", peer, local, remote, local_desc, remote_desc, None, b"", timeout, now=False
         )
-        return self._submit(peer, [req], None, b"", timeout, now=False)
 
     def transfer(
         self,
@@ -941,6 +958,46 @@ class Engine:
         """
         return self._submit(peer, requests, notify, notify_message, timeout, now=False)
 
+    def _one(
+        self,
+        op: str,
+        peer: str,
+        local: Region,
+        remote: RemoteRegion | str,
+        local_desc: Descriptor | None,
+        remote_desc: Descriptor | None,
+        notify: str | None,
+        notify_message: bytes,
+        timeout: float,
+        *,
+        now: bool,
+    ) -> TransferHandle:
+        """A single put or get.  One already checked with these very arguments on this
+        connection is repeated from its :class:`~hixl.engine.datapath.Template` (no
+        checks, no planning: what they depend on has not changed, see there)."""
+        tkey: tuple[Any, ...] | None = (peer, op, local, remote, local_desc, remote_desc)
+        try:
+            t = self._templates.get(tkey)  # type: ignore[arg-type]
+        except TypeError:  # an unhashable descriptor
+            t, tkey = None, None
+        if t is not None:
+            conn = t.conn
+            if (
+                conn.state is ConnState.READY
+                and conn.remote_regions is t.remotes
+                and not t.local.closed
+                and self._conns.get(conn.peer) is conn
+                and timeout > 0
+                and not self._closed
+            ):
+                payload = _notify.encode(notify, notify_message) if notify is not None else None
+                built = [self._planner.rebuild(t)]
+                return self._queue(conn, built, payload, op == "read", timeout, now)
+        req = TransferRequest(
+            op=op, local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
+        )
+        return self._submit(peer, [req], notify, notify_message, timeout, now=now, tkey=tkey)
+
     def _submit(
         self,
         peer: str,
@@ -950,9 +1007,11 @@ class Engine:
         timeout: float,
         *,
         now: bool,
+        tkey: tuple[Any, ...] | None = None,
     ) -> TransferHandle:
         """Check, plan, build and queue a transfer; ``now``: post it on this thread when
-        the queue pair is idle (a blocking call, which waits anyway)."""
+        the queue pair is idle (a blocking call, which waits anyway).  ``tkey``: keep the
+        single request's template under that key."""
         if timeout <= 0:
             raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
         if not requests and notify is None:
@@ -965,6 +1024,25 @@ class Engine:
         # the peer's announced region tuple), so they run without the engine lock; the
         # progress thread keeps reaping completions meanwhile.
         built = [self._planner.build(self, conn, req, i) for i, req in enumerate(requests)]
+        if tkey is not None:
+            t = self._planner.template(conn, requests[0], built[0])
+            if t is not None:
+                if len(self._templates) >= TEMPLATES:
+                    self._templates.clear()
+                self._templates[tkey] = t
+        reads = any(r.op == "read" for r in requests)
+        return self._queue(conn, built, payload, reads, timeout, now)
+
+    def _queue(
+        self,
+        conn: Connection,
+        built: list[Built],
+        payload: bytes | None,
+        reads: bool,
+        timeout: float,
+        now: bool,
+    ) -> TransferHandle:
+        """Queue built requests (and a notification) as one transfer; post or hand over."""
         nbytes = sum(b.nbytes for b in built)
         num_wrs = sum(b.chain.num_wrs for b in built)
         with self._lock:
@@ -993,11 +1071,13 @@ class Engine:
                 chunk.groups = chunk.chain.set_signals(self._next_wr, 1, slot, slot + 1)
                 # After READs the SEND is fenced: it starts only once they have completed,
                 # so the peer is told "done" after its memory was read, not before.
-                fence = any(r.op == "read" for r in requests)
-                if fence:
+                if reads:
                     chunk.chain.fence(slot)
                 log.debug(
-                    "notification %r to %s posted%s", notify, peer, " fenced" if fence else ""
+                    "notification %r to %s posted%s",
+                    payload.partition(b"\0")[0].decode(),
+                    conn.peer,
+                    " fenced" if reads else "",
                 )
                 self._next_wr += 1
                 chunks.append(chunk)
