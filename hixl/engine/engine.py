@@ -71,7 +71,10 @@ class Diagnostics:
     on completion channels (True) or polls the CQs; ``pending_transfers`` counts
     transfers not finished yet; ``handshakes`` counts incoming handshakes under way and
     ``refused_busy`` the sockets answered ERROR(BUSY) so far; ``notifications`` counts
-    notifications received and not taken yet.
+    notifications received and not taken yet.  ``send_posts`` counts the
+    ``post_send`` calls made for transfers and notifications so far and
+    ``posted_wrs`` the work requests they carried: many ``put_async`` calls issued
+    while earlier ones are out go in one post (see :meth:`Engine.transfer_async`).
     """
 
     progress_thread_id: int | None
@@ -83,6 +86,8 @@ class Diagnostics:
     handshakes: int = 0
     refused_busy: int = 0
     notifications: int = 0
+    send_posts: int = 0
+    posted_wrs: int = 0
 
 
 class Engine:
@@ -249,6 +254,8 @@ class Engine:
         self._to_post: dict[int, Connection] = {}
         self._post_wake = False
         self._posters = 0
+        self._send_posts = 0  # post_send calls for transfers, and the WRs they carried
+        self._posted_wrs = 0
         self._post_cv = threading.Condition(self._lock)
         self._outgoing: set[Connection] = set()  # connections with control output queued
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
@@ -331,6 +338,8 @@ class Engine:
                 handshakes=self._incoming.pending if self._incoming is not None else 0,
                 refused_busy=self._incoming.refused_busy if self._incoming is not None else 0,
                 notifications=len(self._notes),
+                send_posts=self._send_posts,
+                posted_wrs=self._posted_wrs,
             )
 
     def close(self) -> None:
@@ -1147,6 +1156,8 @@ class Engine:
         with self._lock:
             conn.end_batch()
             self._posters -= 1
+            self._send_posts += 1
+            self._posted_wrs += sum(hi - lo for _, lo, hi in batch.pieces)
             for done in batch.finished:
                 if done.built is not None:
                     self._planner.give_back(done.built)
