@@ -1131,6 +1131,8 @@ class Engine:
             return None
         if batch is not None:
             self._posters += 1
+            self._send_posts += 1  # counted when reserved: completions may beat the post
+            self._posted_wrs += sum(hi - lo for _, lo, hi in batch.pieces)
         return batch
 
     def _want_post(self, conn: Connection) -> None:
@@ -1156,8 +1158,6 @@ class Engine:
         with self._lock:
             conn.end_batch()
             self._posters -= 1
-            self._send_posts += 1
-            self._posted_wrs += sum(hi - lo for _, lo, hi in batch.pieces)
             for done in batch.finished:
                 if done.built is not None:
                     self._planner.give_back(done.built)
@@ -1188,11 +1188,17 @@ class Engine:
             self._post(conn, batch)
         return bool(self._to_post)
 
-    def _reap_inline(self) -> bool:
+    def _reap_inline(self, sleeping: bool) -> bool:
         """A waiter reaps send completions itself (no hand-off); True if it found some.
 
         Skips when the lock is busy (the progress thread is reaping, most likely).
+        ``sleeping``: the waiter is about to sleep on its handle, so the progress thread
+        is woken to watch the completion queue (it sleeps unarmed while nothing was
+        pending).
         """
+        if sleeping:
+            self._progress.wake()
+            return False
         if not self._lock.acquire(blocking=False):
             return False
         try:
