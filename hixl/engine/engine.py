@@ -1052,9 +1052,23 @@ class Engine:
         now: bool,
     ) -> TransferHandle:
         """Queue built requests (and a notification) as one transfer; post or hand over."""
-        nbytes = sum(b.nbytes for b in built)
-        num_wrs = sum(b.chain.num_wrs for b in built)
-        with self._lock:
+        if len(built) == 1:
+            b0 = built[0]
+            nbytes, num_wrs = b0.nbytes, b0.chain.num_wrs
+        else:
+            nbytes = sum(b.nbytes for b in built)
+            num_wrs = sum(b.chain.num_wrs for b in built)
+        handle = TransferHandle(
+            conn.peer, nbytes, num_wrs, time.monotonic() + timeout, self._reap_inline
+        )
+        every = self._every
+        chunks = []
+        for b in built:
+            chunk = Chunk(b.chain, 0, b.chain.num_wrs, handle, every)
+            chunk.built = b
+            chunks.append(chunk)
+        handle.chunks_left = len(chunks) + (payload is not None)
+        with self._lock:  # ids are taken in queue order: completions rely on it
             try:
                 self._check_open()
                 conn.check_ready()
@@ -1062,17 +1076,10 @@ class Engine:
                 for b in built:
                     self._planner.give_back(b)
                 raise
-            handle = TransferHandle(
-                conn.peer, nbytes, num_wrs, time.monotonic() + timeout, self._reap_inline
-            )
-            every = self._every
-            chunks = []
-            for b in built:
-                chunk = Chunk(b.chain, 0, b.chain.num_wrs, handle, every, self._next_wr)
-                chunk.built = b
-                chunk.groups = b.chain.set_signals(self._next_wr, every)
+            for chunk in chunks:
+                chunk.first_id = self._next_wr
+                chunk.groups = chunk.chain.set_signals(self._next_wr, every)
                 self._next_wr += chunk.groups
-                chunks.append(chunk)
             if payload is not None:
                 slot = self._notify_slots.take(payload)
                 chunk = Chunk(self._notify_slots.chain, slot, slot + 1, handle, 1, self._next_wr)
@@ -1090,7 +1097,6 @@ class Engine:
                 )
                 self._next_wr += 1
                 chunks.append(chunk)
-            handle.chunks_left = len(chunks)
             conn.queue(chunks)
             self._handles.add(handle)
             batch = self._start_post(conn, defer=not now or conn.in_flight > 0)
@@ -1138,10 +1144,11 @@ class Engine:
     def _want_post(self, conn: Connection) -> None:
         """Have the progress thread post ``conn``'s backlog (lock held)."""
         self._to_post[conn.qpn] = conn
-        if not self._post_wake:
+        # A thread that is not sleeping sees _to_post before it sleeps (Progress.step
+        # looks again after saying it sleeps), so only a sleeping one needs the byte.
+        if not self._post_wake and self._progress.sleeping:
             self._post_wake = True
-            if threading.get_ident() != self._progress.thread.ident:
-                self._progress.wake()
+            self._progress.wake()
 
     def _post(self, conn: Connection, batch: Batch) -> None:
         """Post a reserved batch outside the lock, then settle it under the lock.

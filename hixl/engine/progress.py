@@ -76,6 +76,7 @@ class Progress:
         self._wake_w.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._stop = threading.Event()
+        self.sleeping = False  # in select(), or about to be
         self._next_expiry_check = 0.0
         self._next_sweep = 0.0
         # The thread holds the engine only weakly between rounds, so an engine the
@@ -172,7 +173,14 @@ class Progress:
             if incoming is not None and incoming.pending and now >= self._next_sweep:
                 incoming.sweep(now)  # handshake deadlines and liveness probes
                 self._next_sweep = now + SWEEP_EVERY
-            for key, mask in self._selector.select(timeout=timeout):
+            self.sleeping = True  # from here, callers wake this thread for posting
+            if engine._to_post:
+                timeout = 0.0
+            try:
+                events = self._selector.select(timeout=timeout)
+            finally:
+                self.sleeping = False
+            for key, mask in events:
                 data = key.data
                 if data is _LISTENER:
                     if incoming is not None:
