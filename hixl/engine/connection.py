@@ -3,11 +3,8 @@
 A :class:`Connection` is owned by its engine and mutated only under the engine lock,
 except where a method says otherwise.  It keeps three things behind methods:
 
-* the *send window*: chunks (ranges of a work-request chain, one per request or
-  notification) waiting for send-queue room (backlog), and chunks with work requests
-  posted and not all completed (sent), with the send-queue slots they use.  A chunk's
-  WRs form signal groups; since an RC queue completes in order, a group's completion
-  frees every slot up to it, and belongs to the oldest chunk still sent;
+* the *send window* (:class:`hixl.core.window.SendWindow`, pure bookkeeping): chunks
+  waiting to be posted, chunks out, the slots in use, and the one poster at a time;
 * the *receive slots*: buffers posted for notifications, one :data:`notify.SLOT_BYTES`
   each;
 * the *control channel*: the TCP socket the handshake ran on, its decoder, and an outbox
@@ -21,64 +18,26 @@ from __future__ import annotations
 import contextlib
 import secrets
 import socket
-from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from hixl.core import notify, wire
 from hixl.core.states import ConnEvent, ConnState, next_state
+from hixl.core.window import Batch, SendWindow
 from hixl.core.wire import RemoteRegion
 from hixl.errors import ConnectionFailed, HandshakeError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
-from hixl.verbs.chain import SendChain
 
 if TYPE_CHECKING:
-    from hixl.engine.datapath import Built
     from hixl.engine.engine import Engine
-    from hixl.engine.handles import TransferHandle
 
-__all__ = ["Batch", "Chunk", "Connection", "MAX_OUTBOX", "RECV_SLOTS"]
+__all__ = ["Connection", "MAX_OUTBOX", "RECV_SLOTS"]
 
 RECV_SLOTS = 64  # receive buffers per connection, for notifications
 MAX_OUTBOX = 1 << 20  # bytes of control messages a peer may leave unread before it fails
 
 _QI = TypeVar("_QI", wire.Info, wire.Accept)
-
-
-@dataclass(slots=True, eq=False)
-class Batch:
-    """Ranges of chains posted together, and the chunks that are all posted with them."""
-
-    pieces: list[tuple[SendChain, int, int]]
-    finished: list[Chunk]
-
-
-@dataclass(slots=True, eq=False)
-class Chunk:
-    """WRs ``start .. stop-1`` of ``chain``, in signal groups of ``every``.
-
-    Group ``g`` completes under ``wr_id = first_id + g``.  ``posted``/``done`` count the
-    chunk's WRs posted and completed so far.  ``built`` (a request's chain) goes back to
-    the planner's pool once every WR is posted.
-    """
-
-    chain: SendChain
-    start: int
-    stop: int
-    handle: TransferHandle | None
-    every: int = 1
-    first_id: int = 0
-    groups: int = 0
-    posted: int = 0
-    done: int = 0
-    notify_slot: int | None = None
-    built: Built | None = None
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
 
 
 class Connection:
@@ -125,10 +84,7 @@ class Connection:
         self.sock: socket.socket | None = None
         self.decoder: wire.Decoder | None = None
         self._outbox = bytearray()
-        self._backlog: deque[Chunk] = deque()  # not all posted; the head may be partly
-        self._sent: deque[Chunk] = deque()  # some WRs posted, not all completed; in order
-        self._sq_used = 0
-        self.poster = False  # a batch is being posted, outside the engine lock
+        self.window = SendWindow()  # what waits, what is out (engine lock)
 
     # -- what users read -----------------------------------------------------------------
     @property
@@ -281,79 +237,17 @@ class Connection:
         except (BlockingIOError, InterruptedError):
             return None
 
-    # -- send window ---------------------------------------------------------------------
-    def queue(self, chunks: list[Chunk]) -> None:
-        self._backlog.extend(chunks)
-
+    # -- send window (hixl.core.window; engine lock) ------------------------------------
     @property
-    def posting(self) -> Chunk | None:
-        """The chunk the next post starts with (the head of the backlog)."""
-        return self._backlog[0] if self._backlog else None
-
-    @property
-    def backlog(self) -> bool:
-        """True when some chunk still has WRs to post."""
-        return bool(self._backlog)
-
-    @property
-    def in_flight(self) -> int:
-        """WRs posted (or being posted) and not yet completed."""
-        return self._sq_used
+    def poster(self) -> bool:
+        """True while a batch of this connection is being posted."""
+        return self.window.poster
 
     def take_batch(self, sq_depth: int) -> Batch | None:
-        """Reserve what the send queue has room for, as one post; None if nothing fits.
-
-        Caller holds the engine lock and no other batch of this connection is out
-        (:attr:`poster` is False); this sets :attr:`poster` until :meth:`end_batch`.
-        The WRs count as posted from here on (a completion may be reaped before the
-        post returns).  Every chunk but the batch's last that goes out whole is posted
-        unsignaled: an RC queue completes in order, so the last one's completion stands
-        for all of them.  Raises :class:`RegistrationError` (and reserves nothing) when a
-        chunk's chain refers to a closed region.
-        """
-        assert not self.poster
-        room = sq_depth - self._sq_used
-        if room <= 0 or not self._backlog or self.state is not ConnState.READY:
+        """The next batch to post (see :meth:`SendWindow.take_batch`); None unless READY."""
+        if self.state is not ConnState.READY:
             return None
-        # Chunks up to the first whose chain refers to a closed region: that one is
-        # refused when it reaches the head (it is the culprit then).
-        count = 0
-        for chunk in self._backlog:
-            if chunk.posted == 0:
-                try:
-                    chunk.chain.check_regions()
-                except RegistrationError:
-                    if count == 0:
-                        raise
-                    break
-            count += 1
-            room -= chunk.size - chunk.posted
-            if room <= 0:
-                break
-        room = sq_depth - self._sq_used
-        pieces: list[tuple[SendChain, int, int]] = []
-        finished: list[Chunk] = []
-        whole: Chunk | None = None  # the previous chunk, when it went into this batch whole
-        while count and room > 0:
-            count -= 1
-            chunk = self._backlog[0]
-            lo = chunk.start + chunk.posted
-            hi = min(chunk.stop, lo + room)
-            if whole is not None:
-                whole.chain.unsignal(whole.stop - 1)
-            whole = chunk if lo == chunk.start and hi == chunk.stop else None
-            pieces.append((chunk.chain, lo, hi))
-            if not chunk.posted:
-                self._sent.append(chunk)
-            k = hi - lo
-            chunk.posted += k
-            self._sq_used += k
-            room -= k
-            if chunk.posted == chunk.size:
-                self._backlog.popleft()
-                finished.append(chunk)
-        self.poster = True
-        return Batch(pieces, finished)
+        return self.window.take_batch(sq_depth)
 
     def post_batch(self, batch: Batch) -> None:
         """Post a batch from :meth:`take_batch`; no engine lock needed (nor wanted).
@@ -361,57 +255,6 @@ class Connection:
         Raises :class:`HixlError` when the provider refuses.
         """
         self._qp.post_pieces(batch.pieces)
-
-    def end_batch(self) -> None:
-        """The batch's post returned (engine lock held again)."""
-        self.poster = False
-
-    def completed(self, wr_id: int) -> list[tuple[Chunk, bool]]:
-        """The chunks a signaled completion ends or advances, oldest first.
-
-        Every chunk sent before the one ``wr_id`` belongs to is complete (an RC queue
-        completes in order; such chunks were posted unsignaled); the owner is complete
-        up to its group.  Empty for a completion of a chunk already forgotten (flushed
-        after a failure).
-        """
-        out: list[tuple[Chunk, bool]] = []
-        sent = self._sent
-        while sent:
-            chunk = sent[0]
-            g = wr_id - chunk.first_id
-            if g < 0:
-                break
-            if g >= chunk.groups:
-                if chunk.posted < chunk.size:
-                    break  # not all posted: the completion is not of a later chunk
-                self._sq_used -= chunk.size - chunk.done
-                chunk.done = chunk.size
-                sent.popleft()
-                out.append((chunk, True))
-                continue
-            upto = min(chunk.size, (g + 1) * chunk.every)
-            self._sq_used -= upto - chunk.done
-            chunk.done = upto
-            if upto == chunk.size:
-                sent.popleft()
-                out.append((chunk, True))
-            else:
-                out.append((chunk, False))
-            break
-        return out
-
-    def drain(self) -> list[Chunk]:
-        """Forget every queued and sent chunk (the queue pair is in ERR or gone)."""
-        chunks = list(self._sent) + [c for c in self._backlog if not c.posted]
-        self._sent.clear()
-        self._backlog.clear()
-        self._sq_used = 0
-        return chunks
-
-    @property
-    def pending(self) -> int:
-        """Chunks queued or sent."""
-        return len(self._sent) + sum(1 for c in self._backlog if not c.posted)
 
     # -- verbs ---------------------------------------------------------------------------
     def post_recv(self, slot: int) -> None:

@@ -27,8 +27,9 @@ from hixl.core.descriptors import Descriptor
 from hixl.core.notify import Notification
 from hixl.core.plan import DeviceLimits
 from hixl.core.states import ConnEvent, ConnState
+from hixl.core.window import Batch, Chunk
 from hixl.core.wire import RemoteRegion
-from hixl.engine.connection import RECV_SLOTS, Batch, Chunk, Connection
+from hixl.engine.connection import RECV_SLOTS, Connection
 from hixl.engine.datapath import Built, NotifySlots, Planner, Template, signal_interval
 from hixl.engine.handles import TransferHandle, TransferRequest
 from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
@@ -795,7 +796,7 @@ class Engine:
         self._fail_pending(conn, ConnectionFailed(f"connection to {conn.peer} failed: {reason}"))
 
     def _fail_pending(self, conn: Connection, error: HixlError) -> None:
-        chunks = conn.drain()
+        chunks = conn.window.drain()
         for chunk in chunks:
             self._release_notify(chunk)
         for h in {c.handle for c in chunks}:
@@ -1097,9 +1098,9 @@ class Engine:
                 )
                 self._next_wr += 1
                 chunks.append(chunk)
-            conn.queue(chunks)
+            conn.window.queue(chunks)
             self._handles.add(handle)
-            batch = self._start_post(conn, defer=not now or conn.in_flight > 0)
+            batch = self._start_post(conn, defer=not now or conn.window.in_flight > 0)
         if batch is not None:
             self._post(conn, batch)
         return handle
@@ -1123,12 +1124,12 @@ class Engine:
         while they go on running Python.  Blocking calls post to an idle queue pair
         themselves (one thread hand-off less).
         """
-        if conn.poster or not conn.backlog:
+        if conn.window.poster or not conn.window.backlog:
             return None
         if defer:
             self._want_post(conn)
             return None
-        chunk = conn.posting
+        chunk = conn.window.head
         try:
             batch = conn.take_batch(self.sq_depth)
         except HixlError as exc:
@@ -1163,7 +1164,7 @@ class Engine:
         except HixlError as exc:
             err = exc
         with self._lock:
-            conn.end_batch()
+            conn.window.end_batch()
             self._posters -= 1
             for done in batch.finished:
                 if done.built is not None:
@@ -1173,7 +1174,7 @@ class Engine:
                 chunk = batch.finished[0] if batch.finished else None
                 culprit = chunk.handle if chunk is not None else None
                 self._fail(conn, f"post_send failed: {err}", err, culprit=culprit)
-            elif conn.backlog and conn.state is ConnState.READY:
+            elif conn.window.backlog and conn.state is ConnState.READY:
                 self._want_post(conn)
             if conn.state is ConnState.CLOSED or not self._posters:
                 self._post_cv.notify_all()
@@ -1307,7 +1308,7 @@ class Engine:
             conn = self._by_qpn.get(qpn)
             if conn is None:
                 continue
-            got = conn.completed(wr_id)
+            got = conn.window.completed(wr_id)
             if not got:
                 continue  # completion of a chunk that was already failed
             if status != 0:
@@ -1326,7 +1327,7 @@ class Engine:
                 if finished:
                     self._chunk_done(chunk)
         for conn in pump.values():
-            if conn.backlog and not conn.poster:
+            if conn.window.backlog and not conn.window.poster:
                 self._want_post(conn)
         return int(wcs.size)
 

@@ -1,0 +1,224 @@
+"""A queue pair's send window: what waits to be posted, what is out, and what completes.
+
+Pure bookkeeping, no verbs: a :class:`SendWindow` holds *chunks* (ranges of a chain of
+work requests, one per request or notification) in two queues, the *backlog* (not all
+posted) and *sent* (some posted, not all completed), and counts the send-queue slots in
+use.  The engine keeps one per connection and uses it under its lock.
+
+Theory of operation
+-------------------
+* **Ids.** A chunk's WRs form signal groups of ``every``; every WR of group ``g``
+  carries ``wr_id = first_id + g`` and the last WR of each group is signaled.  Chunks
+  are queued with increasing ids, so the backlog, the send queue and *sent* are all in
+  id order.
+* **Batches.** :meth:`SendWindow.take_batch` reserves as many WRs as the queue has room
+  for, across chunks, as one post.  Every chunk of the batch except the last goes out to
+  its end and has its last WR made unsignaled (``chain.unsignal``), so a batch of many small
+  transfers costs one completion.  A batch always ends on a signaled WR (a group's or
+  a chunk's last): whenever WRs are out, a signaled one is at their end, so completions
+  keep coming and free every slot.  This needs a group to fit the queue
+  (``every <= depth``; the engine uses at most an eighth of it).
+* **Completions.** An RC queue completes in order.  A completion with ``wr_id`` ends
+  every chunk sent before the one that owns the id, and that one up to its group
+  (:meth:`SendWindow.completed`).  A WR that fails completes under its own id whether it
+  was signaled or not, so the chunk that owns the failure is the last one returned.
+* **One poster.** A reserved batch is posted outside the engine lock; until
+  :meth:`SendWindow.end_batch`, no other batch is taken, so WRs reach the queue in order.
+
+``tests/unit/test_window.py`` checks these rules with Hypothesis against real chains.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from hixl.errors import ArgumentError, HixlError
+
+__all__ = ["Batch", "Chain", "Chunk", "SendWindow"]
+
+
+class Chain(Protocol):
+    """What the window needs of a chain of WRs (:class:`hixl.verbs.chain.SendChain`)."""
+
+    def check_regions(self) -> None: ...
+
+    def unsignal(self, index: int) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class Chunk:
+    """WRs ``start .. stop-1`` of ``chain``, in signal groups of ``every``.
+
+    Group ``g`` completes under ``wr_id = first_id + g``.  ``posted``/``done`` count the
+    chunk's WRs posted and completed so far.  ``handle``, ``notify_slot`` and ``built``
+    belong to the engine (the transfer, a notification buffer, the pooled chain).
+    """
+
+    chain: Any
+    start: int
+    stop: int
+    handle: Any
+    every: int = 1
+    first_id: int = 0
+    groups: int = 0
+    posted: int = 0
+    done: int = 0
+    notify_slot: int | None = None
+    built: Any = None
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(slots=True, eq=False)
+class Batch:
+    """Ranges ``(chain, start, stop)`` posted together, and the chunks all posted with them."""
+
+    pieces: list[tuple[Any, int, int]]
+    finished: list[Chunk]
+
+
+class SendWindow:
+    """The backlog, the sent chunks and the slots in use of one send queue."""
+
+    __slots__ = ("_backlog", "_sent", "in_flight", "poster")
+
+    def __init__(self) -> None:
+        self._backlog: deque[Chunk] = deque()  # not all posted; the head may be partly
+        self._sent: deque[Chunk] = deque()  # some WRs posted, not all completed; in order
+        self.in_flight = 0  # WRs posted (or being posted) and not completed
+        self.poster = False  # a batch is out, being posted
+
+    def queue(self, chunks: list[Chunk]) -> None:
+        """Add chunks (ids assigned, increasing) at the end of the backlog."""
+        self._backlog.extend(chunks)
+
+    @property
+    def head(self) -> Chunk | None:
+        """The chunk the next batch starts with."""
+        return self._backlog[0] if self._backlog else None
+
+    @property
+    def backlog(self) -> bool:
+        """True when some chunk still has WRs to post."""
+        return bool(self._backlog)
+
+    @property
+    def pending(self) -> int:
+        """Chunks queued or sent."""
+        return len(self._sent) + sum(1 for c in self._backlog if not c.posted)
+
+    def take_batch(self, depth: int) -> Batch | None:
+        """Reserve what a send queue of ``depth`` slots has room for; None if nothing fits.
+
+        Sets :attr:`poster` until :meth:`end_batch`; must not be called while it is set.
+        The WRs count as posted from here on (a completion may be reaped before the post
+        returns).  The batch ends on a signaled WR (the end of a signal group or of a
+        chunk), so what is out always raises a completion: where room runs out inside a
+        group, the batch stops at the group's start, and when that leaves nothing, None
+        is returned until completions free room.  A chunk whose chain's
+        ``check_regions`` raises ends the batch before it; when it is the head, the
+        error propagates with nothing reserved: that chunk is the culprit.
+        """
+        if self.poster:
+            raise AssertionError("take_batch while a batch is out")
+        room = depth - self.in_flight
+        if room <= 0 or not self._backlog:
+            return None
+        plan: list[tuple[Chunk, int, int]] = []
+        for chunk in self._backlog:
+            if chunk.posted == 0:
+                try:
+                    chunk.chain.check_regions()
+                except HixlError:
+                    if not plan:
+                        raise
+                    break
+            lo = chunk.start + chunk.posted
+            hi = min(chunk.stop, lo + room)
+            plan.append((chunk, lo, hi))
+            room -= hi - lo
+            if room <= 0:
+                break
+        # Cut back to the last signaled WR.
+        while plan:
+            chunk, lo, hi = plan[-1]
+            if hi == chunk.stop:
+                break
+            end = chunk.start + (hi - chunk.start) // chunk.every * chunk.every
+            if end > lo:
+                plan[-1] = (chunk, lo, end)
+                break
+            plan.pop()
+        if not plan:
+            if self.in_flight == 0:
+                raise ArgumentError(
+                    f"a signal group of {self._backlog[0].every} WRs does not fit a send "
+                    f"queue of {depth}"
+                )
+            return None  # completions of what is out will make room
+        pieces: list[tuple[Any, int, int]] = []
+        finished: list[Chunk] = []
+        last = len(plan) - 1
+        for i, (chunk, lo, hi) in enumerate(plan):
+            if i < last:  # not the batch's last, so it goes out to its end: no signal
+                chunk.chain.unsignal(chunk.stop - 1)
+            pieces.append((chunk.chain, lo, hi))
+            if not chunk.posted:
+                self._sent.append(chunk)
+            k = hi - lo
+            chunk.posted += k
+            self.in_flight += k
+            if chunk.posted == chunk.size:
+                self._backlog.popleft()
+                finished.append(chunk)
+        self.poster = True
+        return Batch(pieces, finished)
+
+    def end_batch(self) -> None:
+        """The batch's post returned."""
+        self.poster = False
+
+    def completed(self, wr_id: int) -> list[tuple[Chunk, bool]]:
+        """The chunks a completion under ``wr_id`` ends or advances, oldest first.
+
+        Every chunk sent before the one ``wr_id`` belongs to is complete; the owner is
+        complete up to its group (``True`` when that is all of it).  Empty for an id of
+        a chunk already forgotten (flushed after a failure, or never sent).
+        """
+        out: list[tuple[Chunk, bool]] = []
+        sent = self._sent
+        while sent:
+            chunk = sent[0]
+            g = wr_id - chunk.first_id
+            if g < 0:
+                break
+            if g >= chunk.groups:
+                if chunk.posted < chunk.size:
+                    break  # not all posted: the id is not of a later chunk
+                self.in_flight -= chunk.size - chunk.done
+                chunk.done = chunk.size
+                sent.popleft()
+                out.append((chunk, True))
+                continue
+            upto = min(chunk.size, (g + 1) * chunk.every)
+            self.in_flight -= upto - chunk.done
+            chunk.done = upto
+            if upto == chunk.size:
+                sent.popleft()
+                out.append((chunk, True))
+            else:
+                out.append((chunk, False))
+            break
+        return out
+
+    def drain(self) -> list[Chunk]:
+        """Forget every queued and sent chunk (the queue pair is in ERR or gone)."""
+        chunks = list(self._sent) + [c for c in self._backlog if not c.posted]
+        self._sent.clear()
+        self._backlog.clear()
+        self.in_flight = 0
+        return chunks
