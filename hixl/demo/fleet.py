@@ -376,6 +376,7 @@ def run_fleet_prefill(
                 )
             time.sleep(0.1)
         began = time.monotonic()
+        emit(f"routing {len(requests)} requests among {len(watch.members(role))} {role} workers")
         while not ledger.finished:
             if time.monotonic() > end:
                 raise TransferTimeout(f"prefill: {ledger} after {seconds} s")

@@ -7,7 +7,8 @@ or ``{"error": "..."}``. Every wait has a deadline; an agent nobody talks to for
 seconds exits 1, so a driver that dies never leaves it hanging.
 
 Ops: ``spawn`` (a fleet worker, ``python -m hixl.demo.fleet ...``, its output copied here
-with a prefix), ``wait`` and ``term`` (its exit status), ``read`` (a file this host
+with a prefix), ``said`` (has it printed a line starting with some text), ``wait``
+and ``term`` (its exit status), ``read`` (a file this host
 wrote, such as a worker's result), ``engine`` (a named engine in this process with one
 region ``data``), ``sha`` (of that region), ``set_capacity``, ``restart`` (close the engine
 and open a new one with the same name and address: a new process, as peers see it),
@@ -50,9 +51,12 @@ def sha(buf: npt.NDArray[np.uint8]) -> str:
     return hashlib.sha256(buf.tobytes()).hexdigest()
 
 
-def _copy(tag: str, stream: IO[bytes]) -> None:
+def _copy(tag: str, stream: IO[bytes], seen: dict[str, list[str]]) -> None:
     for raw in iter(stream.readline, b""):
-        print(f"[{tag}] {raw.decode('utf-8', 'replace').rstrip()}", flush=True)
+        line = raw.decode("utf-8", "replace").rstrip()
+        print(f"[{tag}] {line}", flush=True)
+        if len(seen[tag]) < 10_000:
+            seen[tag].append(line)
 
 
 class Agent:
@@ -60,6 +64,7 @@ class Agent:
         self.host = host
         self.token = fleet_token()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.lines: dict[str, list[str]] = {}
         self.engine: Engine | None = None
         self.engine_args: dict[str, Any] = {}
         self.buf: npt.NDArray[np.uint8] | None = None
@@ -99,7 +104,8 @@ class Agent:
                 env=dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1"),
             )
             assert proc.stdout is not None
-            threading.Thread(target=_copy, args=(tag, proc.stdout), daemon=True).start()
+            self.lines[tag] = []
+            threading.Thread(target=_copy, args=(tag, proc.stdout, self.lines), daemon=True).start()
             self.procs[tag] = proc
             return {"pid": proc.pid}
         if op in ("wait", "term"):
@@ -112,6 +118,9 @@ class Agent:
                 raise HixlError(
                     f"{req['tag']} still running after {req.get('seconds')} s"
                 ) from None
+        if op == "said":  # has the worker printed a line starting with this yet?
+            lines = list(self.lines.get(str(req["tag"]), []))
+            return {"said": any(x.startswith(str(req["text"])) for x in lines)}
         if op == "read":
             return {"text": Path(str(req["path"])).read_text()}
         if op == "engine":
@@ -133,7 +142,7 @@ class Agent:
             try:
                 self.engine.set_capacity(int(req["capacity"]))
             except RegistryUnavailable as exc:
-                return {"kept": True, "error": str(exc)}
+                return {"kept": True, "reason": str(exc)}
             return {"kept": False}
         if op == "vanish":
             victim = req.get("tag")

@@ -34,7 +34,7 @@ from hixl.testbed.hosts import Control, HostEnv
 
 from .conftest import wait_region
 
-REQUESTS = 12  # prefill-0 (host0) takes the even ones, prefill-1 (host1) the odd ones
+REQUESTS = 16  # prefill-0 (host0) takes the even ones, prefill-1 (host1) the odd ones
 SCRATCH_MIB = 16  # one put into decode-0's scratch takes about a second on this wire
 LIMIT = TTL_S + 1.0
 WORKER = [sys.executable, "-u", "-m", "hixl.demo.fleet"]
@@ -115,6 +115,10 @@ def test_decode_host_cut_off_mid_stream(
         argv += ["--requests", ",".join(str(r) for r in range(1, REQUESTS, 2))]
         argv += ["--result", "/tmp/prefill-1.json"]
         router1.call("spawn", tag="prefill-1", argv=argv + common)
+        t0 = time.monotonic()  # both routers at work before anything goes wrong
+        while not router1.call("said", tag="prefill-1", text="routing")["said"]:
+            assert time.monotonic() - t0 < 120, "prefill-1 on host1 did not start routing"
+            time.sleep(0.2)
         mine = list(range(0, REQUESTS, 2))
         p0 = run_fleet_prefill(
             FLEET_CONFIG,

@@ -41,7 +41,7 @@ def test_etcd_stopped_and_back(
             handle = eng.put_async("store-3", src, "data", timeout=60)
             t0 = time.monotonic()
             etcd.stop()
-            print(f"etcd stopped in {time.monotonic() - t0:.2f} s; put done: {handle.done}")
+            print(f"etcd stopped in {time.monotonic() - t0:.2f} s; put done: {handle.done()}")
             handle.wait(60)  # the transfer under way carries on
             assert store.call("sha")["sha"] == sha(data)
             assert eng.connect("store-3") is conn  # a live connection needs no lookup
