@@ -916,7 +916,9 @@ def format_fleet_hosts(s: dict[str, Any]) -> str:
         held = "with its request " + str(cut["req"]) if cut["req"] is not None else "idle"
         lines.append(f"  decode-0 cut off {held} in flight; on host0's clock, after the order:")
         for r in cut["routers"]:
-            if r.get("from_leave"):
+            if r.get("from_leave") and r["lease_gone_s"] is None:
+                lines.append(f"    {r['router']}: its requests were all done before decode-0 left")
+            elif r.get("from_leave"):
                 lines.append(
                     f"    {r['router']} (own clock, after it saw the leave): last chose "
                     f"decode-0 {_secs(r['last_choice_s'])}, last attempt there given up "
