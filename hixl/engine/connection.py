@@ -39,12 +39,20 @@ if TYPE_CHECKING:
     from hixl.engine.engine import Engine
     from hixl.engine.handles import TransferHandle
 
-__all__ = ["Chunk", "Connection", "MAX_OUTBOX", "RECV_SLOTS"]
+__all__ = ["Batch", "Chunk", "Connection", "MAX_OUTBOX", "RECV_SLOTS"]
 
 RECV_SLOTS = 64  # receive buffers per connection, for notifications
 MAX_OUTBOX = 1 << 20  # bytes of control messages a peer may leave unread before it fails
 
 _QI = TypeVar("_QI", wire.Info, wire.Accept)
+
+
+@dataclass(slots=True, eq=False)
+class Batch:
+    """Ranges of chains posted together, and the chunks that are all posted with them."""
+
+    pieces: list[tuple[SendChain, int, int]]
+    finished: list[Chunk]
 
 
 @dataclass(slots=True, eq=False)
@@ -120,6 +128,7 @@ class Connection:
         self._backlog: deque[Chunk] = deque()  # not all posted; the head may be partly
         self._sent: deque[Chunk] = deque()  # some WRs posted, not all completed; in order
         self._sq_used = 0
+        self.poster = False  # a batch is being posted, outside the engine lock
 
     # -- what users read -----------------------------------------------------------------
     @property
@@ -278,53 +287,118 @@ class Connection:
 
     @property
     def posting(self) -> Chunk | None:
-        """The chunk the next post continues (the head of the backlog)."""
+        """The chunk the next post starts with (the head of the backlog)."""
         return self._backlog[0] if self._backlog else None
 
-    def pump(self, sq_depth: int) -> list[Chunk]:
-        """Post backlogged WRs while the send queue has room; return the chunks now all posted.
+    @property
+    def backlog(self) -> bool:
+        """True when some chunk still has WRs to post."""
+        return bool(self._backlog)
 
-        One ``post_send`` per chunk (or per piece of one that does not fit).  Raises
-        :class:`HixlError` when the provider or a closed region refuses a post.
+    @property
+    def in_flight(self) -> int:
+        """WRs posted (or being posted) and not yet completed."""
+        return self._sq_used
+
+    def take_batch(self, sq_depth: int) -> Batch | None:
+        """Reserve what the send queue has room for, as one post; None if nothing fits.
+
+        Caller holds the engine lock and no other batch of this connection is out
+        (:attr:`poster` is False); this sets :attr:`poster` until :meth:`end_batch`.
+        The WRs count as posted from here on (a completion may be reaped before the
+        post returns).  Every chunk but the batch's last that goes out whole is posted
+        unsignaled: an RC queue completes in order, so the last one's completion stands
+        for all of them.  Raises :class:`RegistrationError` (and reserves nothing) when a
+        chunk's chain refers to a closed region.
         """
-        finished: list[Chunk] = []
-        while self._backlog and self.state is ConnState.READY:
-            chunk = self._backlog[0]
-            room = sq_depth - self._sq_used
+        assert not self.poster
+        room = sq_depth - self._sq_used
+        if room <= 0 or not self._backlog or self.state is not ConnState.READY:
+            return None
+        # Chunks up to the first whose chain refers to a closed region: that one is
+        # refused when it reaches the head (it is the culprit then).
+        count = 0
+        for chunk in self._backlog:
+            if chunk.posted == 0:
+                try:
+                    chunk.chain.check_regions()
+                except RegistrationError:
+                    if count == 0:
+                        raise
+                    break
+            count += 1
+            room -= chunk.size - chunk.posted
             if room <= 0:
                 break
+        room = sq_depth - self._sq_used
+        pieces: list[tuple[SendChain, int, int]] = []
+        finished: list[Chunk] = []
+        whole: Chunk | None = None  # the previous chunk, when it went into this batch whole
+        while count and room > 0:
+            count -= 1
+            chunk = self._backlog[0]
             lo = chunk.start + chunk.posted
             hi = min(chunk.stop, lo + room)
-            k = self._qp.post_chain(chunk.chain, lo, hi)
-            if k and not chunk.posted:
+            if whole is not None:
+                whole.chain.unsignal(whole.stop - 1)
+            whole = chunk if lo == chunk.start and hi == chunk.stop else None
+            pieces.append((chunk.chain, lo, hi))
+            if not chunk.posted:
                 self._sent.append(chunk)
+            k = hi - lo
             chunk.posted += k
             self._sq_used += k
+            room -= k
             if chunk.posted == chunk.size:
                 self._backlog.popleft()
                 finished.append(chunk)
-            elif k < hi - lo:
-                break  # the provider's queue is full: wait for completions
-        return finished
+        self.poster = True
+        return Batch(pieces, finished)
 
-    def completed(self, wr_id: int) -> tuple[Chunk, bool] | None:
-        """The chunk a signaled group's completion belongs to, and whether it is all done.
+    def post_batch(self, batch: Batch) -> None:
+        """Post a batch from :meth:`take_batch`; no engine lock needed (nor wanted).
 
-        None for a completion of a chunk already forgotten (flushed after a failure).
+        Raises :class:`HixlError` when the provider refuses.
         """
-        if not self._sent:
-            return None
-        chunk = self._sent[0]
-        g = wr_id - chunk.first_id
-        if not 0 <= g < chunk.groups:
-            return None
-        upto = min(chunk.size, (g + 1) * chunk.every)
-        self._sq_used -= upto - chunk.done
-        chunk.done = upto
-        if upto == chunk.size:
-            self._sent.popleft()
-            return chunk, True
-        return chunk, False
+        self._qp.post_pieces(batch.pieces)
+
+    def end_batch(self) -> None:
+        """The batch's post returned (engine lock held again)."""
+        self.poster = False
+
+    def completed(self, wr_id: int) -> list[tuple[Chunk, bool]]:
+        """The chunks a signaled completion ends or advances, oldest first.
+
+        Every chunk sent before the one ``wr_id`` belongs to is complete (an RC queue
+        completes in order; such chunks were posted unsignaled); the owner is complete
+        up to its group.  Empty for a completion of a chunk already forgotten (flushed
+        after a failure).
+        """
+        out: list[tuple[Chunk, bool]] = []
+        sent = self._sent
+        while sent:
+            chunk = sent[0]
+            g = wr_id - chunk.first_id
+            if g < 0:
+                break
+            if g >= chunk.groups:
+                if chunk.posted < chunk.size:
+                    break  # not all posted: the completion is not of a later chunk
+                self._sq_used -= chunk.size - chunk.done
+                chunk.done = chunk.size
+                sent.popleft()
+                out.append((chunk, True))
+                continue
+            upto = min(chunk.size, (g + 1) * chunk.every)
+            self._sq_used -= upto - chunk.done
+            chunk.done = upto
+            if upto == chunk.size:
+                sent.popleft()
+                out.append((chunk, True))
+            else:
+                out.append((chunk, False))
+            break
+        return out
 
     def drain(self) -> list[Chunk]:
         """Forget every queued and sent chunk (the queue pair is in ERR or gone)."""

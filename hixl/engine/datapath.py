@@ -48,7 +48,7 @@ __all__ = ["Built", "NotifySlots", "PLAN_CACHE", "Planner", "signal_interval"]
 
 PLAN_CACHE = 512  # planned (descriptor pair, region sizes) kept per engine
 CHAIN_CACHE_WRS = 1 << 18  # WRs (x 128 bytes, plus SGEs) of idle built chains kept per engine
-CHAINS_PER_KEY = 4  # idle chains kept for one layout
+CHAIN_WRS_PER_KEY = 4096  # WRs of idle chains kept for one layout (at least 4 chains)
 
 
 def signal_interval(sq_depth: int) -> int:
@@ -211,7 +211,7 @@ class Planner:
             self._chains.clear()
             self._chain_wrs = 0
         pool = self._chains.setdefault(key, [])
-        if len(pool) < CHAINS_PER_KEY:
+        if len(pool) < max(4, CHAIN_WRS_PER_KEY // chain.capacity):
             pool.append((chain, built.bases))
             self._chain_wrs += chain.capacity
 

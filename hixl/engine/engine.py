@@ -11,6 +11,7 @@ import ipaddress
 import logging
 import secrets
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -27,12 +28,12 @@ from hixl.core.notify import Notification
 from hixl.core.plan import DeviceLimits
 from hixl.core.states import ConnEvent, ConnState
 from hixl.core.wire import RemoteRegion
-from hixl.engine.connection import RECV_SLOTS, Chunk, Connection
+from hixl.engine.connection import RECV_SLOTS, Batch, Chunk, Connection
 from hixl.engine.datapath import NotifySlots, Planner, signal_interval
 from hixl.engine.handles import TransferHandle, TransferRequest
 from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
 from hixl.engine.names import Names
-from hixl.engine.progress import Progress
+from hixl.engine.progress import POLL_BATCH, Progress
 from hixl.engine.regions import Access, Region, buffer_span
 from hixl.errors import (
     ArgumentError,
@@ -104,6 +105,10 @@ class Engine:
     peer that would pass either has its connection failed (it is told
     ERROR(OVERFLOW)).  ``completion_events=False`` makes the progress thread
     poll the CQs instead of sleeping on completion channels (a test hook).
+    ``gil_switch_interval`` (seconds) lowers the interpreter's GIL switch interval
+    (:func:`sys.setswitchinterval`, 5 ms by default) for the whole process when it is
+    longer, so the thread that posts and reaps gets the GIL back soon after a system
+    call while the application thread runs Python; None leaves it alone.
 
     Without a token any client that reaches the port learns the rkeys of
     every remotely accessible region; an engine listening on an address
@@ -139,6 +144,7 @@ class Engine:
         max_notifications_per_peer: int = 1024,
         max_notifications: int = 16384,
         completion_events: bool = True,
+        gil_switch_interval: float | None = 0.0005,
         name: str | None = None,
         registry: str | Registry | None = None,
         role: str = "engine",
@@ -161,6 +167,14 @@ class Engine:
                 raise ArgumentError(f"{what} must be an integer >= 1, got {value!r}")
         if handshake_timeout <= 0:
             raise ArgumentError(f"handshake_timeout must be > 0 seconds, got {handshake_timeout}")
+        if gil_switch_interval is not None:
+            if not 0 < gil_switch_interval <= 1:
+                raise ArgumentError(
+                    f"gil_switch_interval must lie in (0, 1] seconds or be None, "
+                    f"got {gil_switch_interval!r}"
+                )
+            if sys.getswitchinterval() > gil_switch_interval:
+                sys.setswitchinterval(gil_switch_interval)
         self._names: Names | None = None
         if name is not None and registry is None:
             raise ArgumentError(f"name={name!r} needs registry= (an etcd:// or memory:// URL)")
@@ -228,6 +242,12 @@ class Engine:
         self._exposed_map: dict[tuple[int, int], RemoteRegion] = {}
         self._exposed_bytes = 0
         self._next_wr = 1
+        # Posting (see _start_post): connections whose backlog the progress thread posts,
+        # whether it was woken for them, and batches out (posted outside the lock).
+        self._to_post: dict[int, Connection] = {}
+        self._post_wake = False
+        self._posters = 0
+        self._post_cv = threading.Condition(self._lock)
         self._outgoing: set[Connection] = set()  # connections with control output queued
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
         self._broken: str | None = None  # why the progress thread died, if it did
@@ -331,6 +351,10 @@ class Engine:
             self._handles.clear()
             self._notify_cv.notify_all()
         self._progress.stop()
+        with self._lock:  # a thread still posting a batch to a queue pair about to go
+            until = time.monotonic() + 10.0
+            while self._posters and time.monotonic() < until:
+                self._post_cv.wait(0.1)
         if self._incoming is not None:
             self._incoming.close()  # the progress thread is gone: nobody else touches it
         if self._listener is not None:
@@ -805,8 +829,9 @@ class Engine:
 
     def _release_dead(self) -> None:
         """Send what dropped connections still have queued (best effort), then free them."""
-        with self._lock:
-            dead, self._dead = self._dead, []
+        with self._lock:  # a connection with a batch being posted is freed after it
+            dead = [c for c in self._dead if not c.poster]
+            self._dead = [c for c in self._dead if c.poster]
         for conn in dead:
             try:
                 conn.flush_control()
@@ -835,16 +860,10 @@ class Engine:
         :class:`CompletionError`, :class:`ConnectionFailed` or
         :class:`TransferTimeout` (after ``timeout`` seconds) after it.
         """
-        self.put_async(
-            peer,
-            local,
-            remote,
-            local_desc=local_desc,
-            remote_desc=remote_desc,
-            notify=notify,
-            notify_message=notify_message,
-            timeout=timeout,
-        ).wait()
+        req = TransferRequest(
+            op="write", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
+        )
+        self._submit(peer, [req], notify, notify_message, timeout, now=True).wait()
 
     def get(
         self,
@@ -860,9 +879,10 @@ class Engine:
 
         Errors as for :meth:`put`.  ``local`` needs ``Access.LOCAL_WRITE``.
         """
-        self.get_async(
-            peer, local, remote, local_desc=local_desc, remote_desc=remote_desc, timeout=timeout
-        ).wait()
+        req = TransferRequest(
+            op="read", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
+        )
+        self._submit(peer, [req], None, b"", timeout, now=True).wait()
 
     def put_async(
         self,
@@ -880,9 +900,7 @@ class Engine:
         req = TransferRequest(
             op="write", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
         )
-        return self.transfer_async(
-            peer, [req], notify=notify, notify_message=notify_message, timeout=timeout
-        )
+        return self._submit(peer, [req], notify, notify_message, timeout, now=False)
 
     def get_async(
         self,
@@ -898,7 +916,7 @@ class Engine:
         req = TransferRequest(
             op="read", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
         )
-        return self.transfer_async(peer, [req], timeout=timeout)
+        return self._submit(peer, [req], None, b"", timeout, now=False)
 
     def transfer(
         self,
@@ -910,9 +928,7 @@ class Engine:
         timeout: float = 30.0,
     ) -> None:
         """Run a batch of requests to one peer as one transfer; block until done."""
-        self.transfer_async(
-            peer, requests, notify=notify, notify_message=notify_message, timeout=timeout
-        ).wait()
+        self._submit(peer, requests, notify, notify_message, timeout, now=True).wait()
 
     def transfer_async(
         self,
@@ -930,7 +946,26 @@ class Engine:
         landed.  ``timeout`` (seconds) is the transfer's deadline: after it,
         the transfer fails with :class:`TransferTimeout` and the connection is
         marked failed (its requests cannot be recalled otherwise).
+
+        The work requests are posted by the progress thread, together with whatever
+        else was queued meanwhile (one ``post_send`` for many calls), so this returns
+        without waiting for the provider; the blocking calls post an idle queue pair
+        themselves.
         """
+        return self._submit(peer, requests, notify, notify_message, timeout, now=False)
+
+    def _submit(
+        self,
+        peer: str,
+        requests: Sequence[TransferRequest],
+        notify: str | None,
+        notify_message: bytes,
+        timeout: float,
+        *,
+        now: bool,
+    ) -> TransferHandle:
+        """Check, plan, build and queue a transfer; ``now``: post it on this thread when
+        the queue pair is idle (a blocking call, which waits anyway)."""
         if timeout <= 0:
             raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
         if not requests and notify is None:
@@ -953,7 +988,9 @@ class Engine:
                 for b in built:
                     self._planner.give_back(b)
                 raise
-            handle = TransferHandle(conn.peer, nbytes, num_wrs, time.monotonic() + timeout)
+            handle = TransferHandle(
+                conn.peer, nbytes, num_wrs, time.monotonic() + timeout, self._reap_inline
+            )
             every = self._every
             chunks = []
             for b in built:
@@ -980,7 +1017,9 @@ class Engine:
             handle.chunks_left = len(chunks)
             conn.queue(chunks)
             self._handles.add(handle)
-            self._pump(conn)
+            batch = self._start_post(conn, defer=not now or conn.in_flight > 0)
+        if batch is not None:
+            self._post(conn, batch)
         return handle
 
     def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0) -> None:
@@ -992,23 +1031,100 @@ class Engine:
             self._notify_slots.release(chunk.notify_slot)
             chunk.notify_slot = None
 
-    def _pump(self, conn: Connection) -> None:
-        """Post backlogged work requests while the send queue has room (caller holds the lock).
+    # -- posting ---------------------------------------------------------------------------
+    def _start_post(self, conn: Connection, *, defer: bool) -> Batch | None:
+        """Reserve the next batch of ``conn``'s backlog for this thread to post (lock held).
 
-        A chain whose WRs are all posted goes back to the planner's pool: the provider
-        copied them into its send queue, so the memory may be rewritten.
+        None when a batch of the connection is already out (its poster takes the rest
+        next), when nothing fits, or with ``defer``: then the progress thread posts, and
+        what callers queue meanwhile goes out with it in one ``post_send`` (coalescing)
+        while they go on running Python.  Blocking calls post to an idle queue pair
+        themselves (one thread hand-off less).
         """
+        if conn.poster or not conn.backlog:
+            return None
+        if defer:
+            self._want_post(conn)
+            return None
         chunk = conn.posting
         try:
-            finished = conn.pump(self.sq_depth)
+            batch = conn.take_batch(self.sq_depth)
         except HixlError as exc:
             culprit = chunk.handle if chunk is not None else None
-            self._fail(conn, f"post_send failed: {exc}", exc, culprit=culprit)
-            return
-        for done in finished:
-            if done.built is not None:
-                self._planner.give_back(done.built)
-                done.built = None
+            self._fail(conn, f"post_send refused: {exc}", exc, culprit=culprit)
+            return None
+        if batch is not None:
+            self._posters += 1
+        return batch
+
+    def _want_post(self, conn: Connection) -> None:
+        """Have the progress thread post ``conn``'s backlog (lock held)."""
+        self._to_post[conn.qpn] = conn
+        if not self._post_wake:
+            self._post_wake = True
+            if threading.get_ident() != self._progress.thread.ident:
+                self._progress.wake()
+
+    def _post(self, conn: Connection, batch: Batch) -> None:
+        """Post a reserved batch outside the lock, then settle it under the lock.
+
+        The chains of chunks that went out whole go back to the planner's pool (the
+        provider copied their WRs).  A refusal fails the connection.  What was queued
+        meanwhile is left to the progress thread.
+        """
+        err: HixlError | None = None
+        try:
+            conn.post_batch(batch)
+        except HixlError as exc:
+            err = exc
+        with self._lock:
+            conn.end_batch()
+            self._posters -= 1
+            for done in batch.finished:
+                if done.built is not None:
+                    self._planner.give_back(done.built)
+                    done.built = None
+            if err is not None:
+                chunk = batch.finished[0] if batch.finished else None
+                culprit = chunk.handle if chunk is not None else None
+                self._fail(conn, f"post_send failed: {err}", err, culprit=culprit)
+            elif conn.backlog and conn.state is ConnState.READY:
+                self._want_post(conn)
+            if conn.state is ConnState.CLOSED or not self._posters:
+                self._post_cv.notify_all()
+                if conn.state is ConnState.CLOSED:
+                    self._progress.wake()  # free it now that nobody posts to it
+
+    def _post_pending(self) -> bool:
+        """Progress thread: post every connection's waiting backlog; True if more waits."""
+        with self._lock:
+            self._post_wake = False
+            waiting = list(self._to_post.values())
+            self._to_post.clear()
+            batches = []
+            for conn in waiting:
+                batch = self._start_post(conn, defer=False)
+                if batch is not None:
+                    batches.append((conn, batch))
+        for conn, batch in batches:
+            self._post(conn, batch)
+        return bool(self._to_post)
+
+    def _reap_inline(self) -> bool:
+        """A waiter reaps send completions itself (no hand-off); True if it found some.
+
+        Skips when the lock is busy (the progress thread is reaping, most likely).
+        """
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._closed:
+                return False
+            return self._reap_send(self.send_cq.poll_array(POLL_BATCH)) > 0
+        except HixlError:
+            return False
+        finally:
+            self._lock.release()
 
     def _has_pending(self) -> bool:
         return bool(self._handles)
@@ -1101,10 +1217,12 @@ class Engine:
             if conn is None:
                 continue
             got = conn.completed(wr_id)
-            if got is None:
+            if not got:
                 continue  # completion of a chunk that was already failed
-            chunk, finished = got
             if status != 0:
+                chunk = got[-1][0]  # the failed WR's own chunk; those before it are done
+                for early, _ in got[:-1]:
+                    self._chunk_done(early)
                 op = "RDMA transfer" if chunk.notify_slot is None else "notification"
                 self._release_notify(chunk)
                 name = verbs.WC_STATUS_NAMES.get(status, f"IBV_WC_STATUS_{status}")
@@ -1113,18 +1231,22 @@ class Engine:
                 self._fail(conn, f"completion error {name}", err, culprit=chunk.handle)
                 continue
             pump[id(conn)] = conn
-            if not finished:
-                continue
-            self._release_notify(chunk)
-            handle = chunk.handle
-            if handle is not None:
-                handle.chunks_left -= 1
-                if handle.chunks_left == 0:
-                    handle.finish(None)
-                    self._handles.discard(handle)
+            for chunk, finished in got:
+                if finished:
+                    self._chunk_done(chunk)
         for conn in pump.values():
-            self._pump(conn)
+            if conn.backlog and not conn.poster:
+                self._want_post(conn)
         return int(wcs.size)
+
+    def _chunk_done(self, chunk: Chunk) -> None:
+        self._release_notify(chunk)
+        handle = chunk.handle
+        if handle is not None:
+            handle.chunks_left -= 1
+            if handle.chunks_left == 0:
+                handle.finish(None)
+                self._handles.discard(handle)
 
     def _reap_recv(self, wcs: list[verbs.Completion]) -> int:
         """Handle receive completions (notifications); return how many there were."""

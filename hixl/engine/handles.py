@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,10 @@ if TYPE_CHECKING:
     from hixl.engine.regions import Region
 
 __all__ = ["TransferHandle", "TransferRequest", "TransferStatus"]
+
+#: Seconds a waiter reaps completions itself before it sleeps until the progress thread
+#: finishes its transfer.
+SPIN_S = 0.002
 
 # Orders a handle's finish against a waiter making its Event.  Innermost lock: taken
 # under the engine lock (the progress thread finishes handles), never the other way.
@@ -50,8 +55,16 @@ class TransferRequest:
 class TransferHandle:
     """An asynchronous transfer: poll :meth:`done` / :attr:`status`, or :meth:`wait`."""
 
-    def __init__(self, peer: str, nbytes: int, num_wrs: int, deadline: float) -> None:
+    def __init__(
+        self,
+        peer: str,
+        nbytes: int,
+        num_wrs: int,
+        deadline: float,
+        reap: Callable[[], bool] | None = None,
+    ) -> None:
         self.peer = peer
+        self._reap = reap  # the engine's own completion reaping, for waiters to drive
         self.nbytes = nbytes
         self.num_wrs = num_wrs
         self.deadline = deadline
@@ -80,6 +93,13 @@ class TransferHandle:
         raises :class:`TransferTimeout` and the transfer goes on.  The transfer
         has its own deadline, after which it fails on its own.
         """
+        reap = self._reap
+        if reap is not None and self._status is TransferStatus.PENDING:
+            # Reap completions on this thread for a moment before sleeping: a short
+            # transfer then ends without waking the progress thread and this one in turn.
+            spin_until = time.monotonic() + (SPIN_S if timeout is None else min(SPIN_S, timeout))
+            while self._status is TransferStatus.PENDING and time.monotonic() < spin_until:
+                reap()
         event = None
         with _handle_lock:  # most handles are done before anyone waits: no Event for them
             if self._status is TransferStatus.PENDING:

@@ -10,7 +10,9 @@ channels are not available it polls the CQs with a back-off of up to 2 ms instea
 
 Each round: poll the CQs that may hold something (arming the drained ones, then
 polling once more for what completed before the arming), expire transfers past their
-deadline, then wait; socket reads and writes happen outside the engine lock.
+deadline, post what callers left queued (:meth:`Engine._post_pending`), then wait.
+Socket reads and writes, arming a CQ, reading its channel and posting happen outside
+the engine lock (each is a system call on rxe); reaping takes it.
 """
 
 from __future__ import annotations
@@ -144,12 +146,14 @@ class Progress:
         """
         busy = False
         try:
+            if self.events:
+                if engine.closed:
+                    return False
+                busy = self._poll_events(engine)  # takes the lock to reap, not to arm
             with engine._lock:
                 if engine.closed:
                     return False
-                if self.events:
-                    busy = self._poll_events(engine)
-                else:
+                if not self.events:
                     busy |= engine._reap_send(self.send_cq.poll_array(POLL_BATCH)) == POLL_BATCH
                     busy |= engine._reap_recv(self.recv_cq.poll(POLL_BATCH)) == POLL_BATCH
                 now = time.monotonic()
@@ -162,6 +166,8 @@ class Progress:
                     timeout = SLEEP_PENDING if engine._has_pending() else SLEEP_IDLE
                 else:
                     timeout = idle
+            if engine._to_post and engine._post_pending():  # outside the lock
+                timeout = 0.0  # more was queued meanwhile: post it after the next reap
             incoming = engine._incoming
             if incoming is not None and incoming.pending and now >= self._next_sweep:
                 incoming.sweep(now)  # handshake deadlines and liveness probes
@@ -179,9 +185,10 @@ class Progress:
                         self._wake_r.recv(4096)
                     engine._flush_outboxes()
                 elif isinstance(data, verbs.CompletionQueue):
-                    with engine._lock:
-                        if data.take_event():
-                            self._armed.discard(data)
+                    # The channel is this thread's alone: no engine lock for the read
+                    # and the acknowledgement (two system calls).
+                    if data.take_event():
+                        self._armed.discard(data)
                     busy = True
                 else:
                     if mask & selectors.EVENT_WRITE:
@@ -205,9 +212,19 @@ class Progress:
         """
         busy = False
         send, recv = self.send_cq, self.recv_cq
+        lock = engine._lock
+
+        def reap_send() -> int:
+            with lock:
+                return 0 if engine.closed else engine._reap_send(send.poll_array(POLL_BATCH))
+
+        def reap_recv() -> int:
+            with lock:
+                return 0 if engine.closed else engine._reap_recv(recv.poll(POLL_BATCH))
+
         reapers: tuple[tuple[verbs.CompletionQueue, Callable[[], int]], ...] = (
-            (send, lambda: engine._reap_send(send.poll_array(POLL_BATCH))),
-            (recv, lambda: engine._reap_recv(recv.poll(POLL_BATCH))),
+            (send, reap_send),
+            (recv, reap_recv),
         )
         for cq, reap in reapers:
             if cq in self._armed:
@@ -215,7 +232,7 @@ class Progress:
             if reap() == POLL_BATCH:
                 busy = True  # maybe more queued: poll again before arming
                 continue
-            cq.arm()
+            cq.arm()  # a system call on rxe: outside the engine lock
             self._armed.add(cq)
             if reap() == POLL_BATCH:
                 self._armed.discard(cq)  # more may be queued from before the arming

@@ -869,6 +869,49 @@ class QueuePair:
             rc,
         )
 
+    def post_pieces(self, pieces: Sequence[tuple[SendChain, int, int]]) -> None:
+        """Post several ranges ``(chain, start, stop)`` of chains as one ``post_send``.
+
+        The last WR of each range is linked to the first of the next for the duration
+        of the call, then every link is restored, so the chains are as they were.  The
+        ranges must not overlap.  Unlike :meth:`post_chain`, a refusal of any kind
+        (``ENOMEM`` included: the caller paces against the queue's depth) raises
+        :class:`VerbsError` naming the range and WR; the ranges before it were posted.
+        Chains whose memory regions were closed are refused before anything is posted.
+        The GIL is released during the call.
+        """
+        self._check_open()
+        if not pieces:
+            return
+        for chain, start, stop in pieces:
+            if not 0 <= start < stop <= chain.num_wrs:
+                raise ArgumentError(
+                    f"post_pieces: WRs {start}..{stop} outside the chain's 0..{chain.num_wrs}"
+                )
+            chain.check_regions()
+        saved = []
+        try:
+            nxt = ffi.NULL
+            for chain, start, stop in reversed(pieces):
+                last = chain.head[stop - 1]
+                saved.append((last, last.next))
+                last.next = nxt
+                nxt = chain.head + start
+            rc = self._post_send_fn(self._qp, nxt, self._bad_send)
+        finally:
+            for last, link in reversed(saved):
+                last.next = link
+        if rc == 0:
+            return
+        where = "an unknown WR"
+        bad = address(self._bad_send[0])
+        for i, (chain, start, stop) in enumerate(pieces):
+            k = (bad - chain.wr_base) // _WR_SIZE
+            if chain.wr_base <= bad and start <= k < stop:
+                where = f"WR {k} of range {i} ({start}..{stop - 1})"
+                break
+        raise VerbsError("post_send", f"{os.strerror(rc)} at {where} of {len(pieces)} ranges", rc)
+
     def post_send(self, requests: Sequence[SendRequest], signal_id: int | None = None) -> None:
         """Post ``requests`` as one chain with a single ``post_send``.
 

@@ -347,6 +347,17 @@ class SendChain:
             self._flags_for = (start, stop, every)
         return (m + every - 1) // every
 
+    def unsignal(self, index: int) -> None:
+        """Post WR ``index`` unsignaled: a later signaled WR's completion stands for it.
+
+        Used when several transfers go out in one post: only the last is signaled.
+        Call after :meth:`set_signals`, which rewrites the flags.
+        """
+        if not 0 <= index < self.num_wrs:
+            raise ArgumentError(f"unsignal: WR {index} outside the chain's 0..{self.num_wrs}")
+        self.head[index].send_flags &= ~SEND_SIGNALED
+        self._flags_for = None
+
     def fence(self, index: int) -> None:
         """Make WR ``index`` wait for every earlier READ to complete (``IBV_SEND_FENCE``).
 
