@@ -67,10 +67,15 @@ def test_decode_host_cut_off_mid_stream(
 ) -> None:
     router1, victim, survivor = agents[1], agents[2], agents[3]
     common = ["--registry", url, "--seconds", "300", *FLEET_CONFIG.to_argv()]
+    # decode-0 gets 3 request slots, decode-1 2: with ties going to the lowest name, both
+    # routers prefer decode-0 even while the other router holds a slot there, so host0's
+    # router soon has a request in flight on it (with equal slots the two routers can fall
+    # into step, each keeping to its own decode worker).
     for i, agent in ((0, victim), (1, survivor)):
         agent.call("close_engine")
         listen = f"{host.peers[i + 1]}:5600"
         argv = [*WORKER, "decode", "--name", f"decode-{i}", "--listen", listen]
+        argv += ["--slots", str(3 - i)]
         argv += ["--result", f"/tmp/decode-{i}.json", "--scratch-mib", str(SCRATCH_MIB)]
         agent.call("spawn", tag=f"decode-{i}", argv=argv + common)
 
