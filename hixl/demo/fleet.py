@@ -26,6 +26,9 @@ prefill workers, each its own process with its own engine, on this machine's RDM
   request completed exactly once with identical tokens on both sides. It runs a 1x1 fleet
   with the same requests first, so the summary can give the P x D throughput as a ratio
   measured in the same run.
+
+Every engine of a fleet proves a token shared by the run: the orchestrator makes one and
+hands it to the workers in ``$HIXL_FLEET_TOKEN`` (:func:`fleet_token`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -90,7 +93,7 @@ TOKEN_ENV = "HIXL_FLEET_TOKEN"
 """The variable that carries the fleet's shared token from the runner to every worker."""
 
 
-def fleet_token(environ: dict[str, str] | None = None) -> str:
+def fleet_token(environ: Mapping[str, str] | None = None) -> str:
     """The fleet's shared engine token, from ``$HIXL_FLEET_TOKEN``.
 
     Every runner (:func:`run_fleet`, :func:`run_fleet_hosts`, ``make test-fleet``) makes
