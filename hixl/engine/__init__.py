@@ -18,10 +18,12 @@ socket its handshake ran on, which stays open as the control channel (region upd
 goodbyes) and tells at once when the peer process dies (EOF).
 
 ``put``/``get`` plan the transfer with the pure core (:mod:`hixl.core.plan`), check local
-and remote bounds, access and alignment *before* anything is posted, and post the work
-requests in chunks of which only the last is signaled: an RC queue completes in order,
-so that completion frees the whole chunk's send-queue slots.  Chunks that do not fit in
-the send queue wait in the connection's backlog and are posted as slots free up.  A
+and remote bounds, access and alignment *before* anything is posted, and queue the work
+requests in the connection's backlog.  One thread at a time per connection (its
+*poster*: the progress thread, or a blocking call on an idle queue pair) reserves what
+the send queue has room for under the lock -- many transfers' chunks at once -- and posts
+it with one ``post_send`` outside the lock; only the batch's last chunk is signaled, as an
+RC queue completes in order.  A
 notification is a SEND posted right after a transfer's data on the same queue pair, so
 the target sees it only when every byte before it has landed.
 
@@ -42,10 +44,12 @@ the calling thread.
 engine's tables and every connection's bookkeeping: the region table, the connection
 tables (by peer id and by QPN), the set of pending handles, the notification queue, the
 notification send slots and per-peer counts, the exposed-region index, each connection's
-state, send window, control outbox and probe fields, and posting to a queue pair (so
-chunks go out in order).  Held for dictionary updates,
-counters, ``ibv_post_send``/``ibv_poll_cq`` and state moves.  **Never held across socket
-I/O, a sleep, or a wait on another thread** (the condition's own wait releases it).
+state, send window (including its *poster* flag, which lets one thread at a time post
+a reserved batch, so chunks go out in order), control outbox and probe fields.  Held for
+dictionary updates, counters, reserving a batch, ``ibv_poll_cq`` and state moves.
+**Never held across socket I/O, a sleep, a wait on another thread, or a system call on
+the data path**: ``ibv_post_send`` of a batch, arming a CQ and reading its channel run
+without it (the condition's own wait releases it).
 Control messages (REGIONS, BYE) are queued in the connection's outbox under the lock and
 written by the progress thread with non-blocking sends; a peer that leaves more than
 ``MAX_OUTBOX`` bytes unread fails.  Handshakes run on their own sockets without the lock

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from hixl.engine.connection import Connection
     from hixl.engine.handles import TransferRequest
 
-__all__ = ["Built", "NotifySlots", "PLAN_CACHE", "Planner", "signal_interval"]
+__all__ = ["Built", "NotifySlots", "PLAN_CACHE", "Planner", "Template", "signal_interval"]
 
 PLAN_CACHE = 512  # planned (descriptor pair, region sizes) kept per engine
 CHAIN_CACHE_WRS = 1 << 18  # WRs (x 128 bytes, plus SGEs) of idle built chains kept per engine
@@ -70,6 +70,29 @@ class Built:
     bases: tuple[int, int]  # the local and remote addresses the chain's plan starts from
 
 
+@dataclass(slots=True, frozen=True)
+class Template:
+    """A checked single request, kept so that repeating it skips the checks and planning.
+
+    Valid while ``conn`` is the peer's connection, the peer's announced regions are the
+    very tuple ``remotes`` (any REGIONS change swaps it) and ``local`` is open: bounds,
+    access and alignment depend only on the descriptors and the regions' immutable
+    fields, so they still hold.
+    """
+
+    conn: Connection
+    remotes: tuple[RemoteRegion, ...]
+    local: Region
+    plan: Plan
+    opcode: int
+    key: tuple[Any, ...]
+    local_addr: int
+    remote_addr: int
+    rkey: int
+    nbytes: int
+    num_wrs: int
+
+
 class Planner:
     """Checks requests against regions and policy, and turns them into work requests.
 
@@ -85,6 +108,50 @@ class Planner:
         self._plans: dict[tuple[Any, ...], Plan] = {}
         self._chains: dict[tuple[Any, ...], list[tuple[SendChain, tuple[int, int]]]] = {}
         self._chain_wrs = 0  # WRs held by idle chains (approximate: no lock)
+
+    def template(self, conn: Connection, req: TransferRequest, built: Built) -> Template | None:
+        """What :meth:`rebuild` needs to repeat ``req`` (just built); None if not cacheable."""
+        plan = self._plans.get(built.key[0]) if built.key is not None else None
+        if plan is None or built.key is None:
+            return None
+        remote = _resolve_remote(conn, req.remote, "")
+        return Template(
+            conn=conn,
+            remotes=conn.remote_regions,
+            local=req.local,
+            plan=plan,
+            opcode=verbs.WR_RDMA_WRITE if req.op == "write" else verbs.WR_RDMA_READ,
+            key=built.key,
+            local_addr=built.bases[0],
+            remote_addr=built.bases[1],
+            rkey=remote.rkey,
+            nbytes=built.nbytes,
+            num_wrs=built.chain.num_wrs,
+        )
+
+    def rebuild(self, t: Template) -> Built:
+        """The chain of a :class:`Template`'s request: a pooled one, or built anew."""
+        pool = self._chains.get(t.key)
+        if pool:
+            try:
+                chain, (la, ra) = pool.pop()
+            except IndexError:  # another thread took the last one
+                pass
+            else:
+                self._chain_wrs -= chain.capacity
+                if la != t.local_addr or ra != t.remote_addr:
+                    chain.shift(t.local_addr - la, t.remote_addr - ra)
+                return Built(chain, t.nbytes, t.key, (t.local_addr, t.remote_addr))
+        chain = SendChain.for_plan(
+            t.plan,
+            opcode=t.opcode,
+            local_addr=t.local_addr,
+            lkey=t.local.lkey,
+            remote_addr=t.remote_addr,
+            rkey=t.rkey,
+            regions=(t.local,),
+        )
+        return Built(chain, t.nbytes, t.key, (t.local_addr, t.remote_addr))
 
     def build(self, owner: object, conn: Connection, req: TransferRequest, index: int) -> Built:
         """The filled chain of one request; raises before anything is posted."""

@@ -29,7 +29,7 @@ from hixl.core.plan import DeviceLimits
 from hixl.core.states import ConnEvent, ConnState
 from hixl.core.wire import RemoteRegion
 from hixl.engine.connection import RECV_SLOTS, Batch, Chunk, Connection
-from hixl.engine.datapath import NotifySlots, Planner, signal_interval
+from hixl.engine.datapath import Built, NotifySlots, Planner, Template, signal_interval
 from hixl.engine.handles import TransferHandle, TransferRequest
 from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
 from hixl.engine.names import Names
@@ -57,6 +57,7 @@ __all__ = ["Diagnostics", "Engine"]
 log = logging.getLogger("hixl.engine")
 
 SEND_NOTIFY_SLOTS = 256  # notifications in flight per engine
+TEMPLATES = 1024  # single requests kept checked and planned (see Engine._one)
 # Room left in a handshake message for everything but the exposed regions, bytes.
 _REGION_BYTES = wire.MAX_PAYLOAD - 4096
 
@@ -70,7 +71,10 @@ class Diagnostics:
     on completion channels (True) or polls the CQs; ``pending_transfers`` counts
     transfers not finished yet; ``handshakes`` counts incoming handshakes under way and
     ``refused_busy`` the sockets answered ERROR(BUSY) so far; ``notifications`` counts
-    notifications received and not taken yet.
+    notifications received and not taken yet.  ``send_posts`` counts the
+    ``post_send`` calls made for transfers and notifications so far and
+    ``posted_wrs`` the work requests they carried: many ``put_async`` calls issued
+    while earlier ones are out go in one post (see :meth:`Engine.transfer_async`).
     """
 
     progress_thread_id: int | None
@@ -82,6 +86,8 @@ class Diagnostics:
     handshakes: int = 0
     refused_busy: int = 0
     notifications: int = 0
+    send_posts: int = 0
+    posted_wrs: int = 0
 
 
 class Engine:
@@ -231,6 +237,7 @@ class Engine:
             raise
         self._listener = listener
         self._planner = Planner(self.limits, alignment or None)
+        self._templates: dict[tuple[Any, ...], Template] = {}
         self._regions: dict[tuple[int, int], Region] = {}
         self._conns: dict[str, Connection] = {}
         self._by_qpn: dict[int, Connection] = {}
@@ -247,6 +254,8 @@ class Engine:
         self._to_post: dict[int, Connection] = {}
         self._post_wake = False
         self._posters = 0
+        self._send_posts = 0  # post_send calls for transfers, and the WRs they carried
+        self._posted_wrs = 0
         self._post_cv = threading.Condition(self._lock)
         self._outgoing: set[Connection] = set()  # connections with control output queued
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
@@ -329,6 +338,8 @@ class Engine:
                 handshakes=self._incoming.pending if self._incoming is not None else 0,
                 refused_busy=self._incoming.refused_busy if self._incoming is not None else 0,
                 notifications=len(self._notes),
+                send_posts=self._send_posts,
+                posted_wrs=self._posted_wrs,
             )
 
     def close(self) -> None:
@@ -362,6 +373,7 @@ class Engine:
         self._release_dead()
         self._progress.close()
         self._regions.clear()
+        self._templates.clear()
         self._dev.close()
         log.debug("engine %s closed", self.id)
 
@@ -860,10 +872,18 @@ class Engine:
         :class:`CompletionError`, :class:`ConnectionFailed` or
         :class:`TransferTimeout` (after ``timeout`` seconds) after it.
         """
-        req = TransferRequest(
-            op="write", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
-        )
-        self._submit(peer, [req], notify, notify_message, timeout, now=True).wait()
+        self._one(
+            "write",
+            peer,
+            local,
+            remote,
+            local_desc,
+            remote_desc,
+            notify,
+            notify_message,
+            timeout,
+            now=True,
+        ).wait()
 
     def get(
         self,
@@ -879,10 +899,9 @@ class Engine:
 
         Errors as for :meth:`put`.  ``local`` needs ``Access.LOCAL_WRITE``.
         """
-        req = TransferRequest(
-            op="read", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
-        )
-        self._submit(peer, [req], None, b"", timeout, now=True).wait()
+        self._one(
+            "read", peer, local, remote, local_desc, remote_desc, None, b"", timeout, now=True
+        ).wait()
 
     def put_async(
         self,
@@ -897,10 +916,18 @@ class Engine:
         timeout: float = 30.0,
     ) -> TransferHandle:
         """Start a put (see :meth:`put`); return its :class:`TransferHandle`."""
-        req = TransferRequest(
-            op="write", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
+        return self._one(
+            "write",
+            peer,
+            local,
+            remote,
+            local_desc,
+            remote_desc,
+            notify,
+            notify_message,
+            timeout,
+            now=False,
         )
-        return self._submit(peer, [req], notify, notify_message, timeout, now=False)
 
     def get_async(
         self,
@@ -913,10 +940,9 @@ class Engine:
         timeout: float = 30.0,
     ) -> TransferHandle:
         """Start a get (see :meth:`get`); return its :class:`TransferHandle`."""
-        req = TransferRequest(
-            op="read", local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
+        return self._one(
+            "read", peer, local, remote, local_desc, remote_desc, None, b"", timeout, now=False
         )
-        return self._submit(peer, [req], None, b"", timeout, now=False)
 
     def transfer(
         self,
@@ -954,6 +980,46 @@ class Engine:
         """
         return self._submit(peer, requests, notify, notify_message, timeout, now=False)
 
+    def _one(
+        self,
+        op: str,
+        peer: str,
+        local: Region,
+        remote: RemoteRegion | str,
+        local_desc: Descriptor | None,
+        remote_desc: Descriptor | None,
+        notify: str | None,
+        notify_message: bytes,
+        timeout: float,
+        *,
+        now: bool,
+    ) -> TransferHandle:
+        """A single put or get.  One already checked with these very arguments on this
+        connection is repeated from its :class:`~hixl.engine.datapath.Template` (no
+        checks, no planning: what they depend on has not changed, see there)."""
+        tkey: tuple[Any, ...] | None = (peer, op, local, remote, local_desc, remote_desc)
+        try:
+            t = self._templates.get(tkey)  # type: ignore[arg-type]
+        except TypeError:  # an unhashable descriptor
+            t, tkey = None, None
+        if t is not None:
+            conn = t.conn
+            if (
+                conn.state is ConnState.READY
+                and conn.remote_regions is t.remotes
+                and not t.local.closed
+                and self._conns.get(conn.peer) is conn
+                and timeout > 0
+                and not self._closed
+            ):
+                payload = _notify.encode(notify, notify_message) if notify is not None else None
+                built = [self._planner.rebuild(t)]
+                return self._queue(conn, built, payload, op == "read", timeout, now)
+        req = TransferRequest(
+            op=op, local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
+        )
+        return self._submit(peer, [req], notify, notify_message, timeout, now=now, tkey=tkey)
+
     def _submit(
         self,
         peer: str,
@@ -963,9 +1029,11 @@ class Engine:
         timeout: float,
         *,
         now: bool,
+        tkey: tuple[Any, ...] | None = None,
     ) -> TransferHandle:
         """Check, plan, build and queue a transfer; ``now``: post it on this thread when
-        the queue pair is idle (a blocking call, which waits anyway)."""
+        the queue pair is idle (a blocking call, which waits anyway).  ``tkey``: keep the
+        single request's template under that key."""
         if timeout <= 0:
             raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
         if not requests and notify is None:
@@ -978,6 +1046,25 @@ class Engine:
         # the peer's announced region tuple), so they run without the engine lock; the
         # progress thread keeps reaping completions meanwhile.
         built = [self._planner.build(self, conn, req, i) for i, req in enumerate(requests)]
+        if tkey is not None:
+            t = self._planner.template(conn, requests[0], built[0])
+            if t is not None:
+                if len(self._templates) >= TEMPLATES:
+                    self._templates.clear()
+                self._templates[tkey] = t
+        reads = any(r.op == "read" for r in requests)
+        return self._queue(conn, built, payload, reads, timeout, now)
+
+    def _queue(
+        self,
+        conn: Connection,
+        built: list[Built],
+        payload: bytes | None,
+        reads: bool,
+        timeout: float,
+        now: bool,
+    ) -> TransferHandle:
+        """Queue built requests (and a notification) as one transfer; post or hand over."""
         nbytes = sum(b.nbytes for b in built)
         num_wrs = sum(b.chain.num_wrs for b in built)
         with self._lock:
@@ -1006,11 +1093,13 @@ class Engine:
                 chunk.groups = chunk.chain.set_signals(self._next_wr, 1, slot, slot + 1)
                 # After READs the SEND is fenced: it starts only once they have completed,
                 # so the peer is told "done" after its memory was read, not before.
-                fence = any(r.op == "read" for r in requests)
-                if fence:
+                if reads:
                     chunk.chain.fence(slot)
                 log.debug(
-                    "notification %r to %s posted%s", notify, peer, " fenced" if fence else ""
+                    "notification %r to %s posted%s",
+                    payload.partition(b"\0")[0].decode(),
+                    conn.peer,
+                    " fenced" if reads else "",
                 )
                 self._next_wr += 1
                 chunks.append(chunk)
@@ -1055,6 +1144,8 @@ class Engine:
             return None
         if batch is not None:
             self._posters += 1
+            self._send_posts += 1  # counted when reserved: completions may beat the post
+            self._posted_wrs += sum(hi - lo for _, lo, hi in batch.pieces)
         return batch
 
     def _want_post(self, conn: Connection) -> None:
@@ -1110,11 +1201,17 @@ class Engine:
             self._post(conn, batch)
         return bool(self._to_post)
 
-    def _reap_inline(self) -> bool:
+    def _reap_inline(self, sleeping: bool) -> bool:
         """A waiter reaps send completions itself (no hand-off); True if it found some.
 
         Skips when the lock is busy (the progress thread is reaping, most likely).
+        ``sleeping``: the waiter is about to sleep on its handle, so the progress thread
+        is woken to watch the completion queue (it sleeps unarmed while nothing was
+        pending).
         """
+        if sleeping:
+            self._progress.wake()
+            return False
         if not self._lock.acquire(blocking=False):
             return False
         try:

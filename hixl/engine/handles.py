@@ -61,7 +61,7 @@ class TransferHandle:
         nbytes: int,
         num_wrs: int,
         deadline: float,
-        reap: Callable[[], bool] | None = None,
+        reap: Callable[[bool], bool] | None = None,
     ) -> None:
         self.peer = peer
         self._reap = reap  # the engine's own completion reaping, for waiters to drive
@@ -99,7 +99,9 @@ class TransferHandle:
             # transfer then ends without waking the progress thread and this one in turn.
             spin_until = time.monotonic() + (SPIN_S if timeout is None else min(SPIN_S, timeout))
             while self._status is TransferStatus.PENDING and time.monotonic() < spin_until:
-                reap()
+                reap(False)
+            if self._status is TransferStatus.PENDING:
+                reap(True)  # about to sleep: the progress thread takes over
         event = None
         with _handle_lock:  # most handles are done before anyone waits: no Event for them
             if self._status is TransferStatus.PENDING:

@@ -232,6 +232,11 @@ class Progress:
             if reap() == POLL_BATCH:
                 busy = True  # maybe more queued: poll again before arming
                 continue
+            if cq is send and not engine._handles:
+                # Nothing pending: no event wanted.  A transfer started from now on either
+                # wakes this thread (posting is handed over) or is waited on by a caller
+                # that reaps its own completion and wakes this thread before it sleeps.
+                continue
             cq.arm()  # a system call on rxe: outside the engine lock
             self._armed.add(cq)
             if reap() == POLL_BATCH:

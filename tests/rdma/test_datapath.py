@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hixl.core.descriptors import StridedDesc
+from hixl.core.descriptors import ContiguousDesc, StridedDesc
 from hixl.core.states import ConnState
-from hixl.engine import Access, Engine
-from hixl.errors import BoundsError, CompletionError, RegistrationError
+from hixl.engine import Access, Engine, TransferHandle
+from hixl.errors import BoundsError, CompletionError, ConnectionFailed, RegistrationError
 
 from .conftest import listening_engine
 
@@ -224,3 +224,74 @@ def test_one_layout_at_ever_new_offsets_moves_the_right_bytes(
     with pytest.raises(BoundsError, match=f"remote out of bounds: offset={n - 1900 + 1 + 1900} "):
         move(server.id, r, "mem", local_desc=ldesc, remote_desc=too_far, timeout=30)
     assert np.array_equal(dst, before)
+
+
+def test_coalesced_puts_fail_from_the_bad_one_on(connected: tuple[Engine, Engine]) -> None:
+    """Puts issued back to back go out in few ``post_send`` calls, only the last of each
+    signaled; a bad key in the middle still fails exactly its own put with its status,
+    the earlier ones complete with their bytes, the later ones fail with the connection."""
+    client, server = connected
+    n, size = 48, 1024
+    dst = np.zeros(n * size, np.uint8)
+    server.register(dst, access=Access.REMOTE_WRITE, name="dst")
+    conn = client.connection(server.id)
+    deadline = time.monotonic() + 10
+    while not any(r.name == "dst" for r in conn.remote_regions):
+        assert time.monotonic() < deadline, "the peer never announced its region"
+        time.sleep(0.01)
+    good = conn.remote_region("dst")
+    bad = replace(good, rkey=good.rkey ^ 0x00FF00, name="bad")
+    conn.set_remote_regions((good, bad))  # test hook: as if the peer had announced both
+    src = np.random.default_rng(5).integers(1, 256, n * size, dtype=np.uint8)
+    r = client.register(src)
+
+    # A clean stream first: every byte lands, in fewer posts than calls.
+    before = client.diagnostics()
+    handles = [
+        client.put_async(
+            server.id,
+            r,
+            good,
+            local_desc=ContiguousDesc(offset=i * size, nbytes=size),
+            remote_desc=ContiguousDesc(offset=i * size, nbytes=size),
+        )
+        for i in range(n)
+    ]
+    for h in handles:
+        h.wait(timeout=30)
+    after = client.diagnostics()
+    assert np.array_equal(dst, src)
+    assert after.posted_wrs - before.posted_wrs == n
+    assert after.send_posts - before.send_posts < n, (before, after)
+
+    # The same with a bad key at put 30.
+    dst[:] = 0
+    cut = 30
+    maybe: list[TransferHandle | None] = []
+    for i in range(n):
+        try:
+            maybe.append(
+                client.put_async(
+                    server.id,
+                    r,
+                    bad if i == cut else good,
+                    local_desc=ContiguousDesc(offset=i * size, nbytes=size),
+                    remote_desc=ContiguousDesc(offset=i * size, nbytes=size),
+                    timeout=20,
+                )
+            )
+        except ConnectionFailed:  # the bad put already failed the connection
+            assert i > cut
+            maybe.append(None)
+    for i, m in enumerate(maybe):
+        if i < cut:
+            assert m is not None
+            m.wait(timeout=30)
+        elif m is not None:
+            with pytest.raises(CompletionError if i == cut else ConnectionFailed) as info:
+                m.wait(timeout=30)
+            if i == cut:
+                assert isinstance(info.value, CompletionError)
+                assert info.value.status_name in ("IBV_WC_REM_ACCESS_ERR", "IBV_WC_REM_INV_REQ_ERR")
+    assert np.array_equal(dst[: cut * size], src[: cut * size])
+    assert conn.state is ConnState.FAILED
