@@ -26,6 +26,9 @@ prefill workers, each its own process with its own engine, on this machine's RDM
   request completed exactly once with identical tokens on both sides. It runs a 1x1 fleet
   with the same requests first, so the summary can give the P x D throughput as a ratio
   measured in the same run.
+
+Every engine of a fleet proves a token shared by the run: the orchestrator makes one and
+hands it to the workers in ``$HIXL_FLEET_TOKEN`` (:func:`fleet_token`).
 """
 
 from __future__ import annotations
@@ -33,13 +36,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -62,7 +66,16 @@ from hixl.demo.kvdemo import (
 from hixl.demo.router import Ledger, choose
 from hixl.errors import ArgumentError, ConnectionFailed, HixlError, TransferTimeout
 
-__all__ = ["FLEET_CONFIG", "request_prompt", "run_fleet", "check_results"]
+__all__ = [
+    "FLEET_CONFIG",
+    "TOKEN_ENV",
+    "check_results",
+    "cut_timeline",
+    "fleet_token",
+    "request_prompt",
+    "run_fleet",
+    "run_fleet_hosts",
+]
 
 Emit = Callable[[str], None]
 
@@ -74,6 +87,34 @@ def request_prompt(cfg: DemoConfig, request: int) -> npt.NDArray[np.int64]:
     """Request ``request``'s prompt: the configured text, rotated so every request differs."""
     base = cfg.prompt_tokens()
     return np.roll(base, -(7 * request) % base.size)
+
+
+TOKEN_ENV = "HIXL_FLEET_TOKEN"
+"""The variable that carries the fleet's shared token from the runner to every worker."""
+
+
+def fleet_token(environ: Mapping[str, str] | None = None) -> str:
+    """The fleet's shared engine token, from ``$HIXL_FLEET_TOKEN``.
+
+    Every runner (:func:`run_fleet`, :func:`run_fleet_hosts`, ``make test-fleet``) makes
+    one with :func:`secrets.token_hex` and hands it to its workers in the environment, so
+    no fleet engine runs unauthenticated. Raises :class:`ArgumentError` when it is unset."""
+    env = os.environ if environ is None else environ
+    token = env.get(TOKEN_ENV, "")
+    if not token:
+        raise ArgumentError(
+            f"${TOKEN_ENV} is unset: fleet workers share a token (the runners set it; "
+            "'hixl token' makes one)"
+        )
+    return token
+
+
+def _wait_file(path: str, seconds: float, what: str) -> None:
+    end = time.monotonic() + seconds
+    while not Path(path).exists():
+        if time.monotonic() > end:
+            raise TransferTimeout(f"{what}: {path} did not appear within {seconds:.0f} s")
+        time.sleep(0.2)
 
 
 def _msg(note: Any) -> dict[str, Any]:
@@ -99,18 +140,24 @@ def run_fleet_decode(
     emit: Emit,
     *,
     stop_file: str | None = None,
-    vanish_after: int | None = None,
+    vanish_file: str | None = None,
     restart_after: int | None = None,
     restart_file: str | None = None,
+    role: str = "decode",
+    scratch: int = 0,
+    token: str | None = None,
 ) -> dict[str, Any]:
     """A decode worker; serves until SIGTERM, ``stop_file`` exists, or ``seconds``.
 
-    With ``vanish_after`` (multi-host runs only) its host is cut off when the KV of one
-    more request than that has landed: a host lost mid-stream. With ``restart_after`` the
-    worker restarts once after serving that many requests (with ``restart_file``, once
-    that file exists): its engine closes and a new one comes up under the same name and
-    address (a new process, as far as peers can tell). While the registry is unreachable,
-    capacity updates are kept and made when it is back. Returns what it served."""
+    With ``vanish_file`` (multi-host runs only) its host is cut off as soon as that file
+    exists (looked at every 20 ms, and again before each answer, so a request whose KV
+    arrives after the order is never answered): a host lost mid-stream. With
+    ``restart_after`` the worker restarts once after serving that many requests (with
+    ``restart_file``, once that file exists): its engine closes and a new one comes up
+    under the same name and address (a new process, as far as peers can tell). While the
+    registry is unreachable, capacity updates are kept and made when it is back.
+    ``scratch`` bytes more are registered as region ``"scratch"`` (remote write), for
+    tests that stream into a worker. Returns what it served."""
     from hixl.engine import Access, ConnState, Engine
     from hixl.errors import RegistryUnavailable
 
@@ -119,15 +166,19 @@ def run_fleet_decode(
     dst = paged_layout(cfg, slots * bn, cfg.block_size)
     cache = np.zeros(dst.nbytes, dtype=np.uint8)
     local_layout = paged_layout(cfg, bn, cfg.block_size)
+    spare = np.zeros(scratch, dtype=np.uint8) if scratch else None
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
     served: list[dict[str, Any]] = []
     end = time.monotonic() + seconds
 
     def start_engine() -> Engine:
         while True:
             try:
-                eng = Engine(listen, name=name, role="decode", capacity=slots, registry=url)
+                eng = Engine(
+                    listen, name=name, role=role, capacity=slots, registry=url, token=token
+                )
             except (RegistryUnavailable, OSError) as exc:
                 if time.monotonic() > end:
                     raise
@@ -135,6 +186,8 @@ def run_fleet_decode(
                 time.sleep(0.5)
                 continue
             eng.register(cache, access=Access.REMOTE_WRITE, name="kv")
+            if spare is not None:
+                eng.register(spare, access=Access.REMOTE_WRITE, name="scratch")
             emit(f"ready: {name} at {eng.id}, {slots} slots of {bn} blocks")
             return eng
 
@@ -148,9 +201,23 @@ def run_fleet_decode(
     restarted = False
     free = list(range(slots))
     owner: dict[int, tuple[str, int, int]] = {}
-    next_check = 0.0
+    next_check = next_vanish = 0.0
+
+    def vanish_if_ordered(now: bool = False) -> None:
+        nonlocal next_vanish
+        if vanish_file is None or not (now or time.monotonic() > next_vanish):
+            return
+        next_vanish = time.monotonic() + 0.02
+        if Path(vanish_file).exists():
+            from hixl.testbed.hosts import vanish
+
+            held = sorted(r for _, r, _ in owner.values())
+            emit(f"ordered off the wire with requests {held} in hand; this host now vanishes")
+            vanish(f"{name} cut off mid-stream holding requests {held}")
+
     try:
         while not stop.is_set() and time.monotonic() < end:
+            vanish_if_ordered()
             want_restart = restart_after is not None and len(served) >= restart_after
             if time.monotonic() > next_check:
                 next_check = time.monotonic() + 0.5
@@ -194,12 +261,8 @@ def run_fleet_decode(
                         slot = int(msg["slot"])
                         if owner.get(slot) != (note.peer, req, attempt):
                             continue  # not the attempt that holds this slot
-                        if vanish_after is not None and len(served) >= vanish_after:
-                            from hixl.testbed.hosts import vanish
-
-                            emit(f"request {req}: its KV landed; this host now vanishes")
-                            vanish(f"{name} cut off mid-stream with request {req} in flight")
                         result = _serve(model, cfg, cache, dst, local_layout, slot, msg, req)
+                        vanish_if_ordered(now=True)
                         result |= {"req": req, "attempt": attempt, "decode": name}
                         del owner[slot]
                         free.append(slot)
@@ -267,11 +330,22 @@ def run_fleet_prefill(
     seconds: float,
     emit: Emit,
     on_done: Callable[[int], None] | None = None,
+    *,
+    on_slot: Callable[[str, int], None] | None = None,
+    role: str = "decode",
+    expect: int = 1,
+    token: str | None = None,
 ) -> dict[str, Any]:
     """A prefill worker: every request in ``requests`` completed exactly once, or an error.
 
-    ``on_done(n)`` is called after the ``n``-th completion. An attempt that fails because
-    the registry is unreachable is retried without blaming the decode worker."""
+    It starts once ``expect`` workers of ``role`` are announced (within 120 s) and routes
+    to workers of that role. ``on_done(n)`` is called after the ``n``-th completion,
+    ``on_slot(worker, request)`` when a worker has reserved a slot for a request (its KV
+    goes out next). An attempt that fails because the registry is unreachable is retried
+    without blaming the decode worker. The result has a timeline on this host's monotonic
+    clock: every choice of a worker, every failed attempt (with when it ended) and every
+    worker seen leaving the registry."""
+    from hixl.core.directory import EventKind
     from hixl.engine import Access, Engine
     from hixl.errors import RegistryUnavailable
 
@@ -283,27 +357,47 @@ def run_fleet_prefill(
     bad: dict[str, str] = {}  # decode name -> the instance that failed us
     results: dict[int, dict[str, Any]] = {}
     failures: list[dict[str, Any]] = []
+    choices: list[dict[str, Any]] = []
+    leaves: list[dict[str, Any]] = []  # bounded below: the registry is ours, but still
+
+    def on_event(ev: Any) -> None:  # the registry's watch thread
+        if ev.kind is EventKind.LEAVE and len(leaves) < 1000:
+            leaves.append({"t": time.monotonic(), "name": ev.name})
+
     end = time.monotonic() + seconds
-    with Engine(f"{host}:0", registry=url) as eng:
+    with Engine(f"{host}:0", registry=url, token=token) as eng:
         region = eng.register(buf, access=Access.NONE)
         assert eng.registry is not None
-        watch = eng.registry.watch(callback=lambda ev: None)  # the view only, no queue
+        watch = eng.registry.watch(callback=on_event)  # the view, and leaves timed
         eng.registry.wait_synced(watch, 10.0)
+        ready_by = time.monotonic() + 120.0
+        while len(watch.members(role)) < expect:
+            if time.monotonic() > ready_by:
+                raise TransferTimeout(
+                    f"prefill: {len(watch.members(role))} of {expect} {role} workers "
+                    f"announced in {url} after 120 s"
+                )
+            time.sleep(0.1)
         began = time.monotonic()
+        emit(f"routing {len(requests)} requests among {len(watch.members(role))} {role} workers")
         while not ledger.finished:
             if time.monotonic() > end:
                 raise TransferTimeout(f"prefill: {ledger} after {seconds} s")
             req = ledger.next_pending()
             assert req is not None  # one request at a time: nothing else is running
-            members = {n: a for n, a in watch.members("decode").items() if bad.get(n) != a.instance}
-            target = choose(members, inflight=ledger.inflight())
+            members = {n: a for n, a in watch.members(role).items() if bad.get(n) != a.instance}
+            target = choose(members, role=role, inflight=ledger.inflight())
             if target is None:
                 time.sleep(0.1)
                 continue
             attempt = ledger.assign(req, target)
             t0 = time.monotonic()
+            choices.append({"t": t0, "req": req, "attempt": attempt.number, "decode": target})
+            slot_hook = None if on_slot is None else (lambda w=target, r=req: on_slot(w, r))
             try:
-                out = _one_request(eng, region, model, cfg, src, kv, target, attempt.number, req)
+                out = _one_request(
+                    eng, region, model, cfg, src, kv, target, attempt.number, req, slot_hook
+                )
             except _Busy:
                 ledger.fail(attempt, count=False)
                 time.sleep(0.05)
@@ -320,7 +414,13 @@ def run_fleet_prefill(
                     f"{waited:.1f} s: {exc}; running it again elsewhere"
                 )
                 failures.append(
-                    {"req": req, "decode": target, "seconds": waited, "error": str(exc)[:300]}
+                    {
+                        "req": req,
+                        "decode": target,
+                        "seconds": waited,
+                        "t_end": time.monotonic(),
+                        "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                    }
                 )
                 ledger.fail(attempt)
                 bad[target] = members[target].instance
@@ -342,6 +442,9 @@ def run_fleet_prefill(
         "retries": ledger.retries,
         "failures": failures,
         "wall_s": wall,
+        "began": began,
+        "choices": choices,
+        "leaves": list(leaves),
     }
 
 
@@ -360,8 +463,8 @@ def _wait_for(eng: Any, conn: Any, name: str, req: int, attempt: int, end: float
         left = end - time.monotonic()
         if left <= 0:
             raise TransferTimeout(f"no {name!r} for request {req} from {conn.peer}")
-        try:
-            note = eng.wait_notification(name, timeout=min(0.2, left), peer=conn.peer)
+        try:  # short waits: a failed connection is noticed within 50 ms
+            note = eng.wait_notification(name, timeout=min(0.05, left), peer=conn.peer)
         except TransferTimeout:
             continue
         msg = _msg(note)
@@ -379,6 +482,7 @@ def _one_request(
     target: str,
     attempt: int,
     req: int,
+    on_slot: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     from hixl.engine import TransferRequest
 
@@ -390,6 +494,8 @@ def _one_request(
     slot = int(answer["slot"])
     if slot < 0:
         raise _Busy(f"{target} has no free slot")
+    if on_slot is not None:
+        on_slot()
     bn = cfg.blocks_needed
     dst = paged_layout(cfg, int(answer["pool"]), int(answer["block_size"]))
     ids = np.arange(slot * bn, (slot + 1) * bn, dtype=np.int64)
@@ -471,6 +577,7 @@ def _fleet_once(
                 out.flush()
 
     base = [sys.executable, "-u", "-m", "hixl.demo.fleet"]
+    env = _child_env() | {TOKEN_ENV: secrets.token_hex(32)}  # this fleet's shared token
     with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="hixl-fleet-") as tmp:
         start = time.monotonic()
         threads = []
@@ -485,7 +592,7 @@ def _fleet_once(
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
-                    env=_child_env(),
+                    env=env,
                 )
                 assert procs[role].stdout is not None
                 th = threading.Thread(target=forward, args=(role, procs[role].stdout), daemon=True)
@@ -593,6 +700,38 @@ def run_fleet(
 
 ETCD_PORT = 2379
 DECODE_PORT = 5600
+TTL_S = 3
+"""The lease TTL of every fleet engine's registry, seconds (the engine's default)."""
+
+
+def cut_timeline(prefill: dict[str, Any], victim: str, cut: float | None) -> dict[str, Any]:
+    """When a router stopped using ``victim`` after its host was cut off (pure).
+
+    ``prefill`` is a prefill worker's result (its timeline is on its own host's clock).
+    With ``cut`` (the time of the order to cut the host off, on the same clock), the
+    times are seconds after it: ``lease_gone_s`` (the router's watch saw the name leave),
+    ``last_choice_s`` (the last time it chose ``victim``; negative if before the cut) and
+    ``last_given_up_s`` (the last attempt on ``victim`` given up). Without ``cut`` (a
+    router on another host, another clock), they are measured from when this router saw
+    the name leave (``lease_gone_s`` is then 0). Missing events give None."""
+    leaves = [e["t"] for e in prefill.get("leaves", []) if e["name"] == victim]
+    if cut is not None:
+        leaves = [t for t in leaves if t >= cut]
+    leave = min(leaves, default=None)
+    zero = cut if cut is not None else leave
+    if zero is None:
+        return {"lease_gone_s": None, "last_choice_s": None, "last_given_up_s": None}
+    chosen = [c["t"] for c in prefill.get("choices", []) if c["decode"] == victim]
+    given_up = [
+        f["t_end"]
+        for f in prefill.get("failures", [])
+        if f["decode"] == victim and f.get("t_end", zero) >= zero
+    ]
+    return {
+        "lease_gone_s": None if leave is None else leave - zero,
+        "last_choice_s": None if not chosen else max(chosen) - zero,
+        "last_given_up_s": None if not given_up else max(given_up) - zero,
+    }
 
 
 def run_fleet_hosts(
@@ -607,15 +746,23 @@ def run_fleet_hosts(
     """The fleet on ``prefill + decode`` hosts of the virtual wire, one VM each.
 
     host0 runs etcd and prefill-0, the next hosts the other prefill workers, then the
-    decode workers. Three things go wrong on purpose, each checked in the summary:
+    decode workers. Every engine has the run's shared token (``$HIXL_FLEET_TOKEN``).
 
-    * with two or more decode workers, decode-0's host is cut off (no FIN, no goodbye) when
-      the KV of its second request has landed: that attempt fails when its lease expires,
-      and the request runs again on another decode worker;
+    First a 1 x 1 fleet serves the same requests: prefill-0 on host0 and a decode worker
+    on the first decode host (role ``base``; the other workers wait for it to end), so
+    the summary gives the ``P x D`` fleet's throughput as a ratio measured in the same
+    boot. Then the ``P x D`` fleet, where three things go wrong on purpose, each checked:
+
     * after prefill-0's first request, the last decode worker restarts under the same
       name: the prefill workers find it again and replace their connections to it;
-    * after prefill-0's third request, etcd on host0 is stopped for 5 s: work goes on over
-      live connections, and announcements are made again when it is back.
+    * with two or more decode workers, once prefill-0 has completed two requests, the
+      next time decode-0 reserves a slot for it host0 orders decode-0's host cut off (no
+      FIN, no goodbye) before the KV goes out, so that request is in flight when the host
+      dies. On host0's clock the summary gives the time from that order to decode-0's
+      lease leaving, to the last choice of decode-0, and to the last attempt on it given
+      up (and re-run elsewhere); each must be within TTL + 1 s;
+    * after that, etcd on host0 is stopped for 5 s: work goes on over live connections,
+      and announcements are made again when it is back.
     """
     import shutil
 
@@ -630,37 +777,47 @@ def run_fleet_hosts(
     worker = [sys.executable, "-u", "-m", "hixl.demo.fleet"]
     common = ["--registry", etcd_url, "--seconds", f"{timeout:.0f}", *cfg.to_argv()]
     results = [str(share / f"prefill-{j}.json") for j in range(prefill)]
-    stop = str(share / "stop")
-    restart = str(share / "restart")
+    stop, restart = str(share / "stop"), str(share / "restart")
+    base_done, cut = str(share / "baseline-done"), str(share / "cut-decode-0")
     commands = []
     for j in range(prefill):
         mine = ",".join(str(r) for r in range(requests) if r % prefill == j)
         cmd = [*worker, "prefill", "--host", host_address(j), "--requests", mine]
-        cmd += ["--result", results[j]]
+        cmd += ["--result", results[j], "--expect", str(decode)]
         if j == 0:
             cmd += ["--etcd", f"{host_address(0)}:{ETCD_PORT}", "--stop-file", stop]
             cmd += ["--wait-results", ",".join(results[1:])]
+            cmd += ["--baseline-requests", str(requests), "--baseline-done", base_done]
             cmd += ["--restart-file", restart, "--restart-at", "1"]
-            cmd += ["--etcd-outage-after", "3", "--etcd-outage-seconds", "5"]
+            cmd += ["--etcd-outage-seconds", "5"]
+            if decode >= 2:
+                cmd += ["--vanish-file", cut]
+        else:
+            cmd += ["--after", base_done]
         commands.append(cmd + common)
     for i in range(decode):
         addr = host_address(prefill + i)
         cmd = [*worker, "decode", "--name", f"decode-{i}", "--listen", f"{addr}:{DECODE_PORT}"]
         cmd += ["--stop-file", stop, "--result", str(share / f"decode-{i}.json")]
-        if i == 0 and decode >= 2:
-            cmd += ["--vanish-after", "1"]
+        if i == 0:
+            cmd += ["--baseline-until", base_done]
+            if decode >= 2:
+                cmd += ["--vanish-file", cut]
+        else:
+            cmd += ["--after", base_done]
         if i == decode - 1:
             cmd += ["--restart-file", restart]
         commands.append(cmd + common)
     print(
         f"hixl demo --hosts {hosts}: etcd and prefill-0 on host0 ({host_address(0)}), "
-        f"{prefill} prefill and {decode} decode workers, one VM each",
+        f"{prefill} prefill and {decode} decode workers, one VM each; a 1 x 1 fleet first",
         flush=True,
     )
     vmcfg = VMConfig(cpus=1, memory="1536M", timeout=timeout + 300.0, rw_dirs=(share,))
+    env = _ONE_BLAS_THREAD | {TOKEN_ENV: secrets.token_hex(32)}  # this run's shared token
     t0 = time.monotonic()
     try:
-        rc = run_hosts(commands, vmcfg, env=_ONE_BLAS_THREAD)
+        rc = run_hosts(commands, vmcfg, env=env)
         took = time.monotonic() - t0
         prefills = []
         for path in results:
@@ -675,33 +832,109 @@ def run_fleet_hosts(
             raise HixlError(f"a fleet host failed (exit status {rc}); its output is above")
     finally:
         shutil.rmtree(share, ignore_errors=True)
+    summary = _hosts_summary(requests, prefills, prefill=prefill, decode=decode)
+    summary |= {"killed": "decode-0 (host cut off)" if vanished else None, "run_s": took}
+    summary["restarted"] = restarted
+    summary["ok"] = (
+        summary["all_ok"]
+        and summary["baseline"]["all_ok"]
+        and (decode < 2 or (vanished and summary["cut_ok"]))
+        and summary["etcd_outage"] is not None
+        and restarted
+    )
+    print("\n" + format_fleet_hosts(summary), flush=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _hosts_summary(
+    requests: int, prefills: list[dict[str, Any]], *, prefill: int, decode: int
+) -> dict[str, Any]:
+    host0 = prefills[0]
+    base = host0["baseline"]
+    bsum = check_results(requests, [base])
+    bsum["requests_per_s"] = requests / base["wall_s"]
     summary = check_results(requests, prefills)
     wall = max(p["wall_s"] for p in prefills)
     summary |= {
         "prefill": prefill,
         "decode": decode,
-        "hosts": hosts,
-        "killed": "decode-0 (host cut off)" if vanished else None,
+        "hosts": prefill + decode,
         "elapsed_s": wall,
         "requests_per_s": requests / wall,
+        "baseline": bsum | {"elapsed_s": base["wall_s"]},
+        "throughput_ratio": (requests / wall) / bsum["requests_per_s"],
         "failures": [f for p in prefills for f in p["failures"]],
-        "run_s": took,
+        "etcd_outage": host0.get("etcd_outage"),
     }
-    outage = prefills[0].get("etcd_outage")
-    summary |= {"etcd_outage": outage, "restarted": restarted}
-    summary["ok"] = (
-        summary["all_ok"] and (decode < 2 or vanished) and outage is not None and restarted
+    cut = host0.get("cut")
+    routers = []
+    if cut is not None:
+        routers.append({"router": "prefill-0", **cut_timeline(host0, "decode-0", cut["t"])})
+        for j, p in enumerate(prefills[1:], start=1):
+            routers.append(
+                {"router": f"prefill-{j}", "from_leave": True, **cut_timeline(p, "decode-0", None)}
+            )
+    summary["cut"] = None if cut is None else {**cut, "routers": routers}
+    limit = TTL_S + 1.0
+    own = routers[0] if routers else {}
+    summary["cut_ok"] = (
+        cut is not None
+        and own.get("lease_gone_s") is not None
+        and own["lease_gone_s"] <= limit
+        and (own["last_choice_s"] is None or own["last_choice_s"] <= limit)
+        and (own["last_given_up_s"] is None or own["last_given_up_s"] <= limit)
+        and all(
+            (r["last_choice_s"] is None or r["last_choice_s"] <= 0.5)
+            and (r["last_given_up_s"] is None or r["last_given_up_s"] <= 0.5)
+            for r in routers[1:]
+        )
     )
+    return summary
+
+
+def _secs(value: float | None) -> str:
+    return "never" if value is None else f"{value:+.2f} s"
+
+
+def format_fleet_hosts(s: dict[str, Any]) -> str:
+    """The multi-host fleet's summary as text (pure)."""
+    b = s["baseline"]
     lines = [
-        f"fleet on {hosts} hosts: {prefill} prefill x {decode} decode, {requests} requests"
-        + (", decode-0's host cut off mid-stream" if vanished else ""),
-        f"  completed exactly once: {summary['completed']}/{requests} (missing "
-        f"{summary['missing']}, duplicated {summary['duplicated']}), re-run "
-        f"{summary['retries']} times",
-        f"  served per decode: {summary['per_decode']}",
+        f"fleet on {s['hosts']} hosts: {s['prefill']} prefill x {s['decode']} decode, "
+        f"{s['requests']} requests"
+        + (", decode-0's host cut off mid-stream" if s["killed"] else ""),
+        f"  completed exactly once: {s['completed']}/{s['requests']} (missing "
+        f"{s['missing']}, duplicated {s['duplicated']}), re-run {s['retries']} times",
+        f"  served per decode: {s['per_decode']}",
     ]
-    for f in summary["failures"]:
-        lines.append(f"  request {f['req']} on {f['decode']} failed after {f['seconds']:.1f} s")
+    for f in s["failures"]:
+        lines.append(
+            f"  request {f['req']} on {f['decode']} failed after {f['seconds']:.1f} s: "
+            f"{f['error'][:120]}"
+        )
+    cut = s.get("cut")
+    if cut is not None:
+        held = "with its request " + str(cut["req"]) if cut["req"] is not None else "idle"
+        lines.append(f"  decode-0 cut off {held} in flight; on host0's clock, after the order:")
+        for r in cut["routers"]:
+            if r.get("from_leave") and r["lease_gone_s"] is None:
+                lines.append(f"    {r['router']}: its requests were all done before decode-0 left")
+            elif r.get("from_leave"):
+                lines.append(
+                    f"    {r['router']} (own clock, after it saw the leave): last chose "
+                    f"decode-0 {_secs(r['last_choice_s'])}, last attempt there given up "
+                    f"{_secs(r['last_given_up_s'])}"
+                )
+            else:
+                lines.append(
+                    f"    {r['router']}: lease gone {_secs(r['lease_gone_s'])}, last chose "
+                    f"decode-0 {_secs(r['last_choice_s'])}, last attempt there given up "
+                    f"{_secs(r['last_given_up_s'])} (limit TTL + 1 = {TTL_S + 1:.0f} s)"
+                )
+        lines.append(f"  routers stopped using decode-0 in time: {'yes' if s['cut_ok'] else 'NO'}")
+    outage = s.get("etcd_outage")
     if outage is not None:
         lines.append(
             f"  etcd stopped for {outage['seconds']:.1f} s on host0; prefill-0 completed "
@@ -709,18 +942,16 @@ def run_fleet_hosts(
         )
     else:
         lines.append("  etcd outage: DID NOT HAPPEN")
-    lines.append(
-        f"  decode-{decode - 1} restarted under the same name: {'yes' if restarted else 'NO'}"
-    )
     lines += [
-        f"  all bit-exact with identical tokens: {'yes' if summary['all_ok'] else 'NO'}",
-        f"  {summary['requests_per_s']:.2f} req/s over {wall:.1f} s; whole run {took:.0f} s",
-        f"result: {'OK' if summary['ok'] else 'FAILED'}",
+        f"  decode-{s['decode'] - 1} restarted under the same name: "
+        f"{'yes' if s['restarted'] else 'NO'}",
+        f"  all bit-exact with identical tokens: {'yes' if s['all_ok'] and b['all_ok'] else 'NO'}",
+        f"  throughput {s['requests_per_s']:.2f} req/s over {s['elapsed_s']:.1f} s vs 1x1 "
+        f"{b['requests_per_s']:.2f} req/s over {b['elapsed_s']:.1f} s in the same run: "
+        f"{s['throughput_ratio']:.2f}x; whole run {s['run_s']:.0f} s",
+        f"result: {'OK' if s['ok'] else 'FAILED'}",
     ]
-    print("\n" + "\n".join(lines), flush=True)
-    if json_path:
-        Path(json_path).write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    return "\n".join(lines)
 
 
 def format_fleet(s: dict[str, Any]) -> str:
@@ -789,7 +1020,9 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Worker entry point: ``python -m hixl.demo.fleet {decode,prefill} ...``."""
+    """Worker entry point: ``python -m hixl.demo.fleet {decode,prefill} ...``.
+
+    The engines take the fleet's token from ``$HIXL_FLEET_TOKEN`` (:func:`fleet_token`)."""
     p = argparse.ArgumentParser(prog="python -m hixl.demo.fleet")
     p.add_argument("role", choices=("decode", "prefill"))
     p.add_argument("--name", help="decode: registry name")
@@ -800,20 +1033,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--registry", required=True)
     p.add_argument("--result", required=True)
     p.add_argument("--seconds", type=float, default=600.0)
+    p.add_argument("--after", help="start once this file exists (a phase before ended)")
+    p.add_argument("--expect", type=int, default=1, help="prefill: start once N decode are up")
     p.add_argument("--stop-file", help="decode: stop serving once this file exists")
-    p.add_argument("--vanish-after", type=int, help="decode: cut this host off mid-stream")
+    p.add_argument(
+        "--vanish-file",
+        help="decode: cut this host off once the file exists; prefill with --etcd: write it",
+    )
+    p.add_argument("--scratch-mib", type=int, default=0, help="decode: a 'scratch' region")
     p.add_argument("--restart-after", type=int, help="decode: restart once after N requests")
     p.add_argument(
         "--restart-file",
         help="decode: restart once when this file exists; prefill with --etcd: write it",
     )
     p.add_argument("--restart-at", type=int, help="prefill with --etcd: after N requests")
-    p.add_argument("--etcd-outage-after", type=int, help="prefill with --etcd: stop etcd after N")
-    p.add_argument("--etcd-outage-seconds", type=float, default=5.0)
+    p.add_argument("--etcd-outage-seconds", type=float, default=0.0)
     p.add_argument("--etcd", help="prefill: run etcd here first, on HOST:PORT")
     p.add_argument(
         "--wait-results", default="", help="prefill with --etcd: result files to wait for"
     )
+    p.add_argument(
+        "--baseline-until", help="decode: first serve a 1x1 fleet (role base) until this file"
+    )
+    p.add_argument(
+        "--baseline-requests", type=int, default=0, help="prefill with --etcd: a 1x1 fleet first"
+    )
+    p.add_argument("--baseline-done", help="prefill with --etcd: write this file after it")
     add_model_options(p)
     args = p.parse_args(argv)
 
@@ -822,10 +1067,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         cfg = config_from_args(args)
+        token = fleet_token()
         if args.role == "decode":
             if not args.name or not args.listen:
                 raise ArgumentError("decode needs --name and --listen")
             wait_for_registry(args.registry, 120.0)
+            baseline = None
+            if args.baseline_until:
+                baseline = run_fleet_decode(
+                    cfg,
+                    f"base-{args.name}",
+                    args.listen,
+                    args.registry,
+                    args.slots,
+                    args.seconds,
+                    emit,
+                    stop_file=args.baseline_until,
+                    role="base",
+                    token=token,
+                )
+            if args.after:
+                _wait_file(args.after, args.seconds, args.name)
             result = run_fleet_decode(
                 cfg,
                 args.name,
@@ -835,16 +1097,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.seconds,
                 emit,
                 stop_file=args.stop_file,
-                vanish_after=args.vanish_after,
+                vanish_file=args.vanish_file,
                 restart_after=args.restart_after,
                 restart_file=args.restart_file,
+                scratch=args.scratch_mib << 20,
+                token=token,
             )
+            result["baseline"] = baseline
         elif args.etcd:
-            return _prefill_with_etcd(cfg, args, emit)
+            return _prefill_with_etcd(cfg, args, emit, token)
         else:
             wait_for_registry(args.registry, 120.0)
+            if args.after:
+                _wait_file(args.after, args.seconds, "prefill")
             reqs = [int(x) for x in args.requests.split(",") if x]
-            result = run_fleet_prefill(cfg, args.host, args.registry, reqs, args.seconds, emit)
+            result = run_fleet_prefill(
+                cfg,
+                args.host,
+                args.registry,
+                reqs,
+                args.seconds,
+                emit,
+                expect=args.expect,
+                token=token,
+            )
     except HixlError as exc:
         print(f"error: {type(exc).__name__}: {exc}", flush=True)
         return 1
@@ -852,15 +1128,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _prefill_with_etcd(cfg: DemoConfig, args: argparse.Namespace, emit: Emit) -> int:
-    """host0 of the multi-host fleet: etcd, a prefill worker, and the end of the run (wait
-    for every prefill's result, then tell the decode workers to stop)."""
+def _prefill_with_etcd(cfg: DemoConfig, args: argparse.Namespace, emit: Emit, token: str) -> int:
+    """host0 of the multi-host fleet: etcd, the 1x1 fleet's prefill, a prefill worker of the
+    fleet, the orders that make things go wrong (restart, cut, etcd outage), and the end of
+    the run (wait for every prefill's result, then tell the decode workers to stop)."""
     from hixl.testbed.etcd import EtcdServer
 
     host, _, port = args.etcd.rpartition(":")
     reqs = [int(x) for x in args.requests.split(",") if x]
     end = time.monotonic() + args.seconds
     outage: dict[str, Any] = {}
+    cut: dict[str, Any] = {}
+    done = [0]
     timers: list[threading.Timer] = []
     with EtcdServer(host, client_port=int(port), peer_port=int(port) + 1) as etcd:
         emit(f"etcd up at {etcd.url}")
@@ -870,22 +1149,65 @@ def _prefill_with_etcd(cfg: DemoConfig, args: argparse.Namespace, emit: Emit) ->
             outage["back"] = time.monotonic()
             emit(f"etcd started again after {outage['back'] - outage['stopped']:.1f} s")
 
+        def stop_etcd(n: int) -> None:
+            etcd.stop()
+            outage["stopped"] = time.monotonic()
+            emit(f"etcd stopped (for {args.etcd_outage_seconds:.0f} s) after {n} requests")
+            timer = threading.Timer(args.etcd_outage_seconds, back)
+            timer.start()
+            timers.append(timer)
+
+        def order_cut(req: int | None) -> None:
+            Path(args.vanish_file).write_text("cut\n")
+            cut.update(t=time.monotonic(), req=req)
+            held = f"request {req} about to go there" if req is not None else "nothing of ours"
+            emit(f"ordered decode-0's host cut off ({held})")
+
+        def on_slot(worker: str, req: int) -> None:
+            if args.vanish_file and not cut and worker == "decode-0" and done[0] >= 2:
+                order_cut(req)
+
         def on_done(n: int) -> None:
+            done[0] = n
             if args.restart_file and n == args.restart_at:
                 Path(args.restart_file).write_text("restart\n")
                 emit(f"asked the last decode worker to restart, after {n} requests")
-            if n == args.etcd_outage_after and not outage:
-                etcd.stop()
-                outage["stopped"] = time.monotonic()
-                emit(f"etcd stopped (for {args.etcd_outage_seconds:.0f} s) after {n} requests")
-                timer = threading.Timer(args.etcd_outage_seconds, back)
-                timer.start()
-                timers.append(timer)
+            if args.vanish_file and not cut and n >= len(reqs) - 2:
+                order_cut(None)  # decode-0 never reserved a slot for us late enough
+            late = not args.vanish_file or (cut and time.monotonic() > cut["t"] + TTL_S + 1)
+            if args.etcd_outage_seconds and not outage and late:
+                stop_etcd(n)
 
         try:
+            baseline = None
+            if args.baseline_requests:
+                emit(f"1 x 1 fleet first: {args.baseline_requests} requests")
+                baseline = run_fleet_prefill(
+                    cfg,
+                    args.host,
+                    etcd.url,
+                    list(range(args.baseline_requests)),
+                    args.seconds,
+                    emit,
+                    role="base",
+                    token=token,
+                )
+                emit(f"1 x 1 fleet done in {baseline['wall_s']:.1f} s")
+                Path(args.baseline_done).write_text("done\n")
             result = run_fleet_prefill(
-                cfg, args.host, etcd.url, reqs, args.seconds, emit, on_done=on_done
+                cfg,
+                args.host,
+                etcd.url,
+                reqs,
+                args.seconds,
+                emit,
+                on_done=on_done,
+                on_slot=on_slot,
+                expect=args.expect,
+                token=token,
             )
+            if args.etcd_outage_seconds and not outage:
+                stop_etcd(len(reqs))  # every request finished first: nothing ran during it
             for timer in timers:
                 timer.join(args.etcd_outage_seconds + 35.0)
             if outage:
@@ -898,6 +1220,8 @@ def _prefill_with_etcd(cfg: DemoConfig, args: argparse.Namespace, emit: Emit) ->
                     "seconds": outage.get("back", float("nan")) - outage["stopped"],
                     "completed_during": len(during),
                 }
+            result["baseline"] = baseline
+            result["cut"] = cut or None
             Path(args.result).write_text(json.dumps(result))
             for path in [p for p in args.wait_results.split(",") if p]:
                 while not Path(path).exists():

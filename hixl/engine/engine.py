@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -540,11 +540,15 @@ class Engine:
         says which side lacks the token), :class:`HandshakeError` when the peer answers
         something malformed, :class:`TransferTimeout` after ``timeout`` s; for a name,
         :class:`~hixl.errors.NameNotFound` or :class:`~hixl.errors.RegistryUnavailable`
-        (naming the registry).
+        (naming the registry), and :class:`ConnectionFailed` as soon as the engine's
+        registry watch sees the name leave (its lease expired: the host is gone) or taken
+        by a new process while the connect is under way, rather than after ``timeout``.
         """
         self._check_open()
         names = self._names
+        abort: Callable[[], str | None] | None = None
         if ":" not in peer and names is not None:
+            name = peer
             try:
                 ann, seen = names.resolve(peer)
             except RegistryUnavailable:
@@ -560,6 +564,10 @@ class Engine:
                     if stale is not None:
                         self._drop(stale, f"{peer} was restarted", send_bye=False)
             peer = ann.engine
+
+            def abort() -> str | None:  # the name's process left the registry meanwhile
+                return names.gone(name, ann.instance)
+
         try:
             host, port = wire.parse_engine_id(peer)
         except ValueError as exc:
@@ -574,7 +582,12 @@ class Engine:
             if old is not None:
                 self._drop(old, "replaced by a new connection", send_bye=False)
         deadline = time.monotonic() + timeout
-        conn = client_handshake(self, peer, (host, port), self._token, deadline)
+        conn = client_handshake(self, peer, (host, port), self._token, deadline, abort)
+        reason = None if abort is None else abort()
+        if reason is not None:  # it left just before the connection went live: fail it
+            with self._lock:
+                self._fail(conn, reason)
+            raise ConnectionFailed(f"connection to {peer} failed: {reason}")
         log.debug("connected to %r", conn)
         return conn
 

@@ -7,6 +7,10 @@ Client (:func:`client_handshake`): runs in the thread that called ``Engine.conne
 blocking socket with the caller's deadline. Every ``OSError`` becomes a
 :class:`~hixl.errors.ConnectionFailed`, a timeout a :class:`~hixl.errors.TransferTimeout`.
 A server that answers ``ERROR(BUSY)`` is asked again after a short pause until the deadline.
+With an ``abort`` check (``connect`` by name passes one: "has this name's process left the
+registry?") the socket waits in slices of :data:`ABORT_POLL_S` and the handshake gives up with
+``ConnectionFailed`` as soon as the check names a reason, instead of waiting out the deadline
+on a host that is gone.
 
 Server (:class:`Listener`): no thread per handshake. The progress thread accepts, and each
 handshake is a small state machine (:class:`Incoming`) on a non-blocking socket in the
@@ -31,7 +35,10 @@ Socket I/O here never runs under the engine lock.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
+import select
 import selectors
 import socket
 import time
@@ -74,6 +81,10 @@ BUSY_RETRY_S = 0.05  # first pause before a client asks a BUSY server again, sec
 ACCEPTS_PER_ROUND = 64  # connections taken from the listen queue per progress round
 MAX_PENDING_BYTES = 32 << 20  # bytes buffered by all unfinished handshakes together
 HELLO_MAX_PAYLOAD = 4096  # a HELLO is small: a first frame announcing more is refused
+ABORT_POLL_S = 0.1  # how often a client handshake with an abort check looks at it, seconds
+
+Abort = Callable[[], str | None]
+"""A client handshake's abort check: a reason to give up now, or None to go on."""
 
 
 def printable(text: str, limit: int) -> str:
@@ -89,16 +100,19 @@ def error_frame(code: wire.ErrorCode, message: str) -> bytes:
 
 
 class Channel:
-    """Blocking framed messaging over the handshake socket, with deadlines."""
+    """Blocking framed messaging over the handshake socket, with deadlines (and an optional
+    abort check, looked at every :data:`ABORT_POLL_S` while a receive waits)."""
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, abort: Abort | None = None) -> None:
         self.sock = sock
         self.peer = peer
+        self.abort = abort
         self.decoder = wire.Decoder(max_payload=wire.MAX_PAYLOAD)
         self.pending: deque[wire.Message] = deque()
 
     def send(self, msg: wire.Message, deadline: float) -> None:
-        self._timeout(deadline)
+        _check_abort(self.abort, self.peer)
+        self._timeout(deadline, whole=True)
         try:
             self.sock.sendall(wire.encode(msg))
         except TimeoutError as exc:
@@ -106,18 +120,21 @@ class Channel:
         except OSError as exc:
             raise ConnectionFailed(f"handshake with {self.peer}: {exc.strerror or exc}") from exc
 
-    def _timeout(self, deadline: float) -> None:
+    def _timeout(self, deadline: float, *, whole: bool = False) -> None:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransferTimeout(f"handshake with {self.peer} exceeded its deadline")
-        self.sock.settimeout(left)
+        self.sock.settimeout(left if whole or self.abort is None else min(left, ABORT_POLL_S))
 
     def recv(self, deadline: float) -> wire.Message:
         while not self.pending:
+            _check_abort(self.abort, self.peer)
             self._timeout(deadline)
             try:
                 data = self.sock.recv(65536)
             except TimeoutError as exc:
+                if self.abort is not None and time.monotonic() < deadline:
+                    continue  # one slice passed: look at the abort check again
                 raise TransferTimeout(f"handshake with {self.peer}: no answer in time") from exc
             except OSError as exc:
                 raise ConnectionFailed(
@@ -141,43 +158,97 @@ class Channel:
         return wire.expect(msg, kind)
 
 
+def _check_abort(abort: Abort | None, peer: str) -> None:
+    reason = None if abort is None else abort()
+    if reason is not None:
+        raise ConnectionFailed(f"connect to {peer} given up: {reason}")
+
+
 class _Busy(ConnectionFailed):
     """The server had too many handshakes at once; asking again later may work."""
 
 
 def client_handshake(
-    engine: Engine, peer: str, address: tuple[str, int], token: bytes | None, deadline: float
+    engine: Engine,
+    peer: str,
+    address: tuple[str, int],
+    token: bytes | None,
+    deadline: float,
+    abort: Abort | None = None,
 ) -> Connection:
     """Connect to ``address`` and run the client side; return the adopted connection.
 
     A server that answers ERROR(BUSY) is asked again after a pause (doubling from
-    :data:`BUSY_RETRY_S`) until ``deadline``.
+    :data:`BUSY_RETRY_S`) until ``deadline``. ``abort`` is looked at while the TCP connect
+    and each receive wait (every :data:`ABORT_POLL_S`): when it returns a reason, the
+    handshake ends with :class:`ConnectionFailed` naming it.
     """
     pause = BUSY_RETRY_S
     while True:
         try:
-            return _client_attempt(engine, peer, address, token, deadline)
+            return _client_attempt(engine, peer, address, token, deadline, abort)
         except _Busy as exc:
             if time.monotonic() + pause >= deadline:
                 raise ConnectionFailed(f"{exc} (asked until the connect deadline)") from None
+            _check_abort(abort, peer)
             time.sleep(pause)
             pause = min(pause * 2, 0.5)
 
 
-def _client_attempt(
-    engine: Engine, peer: str, address: tuple[str, int], token: bytes | None, deadline: float
-) -> Connection:
+def _dial(
+    peer: str, address: tuple[str, int], deadline: float, abort: Abort | None
+) -> socket.socket:
+    """A connected TCP socket to ``address`` (blocking mode), within ``deadline``."""
     left = deadline - time.monotonic()
+    if abort is None:
+        try:
+            return socket.create_connection(address, timeout=max(0.01, left))
+        except TimeoutError as exc:
+            raise TransferTimeout(f"connect to {peer}: no answer within the deadline") from exc
+        except OSError as exc:
+            raise ConnectionFailed(f"connect to {peer}: {exc.strerror or exc}") from exc
     try:
-        sock = socket.create_connection(address, timeout=max(0.01, left))
-    except TimeoutError as exc:
-        raise TransferTimeout(f"connect to {peer}: no answer within the deadline") from exc
+        infos = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise ConnectionFailed(f"connect to {peer}: {exc.strerror or exc}") from exc
+    last: OSError | None = None
+    for family, kind, proto, _, sockaddr in infos:  # like create_connection, one at a time
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            err = sock.connect_ex(sockaddr)
+            while err in (errno.EINPROGRESS, errno.EALREADY, errno.EWOULDBLOCK):
+                _check_abort(abort, peer)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeout(f"connect to {peer}: no answer within the deadline")
+                _, writable, _ = select.select([], [sock], [], min(left, ABORT_POLL_S))
+                if writable:
+                    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err == 0:
+                sock.setblocking(True)
+                return sock
+            last = OSError(err, os.strerror(err))
+        except BaseException:
+            sock.close()
+            raise
+        sock.close()
+    raise ConnectionFailed(f"connect to {peer}: {last.strerror if last else 'no address'}")
+
+
+def _client_attempt(
+    engine: Engine,
+    peer: str,
+    address: tuple[str, int],
+    token: bytes | None,
+    deadline: float,
+    abort: Abort | None,
+) -> Connection:
+    sock = _dial(peer, address, deadline, abort)
     conn: Connection | None = None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        chan = Channel(sock, peer)
+        chan = Channel(sock, peer, abort)
         hs = ClientHandshake(engine.id, token, peer=peer)
         chan.send(hs.hello, deadline)
         hs.on_challenge(chan.expect(wire.Challenge, deadline))

@@ -7,7 +7,10 @@ connected by name it watches the registry: when such a name leaves (its lease ex
 the process or its host is gone) or is announced by a new process (a restart), the
 connection to the old engine fails at once, so its in-flight transfers end with
 :class:`~hixl.errors.ConnectionFailed` instead of waiting for their deadlines, and the next
-``connect(name)`` makes a new connection.
+``connect(name)`` makes a new connection. A ``connect(name)`` still under way when its
+name leaves (or is taken by a new process) gives up at once with
+:class:`~hixl.errors.ConnectionFailed` (:meth:`Names.gone` is its abort check): a host that
+died during its lease window does not make a connect wait for its own timeout.
 
 Locking: ``Names._lock`` guards the alias table only and is never held while calling the
 registry or the engine. The watch callback runs on the registry's watch thread and takes
@@ -62,6 +65,9 @@ class Names:
         self._on_gone = weakref.WeakMethod(on_gone)
         self._lock = threading.Lock()
         self._aliases: dict[str, Announcement] = {}  # name -> what it resolved to
+        # name -> (instance, reason) of the last process seen leaving or replaced under it;
+        # only names in _aliases get an entry, so it is bounded by MAX_ALIASES.
+        self._gone: dict[str, tuple[str, str]] = {}
         self._watch: Watch | None = None
         self.name: str | None = None
 
@@ -89,6 +95,13 @@ class Names:
                 raise StateError(f"engine already tracks {MAX_ALIASES} peer names")
             self._aliases[name] = ann
         return ann, old
+
+    def gone(self, name: str, instance: str) -> str | None:
+        """Why process ``instance`` of ``name`` is gone (it left the registry or a new process
+        took the name), or None while it is still the one announced, as far as this
+        engine's watch has seen. Safe from any thread; no registry call."""
+        seen = self._gone.get(name)  # one dict lookup: atomic, no lock
+        return seen[1] if seen is not None and seen[0] == instance else None
 
     def engine_id(self, name: str) -> str | None:
         """The engine id ``name`` was last resolved to by this engine, if any."""
@@ -127,6 +140,8 @@ class Names:
             reason = f"{ev.name} left registry {self.registry.url} (lease expired or withdrawn)"
         else:
             reason = f"{ev.name} was restarted (new announcement in {self.registry.url})"
+        with self._lock:
+            self._gone[ev.name] = (known.instance, reason)
         log.warning("peer %s (%s): %s", ev.name, known.engine, reason)
         on_gone = self._on_gone()
         if on_gone is not None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -120,6 +122,38 @@ def test_name_leaving_fails_its_connection() -> None:
         prefill.close()
         decode.close()
         shared.close()
+
+
+def test_connect_under_way_gives_up_when_the_name_leaves() -> None:
+    """A connect by name that started while the peer's lease was still alive (its host just
+    died: the TCP port answers, the handshake never does) fails with ConnectionFailed as
+    soon as the name leaves, within TTL + 1 s, not after its own 10 s timeout."""
+    url = "memory://rdma-leave-connect"
+    shared = open_registry(url, ttl=1)
+    with socket.create_server(("127.0.0.1", 0), backlog=4) as silent:  # never accepts
+        port = silent.getsockname()[1]
+        shared.announce(
+            "ghost",
+            role="decode",
+            engine_id=f"127.0.0.1:{port}",
+            gid="fe80::1",
+            mtu=1024,
+            capacity=1,
+        )
+        prefill = Engine("127.0.0.1:0", registry=url)
+        try:
+            t0 = time.monotonic()
+            # The ghost's process stops refreshing its lease now; the connect starts after.
+            threading.Timer(0.2, shared.close, kwargs={"revoke": False}).start()
+            with pytest.raises(ConnectionFailed, match="ghost left registry") as err:
+                prefill.connect("ghost", timeout=10)
+            took = time.monotonic() - t0
+            print(f"connect gave up after {took:.2f} s: {err.value}")
+            assert took <= 0.2 + 1 + 1.0  # the lease went TTL after the last refresh, + 1 s
+            assert prefill.peers == []
+        finally:
+            prefill.close()
+            shared.close()
 
 
 def test_etcd_stopped_existing_connections_carry_on(etcd: EtcdServer) -> None:

@@ -1,0 +1,61 @@
+"""The multi-host fleet's pure pieces: the shared token, and the timeline after a cut."""
+
+from __future__ import annotations
+
+import pytest
+
+from hixl.demo.fleet import TOKEN_ENV, cut_timeline, fleet_token
+from hixl.errors import ArgumentError
+
+
+def test_fleet_token_comes_from_the_environment() -> None:
+    assert fleet_token({TOKEN_ENV: "ab" * 32}) == "ab" * 32
+    with pytest.raises(ArgumentError, match=TOKEN_ENV):
+        fleet_token({})
+    with pytest.raises(ArgumentError, match=TOKEN_ENV):
+        fleet_token({TOKEN_ENV: ""})
+
+
+ROUTER = {
+    "choices": [
+        {"t": 10.0, "req": 0, "attempt": 1, "decode": "decode-0"},
+        {"t": 11.0, "req": 2, "attempt": 1, "decode": "decode-1"},
+        {"t": 12.5, "req": 4, "attempt": 1, "decode": "decode-0"},
+        {"t": 16.0, "req": 4, "attempt": 2, "decode": "decode-1"},
+    ],
+    "failures": [
+        {"req": 9, "decode": "decode-0", "t_end": 5.0},  # long before the cut: not counted
+        {"req": 4, "decode": "decode-0", "t_end": 15.9},
+        {"req": 6, "decode": "decode-1", "t_end": 17.0},  # another worker: not counted
+    ],
+    "leaves": [
+        {"t": 3.0, "name": "decode-0"},  # an earlier leave (a restart): before the cut
+        {"t": 15.8, "name": "decode-0"},
+        {"t": 15.0, "name": "decode-1"},
+    ],
+}
+
+
+def test_cut_timeline_on_the_cutting_hosts_clock() -> None:
+    got = cut_timeline(ROUTER, "decode-0", 12.6)
+    assert got["lease_gone_s"] == pytest.approx(3.2)
+    assert got["last_choice_s"] == pytest.approx(-0.1)  # chosen just before the cut
+    assert got["last_given_up_s"] == pytest.approx(3.3)
+
+
+def test_cut_timeline_from_the_leave_on_another_clock() -> None:
+    got = cut_timeline(ROUTER, "decode-0", None)  # earliest leave of decode-0: t = 3.0
+    assert got["lease_gone_s"] == 0.0
+    assert got["last_choice_s"] == pytest.approx(9.5)
+    assert got["last_given_up_s"] == pytest.approx(12.9)
+
+
+def test_cut_timeline_without_events() -> None:
+    empty: dict[str, list[dict[str, float]]] = {"choices": [], "failures": [], "leaves": []}
+    assert cut_timeline(empty, "decode-0", None) == {
+        "lease_gone_s": None,
+        "last_choice_s": None,
+        "last_given_up_s": None,
+    }
+    got = cut_timeline(empty, "decode-0", 1.0)
+    assert got == {"lease_gone_s": None, "last_choice_s": None, "last_given_up_s": None}
