@@ -39,7 +39,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -419,6 +420,24 @@ class Control:
         if "error" in reply:
             raise HixlError(f"control: {self.peer} failed {op!r}: {reply['error']}")
         return reply
+
+    def answer(
+        self, handle: Callable[[dict[str, Any], Control], Mapping[str, Any]], idle: float
+    ) -> None:
+        """Serve requests until ``{"op": "bye"}``: each reply is ``{"ok": True, **handle(...)}``,
+        or ``{"error": ...}`` when ``handle`` raises (the traceback goes to stderr).
+        :class:`TransferTimeout` when no request comes for ``idle`` s."""
+        while True:
+            req = self.recv(timeout=idle)
+            if req.get("op") == "bye":
+                self.send({"ok": True})
+                return
+            try:
+                reply = {"ok": True, **handle(req, self)}
+            except Exception as exc:  # noqa: BLE001 - every failure goes back to the driver
+                traceback.print_exc()
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            self.send(reply)
 
     def close(self) -> None:
         """Close the channel; safe to call twice."""

@@ -25,7 +25,6 @@ import signal
 import subprocess
 import sys
 import threading
-import traceback
 from pathlib import Path
 from typing import IO, Any
 
@@ -169,17 +168,7 @@ def main() -> int:
     try:
         with Control.serve(host.address, CONTROL_PORT, timeout=ACCEPT_S) as ctl:
             print(f"agent: driver {ctl.peer} connected", flush=True)
-            while True:
-                req = ctl.recv(timeout=IDLE_S)
-                if req.get("op") == "bye":
-                    ctl.send({"ok": True})
-                    break
-                try:
-                    reply = {"ok": True, **agent.handle(req, ctl)}
-                except Exception as exc:  # noqa: BLE001 - every failure goes back to the driver
-                    traceback.print_exc()
-                    reply = {"error": f"{type(exc).__name__}: {exc}"}
-                ctl.send(reply)
+            ctl.answer(agent.handle, IDLE_S)
     finally:
         agent.close()
     print("agent: done", flush=True)

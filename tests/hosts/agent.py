@@ -20,7 +20,6 @@ import hashlib
 import sys
 import threading
 import time
-import traceback
 from typing import Any
 
 import numpy as np
@@ -202,17 +201,7 @@ def main() -> int:
     print(f"agent: host{host.index} {host.address}, control on :{CONTROL_PORT}", flush=True)
     with Control.serve(host.address, CONTROL_PORT, timeout=ACCEPT_S) as ctl:
         print(f"agent: driver {ctl.peer} connected", flush=True)
-        while True:
-            req = ctl.recv(timeout=IDLE_S)
-            if req.get("op") == "bye":
-                ctl.send({"ok": True})
-                break
-            try:
-                reply = {"ok": True, **agent.handle(req, ctl)}
-            except Exception as exc:  # noqa: BLE001 - every failure goes back to the driver
-                traceback.print_exc()
-                reply = {"error": f"{type(exc).__name__}: {exc}"}
-            ctl.send(reply)
+        ctl.answer(agent.handle, IDLE_S)
     if agent.engine is not None:
         agent.engine.close()
     print("agent: done", flush=True)
