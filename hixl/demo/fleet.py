@@ -1174,6 +1174,11 @@ def _prefill_with_etcd(cfg: DemoConfig, args: argparse.Namespace, emit: Emit, to
                 emit(f"asked the last decode worker to restart, after {n} requests")
             if args.vanish_file and not cut and n >= len(reqs) - 2:
                 order_cut(None)  # decode-0 never reserved a slot for us late enough
+            if cut and n == len(reqs):
+                # Our last request: keep this router and its watch up until decode-0's lease
+                # must have gone, so the summary sees the leave (and etcd is not stopped
+                # before it).  A plain wait in this driver thread; no lock is held.
+                time.sleep(max(0.0, cut["t"] + TTL_S + 1.5 - time.monotonic()))
             late = not args.vanish_file or (cut and time.monotonic() > cut["t"] + TTL_S + 1)
             if args.etcd_outage_seconds and not outage and late:
                 stop_etcd(n)
