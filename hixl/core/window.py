@@ -96,6 +96,10 @@ class SendWindow:
         """Add chunks (ids assigned, increasing) at the end of the backlog."""
         self._backlog.extend(chunks)
 
+    def queue1(self, chunk: Chunk) -> None:
+        """Add one chunk (id assigned, the highest yet) at the end of the backlog."""
+        self._backlog.append(chunk)
+
     @property
     def head(self) -> Chunk | None:
         """The chunk the next batch starts with."""
@@ -128,6 +132,16 @@ class SendWindow:
         room = depth - self.in_flight
         if room <= 0 or not self._backlog:
             return None
+        if len(self._backlog) == 1:  # one chunk that fits whole: the common case
+            chunk = self._backlog[0]
+            if chunk.posted == 0 and chunk.size <= room:
+                chunk.chain.check_regions()
+                self._sent.append(chunk)
+                chunk.posted = chunk.size
+                self.in_flight += chunk.size
+                self._backlog.clear()
+                self.poster = True
+                return Batch([(chunk.chain, chunk.start, chunk.stop)], [chunk])
         plan: list[tuple[Chunk, int, int]] = []
         for chunk in self._backlog:
             if chunk.posted == 0:

@@ -57,11 +57,14 @@ and take it only to admit (limits, probe, queue pair), index or adopt a connecti
 listener's own tables (handshakes under way, per-source counts) belong to the progress
 thread alone and need no lock.
 
-``handles._handle_lock`` orders a handle's finish against a waiter creating its Event.
-It is innermost.
+Handles are finished under ``Engine._lock``.  ``handles._handle_lock`` only lets two
+waiters of one handle make a single Event; it is taken alone, never with another lock
+held.  A waiter that makes the Event reads the status again afterwards: ``finish`` writes
+the status before it reads the Event, so one of the two sees the other.
 
-Lock order: ``hixl.compat`` locks, then ``Engine._lock``, then ``_handle_lock``.
-Nothing takes them in another order.
+Lock order: ``hixl.compat`` locks, then ``Engine._lock``.  Nothing takes them in another
+order.  The wake-up byte that hands a backlog to the progress thread is sent after the
+lock is let go (``Engine._wake``).
 
 Lock-free reads, each a single atomic operation on an immutable value under the GIL:
 ``Engine.connection()`` (one dict lookup), a connection's ``remote_regions`` (a tuple

@@ -106,7 +106,7 @@ class Planner:
         self.limits = limits
         self.alignment = alignment
         self._plans: dict[tuple[Any, ...], Plan] = {}
-        self._chains: dict[tuple[Any, ...], list[tuple[SendChain, tuple[int, int]]]] = {}
+        self._chains: dict[tuple[Any, ...], list[Built]] = {}  # idle chains by layout
         self._chain_wrs = 0  # WRs held by idle chains (approximate: no lock)
 
     def template(self, conn: Connection, req: TransferRequest, built: Built) -> Template | None:
@@ -134,13 +134,16 @@ class Planner:
         pool = self._chains.get(t.key)
         if pool:
             try:
-                chain, (la, ra) = pool.pop()
+                idle = pool.pop()
             except IndexError:  # another thread took the last one
                 pass
             else:
+                chain = idle.chain
                 self._chain_wrs -= chain.capacity
-                if la != t.local_addr or ra != t.remote_addr:
-                    chain.shift(t.local_addr - la, t.remote_addr - ra)
+                la, ra = idle.bases
+                if la == t.local_addr and ra == t.remote_addr:
+                    return idle  # the very same request again
+                chain.shift(t.local_addr - la, t.remote_addr - ra)
                 return Built(chain, t.nbytes, t.key, (t.local_addr, t.remote_addr))
         chain = SendChain.for_plan(
             t.plan,
@@ -191,10 +194,11 @@ class Planner:
             pool = self._chains.get(key)
             if pool:
                 try:
-                    chain, (la, ra) = pool.pop()
+                    idle = pool.pop()
                 except IndexError:  # another thread took the last one
                     pass
                 else:
+                    chain, (la, ra) = idle.chain, idle.bases
                     self._chain_wrs -= chain.capacity
                     if not local.closed:  # the chain's one region
                         chain.shift(local_addr - la, remote_addr - ra)
@@ -272,15 +276,21 @@ class Planner:
     def give_back(self, built: Built) -> None:
         """Return a chain whose WRs are all posted, for the next request with its layout."""
         key, chain = built.key, built.chain
-        if key is None or any(r.closed for r in chain.regions):
+        if key is None:
             return
-        if self._chain_wrs + chain.capacity > CHAIN_CACHE_WRS:
+        for r in chain.regions:
+            if r.closed:
+                return
+        capacity = chain.capacity
+        if self._chain_wrs + capacity > CHAIN_CACHE_WRS:
             self._chains.clear()
             self._chain_wrs = 0
-        pool = self._chains.setdefault(key, [])
-        if len(pool) < max(4, CHAIN_WRS_PER_KEY // chain.capacity):
-            pool.append((chain, built.bases))
-            self._chain_wrs += chain.capacity
+        pool = self._chains.get(key)
+        if pool is None:
+            pool = self._chains[key] = []
+        if len(pool) < max(4, CHAIN_WRS_PER_KEY // capacity):
+            pool.append(built)
+            self._chain_wrs += capacity
 
     def _cached(
         self,

@@ -239,6 +239,7 @@ class Engine:
         self._listener = listener
         self._planner = Planner(self.limits, alignment or None)
         self._templates: dict[tuple[Any, ...], Template] = {}
+        self._last_template: tuple[tuple[Any, ...], Template] | None = None
         self._regions: dict[tuple[int, int], Region] = {}
         self._conns: dict[str, Connection] = {}
         self._by_qpn: dict[int, Connection] = {}
@@ -254,7 +255,11 @@ class Engine:
         # whether it was woken for them, and batches out (posted outside the lock).
         self._to_post: dict[int, Connection] = {}
         self._post_wake = False
+        self._wake_due = False  # _want_post asked for a wake-up: sent once the lock is free
         self._posters = 0
+        # When a waiter last reaped send completions itself (monotonic); while that is
+        # recent the progress thread does not arm the send CQ (see Progress).
+        self.driven_at = 0.0
         self._send_posts = 0  # post_send calls for transfers, and the WRs they carried
         self._posted_wrs = 0
         self._post_cv = threading.Condition(self._lock)
@@ -375,6 +380,7 @@ class Engine:
         self._progress.close()
         self._regions.clear()
         self._templates.clear()
+        self._last_template = None
         self._dev.close()
         log.debug("engine %s closed", self.id)
 
@@ -999,10 +1005,20 @@ class Engine:
         connection is repeated from its :class:`~hixl.engine.datapath.Template` (no
         checks, no planning: what they depend on has not changed, see there)."""
         tkey: tuple[Any, ...] | None = (peer, op, local, remote, local_desc, remote_desc)
-        try:
-            t = self._templates.get(tkey)  # type: ignore[arg-type]
-        except TypeError:  # an unhashable descriptor
-            t, tkey = None, None
+        last = self._last_template  # a loop repeats one call: compared by identity first
+        t: Template | None
+        if last is not None and last[0] == tkey:
+            t = last[1]
+            # Keep this call's objects: an equal but new descriptor per loop then costs
+            # one dataclass comparison, not one per call.
+            self._last_template = (tkey, last[1])
+        else:
+            try:
+                t = self._templates.get(tkey)  # type: ignore[arg-type]
+            except TypeError:  # an unhashable descriptor
+                t, tkey = None, None
+            if t is not None and tkey is not None:
+                self._last_template = (tkey, t)
         if t is not None:
             conn = t.conn
             if (
@@ -1013,7 +1029,9 @@ class Engine:
                 and timeout > 0
                 and not self._closed
             ):
-                payload = _notify.encode(notify, notify_message) if notify is not None else None
+                if notify is None:
+                    return self._queue1(conn, self._planner.rebuild(t), timeout, now)
+                payload = _notify.encode(notify, notify_message)
                 built = [self._planner.rebuild(t)]
                 return self._queue(conn, built, payload, op == "read", timeout, now)
         req = TransferRequest(
@@ -1066,15 +1084,12 @@ class Engine:
         now: bool,
     ) -> TransferHandle:
         """Queue built requests (and a notification) as one transfer; post or hand over."""
-        if len(built) == 1:
-            b0 = built[0]
-            nbytes, num_wrs = b0.nbytes, b0.chain.num_wrs
-        else:
-            nbytes = sum(b.nbytes for b in built)
-            num_wrs = sum(b.chain.num_wrs for b in built)
-        handle = TransferHandle(
-            conn.peer, nbytes, num_wrs, time.monotonic() + timeout, self._reap_inline
-        )
+        if len(built) == 1 and payload is None:
+            return self._queue1(conn, built[0], timeout, now)
+        now_s = time.monotonic()
+        nbytes = sum(b.nbytes for b in built)
+        num_wrs = sum(b.chain.num_wrs for b in built)
+        handle = TransferHandle(conn.peer, nbytes, num_wrs, now_s + timeout, self._reap_inline)
         every = self._every
         chunks = []
         for b in built:
@@ -1116,6 +1131,41 @@ class Engine:
             batch = self._start_post(conn, defer=not now or conn.window.in_flight > 0)
         if batch is not None:
             self._post(conn, batch)
+        elif self._wake_due:
+            self._wake()
+        return handle
+
+    def _queue1(self, conn: Connection, b: Built, timeout: float, now: bool) -> TransferHandle:
+        """:meth:`_queue` for the common case, one request and no notification."""
+        now_s = time.monotonic()
+        chain = b.chain
+        n = chain.num_wrs
+        handle = TransferHandle(conn.peer, b.nbytes, n, now_s + timeout, self._reap_inline)
+        handle.chunks_left = 1
+        chunk = Chunk(chain, 0, n, handle, self._every)
+        chunk.built = b
+        with self._lock:  # ids are taken in queue order: completions rely on it
+            if self._closed or conn.state is not ConnState.READY:
+                self._planner.give_back(b)
+                self._check_open()
+                conn.check_ready()
+            chunk.first_id = first = self._next_wr
+            if n == 1:
+                chain.signal_one(first)
+                chunk.groups = 1
+            else:
+                chunk.groups = chain.set_signals(first, chunk.every)
+            self._next_wr = first + chunk.groups
+            window = conn.window
+            window.queue1(chunk)
+            self._handles.add(handle)
+            if window.poster:
+                return handle  # the batch being posted takes it next
+            batch = self._start_post(conn, defer=not now or window.in_flight > 0)
+        if batch is not None:
+            self._post(conn, batch)
+        elif self._wake_due:
+            self._wake()
         return handle
 
     def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0) -> None:
@@ -1156,13 +1206,22 @@ class Engine:
         return batch
 
     def _want_post(self, conn: Connection) -> None:
-        """Have the progress thread post ``conn``'s backlog (lock held)."""
+        """Have the progress thread post ``conn``'s backlog (lock held).
+
+        An application thread sends the wake-up this may ask for (:meth:`_wake`) once it
+        has let go of the lock: sending is a system call, and it releases the GIL.
+        """
         self._to_post[conn.qpn] = conn
         # A thread that is not sleeping sees _to_post before it sleeps (Progress.step
         # looks again after saying it sleeps), so only a sleeping one needs the byte.
         if not self._post_wake and self._progress.sleeping:
             self._post_wake = True
-            self._progress.wake()
+            self._wake_due = True
+
+    def _wake(self) -> None:
+        """Send the wake-up :meth:`_want_post` asked for (lock not held)."""
+        self._wake_due = False
+        self._progress.wake()
 
     def _post(self, conn: Connection, batch: Batch) -> None:
         """Post a reserved batch outside the lock, then settle it under the lock.
@@ -1189,10 +1248,12 @@ class Engine:
                 self._fail(conn, f"post_send failed: {err}", err, culprit=culprit)
             elif conn.window.backlog and conn.state is ConnState.READY:
                 self._want_post(conn)
-            if conn.state is ConnState.CLOSED or not self._posters:
-                self._post_cv.notify_all()
+            if conn.state is ConnState.CLOSED or (self._closed and not self._posters):
+                self._post_cv.notify_all()  # close() waits for the last poster
                 if conn.state is ConnState.CLOSED:
-                    self._progress.wake()  # free it now that nobody posts to it
+                    self._wake_due = True  # free it now that nobody posts to it
+        if self._wake_due:
+            self._wake()
 
     def _post_pending(self) -> bool:
         """Progress thread: post every connection's waiting backlog; True if more waits."""
@@ -1218,8 +1279,10 @@ class Engine:
         pending).
         """
         if sleeping:
+            self.driven_at = 0.0
             self._progress.wake()
             return False
+        self.driven_at = time.monotonic()
         if not self._lock.acquire(blocking=False):
             return False
         try:
@@ -1230,6 +1293,8 @@ class Engine:
             return False
         finally:
             self._lock.release()
+            if self._wake_due:
+                self._wake()
 
     def _has_pending(self) -> bool:
         return bool(self._handles)
@@ -1310,14 +1375,8 @@ class Engine:
         if wcs.size == 0:
             return 0
         pump: dict[int, Connection] = {}
-        rows = zip(
-            wcs["wr_id"].tolist(),
-            wcs["status"].tolist(),
-            wcs["qp_num"].tolist(),
-            wcs["vendor_err"].tolist(),
-            strict=True,
-        )
-        for wr_id, status, qpn, vendor_err in rows:
+        # Rows of WC_DTYPE: wr_id, status, opcode, vendor_err, byte_len, imm_data, qp_num, ...
+        for wr_id, status, _, vendor_err, _, _, qpn, *_ in wcs.tolist():
             conn = self._by_qpn.get(qpn)
             if conn is None:
                 continue

@@ -22,8 +22,8 @@ __all__ = ["TransferHandle", "TransferRequest", "TransferStatus"]
 #: finishes its transfer.
 SPIN_S = 0.002
 
-# Orders a handle's finish against a waiter making its Event.  Innermost lock: taken
-# under the engine lock (the progress thread finishes handles), never the other way.
+# Two waiters of one handle make one Event between them.  Innermost lock, never held
+# while taking another.  Handles are finished under the engine lock.
 _handle_lock = threading.Lock()
 
 
@@ -93,8 +93,12 @@ class TransferHandle:
         raises :class:`TransferTimeout` and the transfer goes on.  The transfer
         has its own deadline, after which it fails on its own.
         """
+        if self._status is not TransferStatus.PENDING:  # final: _error was set before it
+            if self._error is not None:
+                raise self._error
+            return
         reap = self._reap
-        if reap is not None and self._status is TransferStatus.PENDING:
+        if reap is not None:
             # Reap completions on this thread for a moment before sleeping: a short
             # transfer then ends without waking the progress thread and this one in turn.
             spin_until = time.monotonic() + (SPIN_S if timeout is None else min(SPIN_S, timeout))
@@ -103,11 +107,15 @@ class TransferHandle:
             if self._status is TransferStatus.PENDING:
                 reap(True)  # about to sleep: the progress thread takes over
         event = None
-        with _handle_lock:  # most handles are done before anyone waits: no Event for them
-            if self._status is TransferStatus.PENDING:
+        if self._status is TransferStatus.PENDING:  # most are done by now: no Event for them
+            with _handle_lock:  # two waiters make one Event
                 if self._event is None:
                     self._event = threading.Event()
                 event = self._event
+            # finish() sets the status, then reads _event: either it saw this Event and
+            # sets it, or the status already reads final here (the GIL orders the two).
+            if self._status is not TransferStatus.PENDING:
+                event = None
         if event is not None:
             # One second of grace past the deadline, for the progress thread to fail it.
             own_limit = self.deadline - time.monotonic() + 1.0
@@ -122,13 +130,13 @@ class TransferHandle:
             raise self._error
 
     def finish(self, error: HixlError | None) -> None:
-        """Engine side: end the transfer (first call wins) and wake its waiter."""
-        with _handle_lock:
-            if self._status is not TransferStatus.PENDING:
-                return
-            self._error = error
-            self._status = TransferStatus.DONE if error is None else TransferStatus.FAILED
-            event = self._event
+        """Engine side, under the engine lock: end the transfer (first call wins) and
+        wake its waiter."""
+        if self._status is not TransferStatus.PENDING:
+            return
+        self._error = error  # before the status: a reader that sees it final sees this
+        self._status = TransferStatus.DONE if error is None else TransferStatus.FAILED
+        event = self._event
         if event is not None:
             event.set()
 

@@ -11,6 +11,10 @@ channels are not available it polls the CQs with a back-off of up to 2 ms instea
 Each round: poll the CQs that may hold something (arming the drained ones, then
 polling once more for what completed before the arming), expire transfers past their
 deadline, post what callers left queued (:meth:`Engine._post_pending`), then wait.
+The send CQ is not armed while nothing is pending, nor while a waiter has reaped it
+within :data:`DRIVEN_S` (``Engine.driven_at``): the waiter gets its completions without
+an event, a channel read and a re-arm on this thread, and this thread looks again after
+:data:`DRIVEN_S`.
 Socket reads and writes, arming a CQ, reading its channel and posting happen outside
 the engine lock (each is a system call on rxe); reaping takes it.
 """
@@ -24,7 +28,6 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from hixl.engine.handshake import Incoming
@@ -44,6 +47,10 @@ SLEEP_PENDING = 0.02  # with completion events: longest sleep while transfers ar
 SLEEP_IDLE = 0.1  # ... and with nothing pending
 SWEEP_EVERY = 0.05  # how often unfinished handshakes are checked against their deadlines
 POLL_BATCH = 64  # completions taken per poll
+#: Seconds after a waiter last reaped the send CQ on its own thread during which the
+#: progress thread does not arm that CQ (no event per completion for it to handle); it
+#: looks again after this long.
+DRIVEN_S = 0.002
 _WAKE = object()  # selector key data of the socket that wakes the thread
 _LISTENER = object()
 
@@ -67,6 +74,7 @@ class Progress:
         # completion channels could be opened; otherwise it polls with a back-off.
         self.events = events and all(cq.fd is not None for cq in cqs)
         self._armed: set[verbs.CompletionQueue] = set()
+        self._left_to_callers = False  # the last round left the send CQ unarmed to callers
         if self.events:
             for cq in cqs:
                 assert cq.fd is not None
@@ -163,6 +171,8 @@ class Progress:
                     self._next_expiry_check = now + 0.01
                 if busy:
                     timeout = 0.0
+                elif self._left_to_callers:
+                    timeout = DRIVEN_S
                 elif self.events:
                     timeout = SLEEP_PENDING if engine._has_pending() else SLEEP_IDLE
                 else:
@@ -219,25 +229,13 @@ class Progress:
         for what completed before the arming; after that the thread may sleep.
         """
         busy = False
-        send, recv = self.send_cq, self.recv_cq
-        lock = engine._lock
-
-        def reap_send() -> int:
-            with lock:
-                return 0 if engine.closed else engine._reap_send(send.poll_array(POLL_BATCH))
-
-        def reap_recv() -> int:
-            with lock:
-                return 0 if engine.closed else engine._reap_recv(recv.poll(POLL_BATCH))
-
-        reapers: tuple[tuple[verbs.CompletionQueue, Callable[[], int]], ...] = (
-            (send, reap_send),
-            (recv, reap_recv),
-        )
+        send = self.send_cq
+        self._left_to_callers = False
+        reapers = ((send, self._reap_send), (self.recv_cq, self._reap_recv))
         for cq, reap in reapers:
             if cq in self._armed:
                 continue
-            if reap() == POLL_BATCH:
+            if reap(engine) == POLL_BATCH:
                 busy = True  # maybe more queued: poll again before arming
                 continue
             if cq is send and not engine._handles:
@@ -245,12 +243,26 @@ class Progress:
                 # wakes this thread (posting is handed over) or is waited on by a caller
                 # that reaps its own completion and wakes this thread before it sleeps.
                 continue
+            if cq is send and time.monotonic() - engine.driven_at < DRIVEN_S:
+                # A waiter is reaping on its own thread: no event for this thread; look
+                # again in DRIVEN_S.  A waiter about to sleep clears driven_at and wakes
+                # this thread, which then arms.
+                self._left_to_callers = True
+                continue
             cq.arm()  # a system call on rxe: outside the engine lock
             self._armed.add(cq)
-            if reap() == POLL_BATCH:
+            if reap(engine) == POLL_BATCH:
                 self._armed.discard(cq)  # more may be queued from before the arming
                 busy = True
         return busy
+
+    def _reap_send(self, engine: Engine) -> int:
+        with engine._lock:
+            return 0 if engine.closed else engine._reap_send(self.send_cq.poll_array(POLL_BATCH))
+
+    def _reap_recv(self, engine: Engine) -> int:
+        with engine._lock:
+            return 0 if engine.closed else engine._reap_recv(self.recv_cq.poll(POLL_BATCH))
 
 
 def _loop(engine_ref: weakref.ref[Engine], stop: threading.Event) -> None:

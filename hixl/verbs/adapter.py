@@ -37,7 +37,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -889,6 +889,13 @@ class QueuePair:
                     f"post_pieces: WRs {start}..{stop} outside the chain's 0..{chain.num_wrs}"
                 )
             chain.check_regions()
+        if len(pieces) == 1 and pieces[0][2] == pieces[0][0].num_wrs:
+            # One range to the chain's end: its last WR already ends the list.
+            chain, start, _ = pieces[0]
+            rc = self._post_send_fn(self._qp, chain.head + start, self._bad_send)
+            if rc == 0:
+                return
+            self._post_failed(pieces, rc)
         saved = []
         try:
             nxt = ffi.NULL
@@ -903,6 +910,9 @@ class QueuePair:
                 last.next = link
         if rc == 0:
             return
+        self._post_failed(pieces, rc)
+
+    def _post_failed(self, pieces: Sequence[tuple[SendChain, int, int]], rc: int) -> NoReturn:
         where = "an unknown WR"
         bad = address(self._bad_send[0])
         for i, (chain, start, stop) in enumerate(pieces):

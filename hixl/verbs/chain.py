@@ -129,6 +129,7 @@ class SendChain:
     __slots__ = (
         "_flags_for",
         "_group_cache",
+        "_head0",
         "_sge_addr",
         "_sge_mem",
         "_sges",
@@ -156,6 +157,7 @@ class SendChain:
         self._wr_mem = ffi.new("struct ibv_send_wr[]", capacity)  # zeroed
         self._sge_mem = ffi.new("struct ibv_sge[]", sge_capacity)
         self.head = ffi.cast("struct ibv_send_wr *", self._wr_mem)  # memory owned by _wr_mem
+        self._head0 = self.head[0]
         self.wr_base = address(self._wr_mem)
         self.sge_base = address(self._sge_mem)
         self._wrs = np.frombuffer(ffi.buffer(self._wr_mem), WR_DTYPE)
@@ -346,6 +348,15 @@ class SendChain:
             flags[m - 1] = SEND_SIGNALED
             self._flags_for = (start, stop, every)
         return (m + every - 1) // every
+
+    def signal_one(self, wr_id: int) -> None:
+        """:meth:`set_signals` for a chain of one WR: signaled, under ``wr_id``."""
+        if self.num_wrs != 1:
+            raise ArgumentError(f"signal_one on a chain of {self.num_wrs} WRs")
+        w = self._head0
+        w.wr_id = wr_id
+        w.send_flags = SEND_SIGNALED
+        self._flags_for = None
 
     def unsignal(self, index: int) -> None:
         """Post WR ``index`` unsignaled: a later signaled WR's completion stands for it.
