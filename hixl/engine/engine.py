@@ -1271,12 +1271,14 @@ class Engine:
         return bool(self._to_post)
 
     def _reap_inline(self, sleeping: bool) -> bool:
-        """A waiter reaps send completions itself (no hand-off); True if it found some.
+        """A waiter reaps send completions itself (no hand-off); True: worth spinning on.
 
-        Skips when the lock is busy (the progress thread is reaping, most likely).
-        ``sleeping``: the waiter is about to sleep on its handle, so the progress thread
-        is woken to watch the completion queue (it sleeps unarmed while nothing was
-        pending).
+        Skips the reaping when the lock is busy (the progress thread is reaping, most
+        likely).  Spinning stops paying once a backlog waits for the poster or a batch is
+        being posted: the completions the waiter wants then come after that post, and a
+        spinning waiter only takes the CPU and the GIL the poster needs (on rxe the post
+        itself does the sending).  ``sleeping``: the waiter is about to sleep on its
+        handle, so the progress thread is woken to watch the completion queue.
         """
         if sleeping:
             self.driven_at = 0.0
@@ -1284,11 +1286,12 @@ class Engine:
             return False
         self.driven_at = time.monotonic()
         if not self._lock.acquire(blocking=False):
-            return False
+            return True
         try:
             if self._closed:
                 return False
-            return self._reap_send(self.send_cq.poll_array(POLL_BATCH)) > 0
+            self._reap_send(self.send_cq.poll_array(POLL_BATCH))
+            return not (self._posters or self._to_post)
         except HixlError:
             return False
         finally:

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 __all__ = ["TransferHandle", "TransferRequest", "TransferStatus"]
 
-#: Seconds a waiter reaps completions itself before it sleeps until the progress thread
-#: finishes its transfer.
+#: Longest a waiter reaps completions itself before it sleeps until the progress thread
+#: finishes its transfer (it stops sooner when the engine says spinning does not pay).
 SPIN_S = 0.002
 
 # Two waiters of one handle make one Event between them.  Innermost lock, never held
@@ -103,7 +103,8 @@ class TransferHandle:
             # transfer then ends without waking the progress thread and this one in turn.
             spin_until = time.monotonic() + (SPIN_S if timeout is None else min(SPIN_S, timeout))
             while self._status is TransferStatus.PENDING and time.monotonic() < spin_until:
-                reap(False)
+                if not reap(False):
+                    break  # the engine says spinning does not pay now
             if self._status is TransferStatus.PENDING:
                 reap(True)  # about to sleep: the progress thread takes over
         event = None
