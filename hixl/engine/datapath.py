@@ -131,20 +131,13 @@ class Planner:
 
     def rebuild(self, t: Template) -> Built:
         """The chain of a :class:`Template`'s request: a pooled one, or built anew."""
-        pool = self._chains.get(t.key)
-        if pool:
-            try:
-                idle = pool.pop()
-            except IndexError:  # another thread took the last one
-                pass
-            else:
-                chain = idle.chain
-                self._chain_wrs -= chain.capacity
-                la, ra = idle.bases
-                if la == t.local_addr and ra == t.remote_addr:
-                    return idle  # the very same request again
-                chain.shift(t.local_addr - la, t.remote_addr - ra)
-                return Built(chain, t.nbytes, t.key, (t.local_addr, t.remote_addr))
+        idle = self._take_idle(t.key)
+        if idle is not None:
+            la, ra = idle.bases
+            if la == t.local_addr and ra == t.remote_addr:
+                return idle  # the very same request again
+            idle.chain.shift(t.local_addr - la, t.remote_addr - ra)
+            return Built(idle.chain, t.nbytes, t.key, (t.local_addr, t.remote_addr))
         chain = SendChain.for_plan(
             t.plan,
             opcode=t.opcode,
@@ -191,18 +184,11 @@ class Planner:
         key = None
         if pkey is not None:
             key = (pkey, local.addr, local.lkey, remote.addr, remote.rkey)
-            pool = self._chains.get(key)
-            if pool:
-                try:
-                    idle = pool.pop()
-                except IndexError:  # another thread took the last one
-                    pass
-                else:
-                    chain, (la, ra) = idle.chain, idle.bases
-                    self._chain_wrs -= chain.capacity
-                    if not local.closed:  # the chain's one region
-                        chain.shift(local_addr - la, remote_addr - ra)
-                        return Built(chain, plan.nbytes, key, (local_addr, remote_addr))
+            idle = self._take_idle(key)
+            if idle is not None and not local.closed:  # the chain's one region
+                la, ra = idle.bases
+                idle.chain.shift(local_addr - la, remote_addr - ra)
+                return Built(idle.chain, plan.nbytes, key, (local_addr, remote_addr))
         chain = SendChain.for_plan(
             plan,
             opcode=opcode,
@@ -272,6 +258,18 @@ class Planner:
                 self._plans.clear()
             self._plans[key] = plan
         return plan, key, lp.base, rp.base
+
+    def _take_idle(self, key: tuple[Any, ...]) -> Built | None:
+        """An idle chain of the layout ``key`` from the pool (no lock: pops are atomic)."""
+        pool = self._chains.get(key)
+        if not pool:
+            return None
+        try:
+            idle = pool.pop()
+        except IndexError:  # another thread took the last one
+            return None
+        self._chain_wrs -= idle.chain.capacity
+        return idle
 
     def give_back(self, built: Built) -> None:
         """Return a chain whose WRs are all posted, for the next request with its layout."""
