@@ -27,9 +27,13 @@ Proofs
 ------
 With a shared token (bytes) both ends prove that they know it, over the whole transcript::
 
+    K  = SHA-256("hixl token\\0" token)
     T  = [HELLO] [CHALLENGE] [INFO with proof=b""]
-    Pc = HMAC-SHA256(token, "hixl/<version> client\\0" T)
-    Ps = HMAC-SHA256(token, "hixl/<version> server\\0" T [ACCEPT with proof=b""])
+    Pc = HMAC-SHA256(K, "hixl/<version> client\\0" T)
+    Ps = HMAC-SHA256(K, "hixl/<version> server\\0" T [ACCEPT with proof=b""])
+
+The key is a hash of the token, not the token itself: HMAC pads a short key with zero
+bytes, so two tokens that differ only in trailing zero bytes would otherwise be one key.
 
 where ``[m]`` is the 4-byte big-endian length of ``encode(m)`` followed by ``encode(m)``.
 ``encode`` is canonical (one byte string per message value) and includes the frame header,
@@ -94,7 +98,12 @@ def _mac(token: bytes | None, role: bytes, parts: tuple[wire.Message, ...]) -> b
     if token is None:
         return b""
     data = b"".join((_LABEL, role, b"\0", *(_part(m) for m in parts)))
-    return hmac.new(token, data, hashlib.sha256).digest()
+    return hmac.new(_key(token), data, hashlib.sha256).digest()
+
+
+def _key(token: bytes) -> bytes:
+    """The MAC key of a token: one fixed-length key per token (see the module doc)."""
+    return hashlib.sha256(b"hixl token\0" + token).digest()
 
 
 def client_proof(

@@ -107,7 +107,8 @@ __all__ = [
 ]
 
 #: Version of the wire format this module speaks; a frame with another version is refused.
-PROTOCOL_VERSION = 2
+#: 3: the handshake proofs are keyed with SHA-256 of the token (see hixl.core.handshake).
+PROTOCOL_VERSION = 3
 #: First four bytes of every frame.
 MAGIC = b"HIXL"
 #: Frame header: magic, version (u16), message type (u16), payload length in bytes (u32).

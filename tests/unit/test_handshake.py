@@ -355,6 +355,17 @@ def test_client_blames_a_server_without_token_or_with_a_bad_proof() -> None:
         client.on_accept(proven)
 
 
+@pytest.mark.parametrize(
+    ("token", "other"), [(b"\0", b"\0\0"), (b"k", b"k\0"), (b"k" * 64, b"k" * 64 + b"\0")]
+)
+def test_tokens_that_differ_in_trailing_zero_bytes_do_not_match(token: bytes, other: bytes) -> None:
+    """HMAC pads a short key with zeros: keyed with the raw token, these pairs matched."""
+    drafts = (_draft(wire.Info), _draft(wire.Accept))
+    result = run(token, other, ("10.0.0.2:0~1", "10.0.0.1:1"), drafts)
+    assert isinstance(result.server_error, AuthenticationError)
+    assert not result.server_acted
+
+
 def test_proof_is_hmac_sha256_over_the_length_prefixed_frames() -> None:
     token = b"secret"
     hello = wire.Hello(engine_id="10.0.0.2:0~1", nonce=bytes(16))
@@ -366,7 +377,8 @@ def test_proof_is_hmac_sha256_over_the_length_prefixed_frames() -> None:
         return len(data).to_bytes(4, "big") + data
 
     data = b"hixl/%d client\0" % wire.PROTOCOL_VERSION + part(hello) + part(ch) + part(info)
-    assert client_proof(token, hello, ch, info) == hmac.new(token, data, hashlib.sha256).digest()
+    key = hashlib.sha256(b"hixl token\0" + token).digest()
+    assert client_proof(token, hello, ch, info) == hmac.new(key, data, hashlib.sha256).digest()
     assert client_proof(None, hello, ch, info) == b""
     with pytest.raises(ValueError, match="token must be non-empty bytes"):
         client_proof(b"", hello, ch, info)

@@ -217,7 +217,7 @@ def test_round_trip_in_any_chunking(msgs: list[Message], cuts: list[int]) -> Non
 def test_round_trip_byte_by_byte_and_decode(msg: Message) -> None:
     data = encode(msg)
     assert data[:4] == MAGIC
-    assert HEADER.unpack(data[:HEADER_SIZE]) == (MAGIC, 2, msg.TYPE, len(data) - HEADER_SIZE)
+    assert HEADER.unpack(data[:HEADER_SIZE]) == (MAGIC, 3, msg.TYPE, len(data) - HEADER_SIZE)
     assert decode(data) == msg
     decoder = Decoder()
     out: list[Message] = []
@@ -506,7 +506,7 @@ def test_bad_magic_fails_on_the_first_byte() -> None:
 
 def test_version_mismatch_names_both_versions() -> None:
     decoder = Decoder()
-    with pytest.raises(HandshakeError, match=r"unsupported protocol version 7: .*speaks version 2"):
+    with pytest.raises(HandshakeError, match=r"unsupported protocol version 7: .*speaks version 3"):
         decoder.feed(frame(MsgType.HELLO, b"{}", version=7)[:6])
     assert decoder.error_code is ErrorCode.VERSION
     with pytest.raises(HandshakeError, match="earlier error.*version 7"):
