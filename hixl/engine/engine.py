@@ -1161,7 +1161,11 @@ class Engine:
             self._handles.add(handle)
             if window.poster:
                 return handle  # the batch being posted takes it next
-            batch = self._start_post(conn, defer=not now or window.in_flight > 0)
+            if now and not window.in_flight:
+                batch = self._start_post(conn, defer=False)
+            else:  # hand it to the progress thread (see _start_post)
+                self._want_post(conn)
+                batch = None
         if batch is not None:
             self._post(conn, batch)
         elif self._wake_due:
@@ -1407,11 +1411,13 @@ class Engine:
         return int(wcs.size)
 
     def _chunk_done(self, chunk: Chunk) -> None:
-        self._release_notify(chunk)
+        if chunk.notify_slot is not None:
+            self._release_notify(chunk)
         handle = chunk.handle
         if handle is not None:
-            handle.chunks_left -= 1
-            if handle.chunks_left == 0:
+            left = handle.chunks_left - 1
+            handle.chunks_left = left
+            if not left:
                 handle.finish(None)
                 self._handles.discard(handle)
 

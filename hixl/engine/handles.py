@@ -55,6 +55,18 @@ class TransferRequest:
 class TransferHandle:
     """An asynchronous transfer: poll :meth:`done` / :attr:`status`, or :meth:`wait`."""
 
+    __slots__ = (
+        "_error",
+        "_event",
+        "_reap",
+        "_status",
+        "chunks_left",
+        "deadline",
+        "nbytes",
+        "num_wrs",
+        "peer",
+    )
+
     def __init__(
         self,
         peer: str,
