@@ -259,7 +259,7 @@ class Engine:
         self._posters = 0
         # When a waiter last reaped send completions itself (monotonic); while that is
         # recent the progress thread does not arm the send CQ (see Progress).
-        self.driven_at = 0.0
+        self._driven_at = 0.0
         self._send_posts = 0  # post_send calls for transfers, and the WRs they carried
         self._posted_wrs = 0
         self._post_cv = threading.Condition(self._lock)
@@ -1129,10 +1129,7 @@ class Engine:
             conn.window.queue(chunks)
             self._handles.add(handle)
             batch = self._start_post(conn, defer=not now or conn.window.in_flight > 0)
-        if batch is not None:
-            self._post(conn, batch)
-        elif self._wake_due:
-            self._wake()
+        self._post_or_wake(conn, batch)
         return handle
 
     def _queue1(self, conn: Connection, b: Built, timeout: float, now: bool) -> TransferHandle:
@@ -1166,10 +1163,7 @@ class Engine:
             else:  # hand it to the progress thread (see _start_post)
                 self._want_post(conn)
                 batch = None
-        if batch is not None:
-            self._post(conn, batch)
-        elif self._wake_due:
-            self._wake()
+        self._post_or_wake(conn, batch)
         return handle
 
     def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0) -> None:
@@ -1221,6 +1215,14 @@ class Engine:
         if not self._post_wake and self._progress.sleeping:
             self._post_wake = True
             self._wake_due = True
+
+    def _post_or_wake(self, conn: Connection, batch: Batch | None) -> None:
+        """After queueing (lock let go): post the batch this thread reserved, or send the
+        wake-up the hand-over asked for."""
+        if batch is not None:
+            self._post(conn, batch)
+        elif self._wake_due:
+            self._wake()
 
     def _wake(self) -> None:
         """Send the wake-up :meth:`_want_post` asked for (lock not held)."""
@@ -1285,10 +1287,10 @@ class Engine:
         handle, so the progress thread is woken to watch the completion queue.
         """
         if sleeping:
-            self.driven_at = 0.0
+            self._driven_at = 0.0
             self._progress.wake()
             return False
-        self.driven_at = time.monotonic()
+        self._driven_at = time.monotonic()
         if not self._lock.acquire(blocking=False):
             return True
         try:

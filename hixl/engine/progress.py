@@ -12,7 +12,7 @@ Each round: poll the CQs that may hold something (arming the drained ones, then
 polling once more for what completed before the arming), expire transfers past their
 deadline, post what callers left queued (:meth:`Engine._post_pending`), then wait.
 The send CQ is not armed while nothing is pending, nor while a waiter has reaped it
-within :data:`DRIVEN_S` (``Engine.driven_at``): the waiter gets its completions without
+within :data:`DRIVEN_S` (``Engine._driven_at``): the waiter gets its completions without
 an event, a channel read and a re-arm on this thread, and this thread looks again after
 :data:`DRIVEN_S`.
 Socket reads and writes, arming a CQ, reading its channel and posting happen outside
@@ -243,9 +243,9 @@ class Progress:
                 # wakes this thread (posting is handed over) or is waited on by a caller
                 # that reaps its own completion and wakes this thread before it sleeps.
                 continue
-            if cq is send and time.monotonic() - engine.driven_at < DRIVEN_S:
+            if cq is send and time.monotonic() - engine._driven_at < DRIVEN_S:
                 # A waiter is reaping on its own thread: no event for this thread; look
-                # again in DRIVEN_S.  A waiter about to sleep clears driven_at and wakes
+                # again in DRIVEN_S.  A waiter about to sleep clears _driven_at and wakes
                 # this thread, which then arms.
                 self._left_to_callers = True
                 continue
