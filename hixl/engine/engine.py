@@ -20,8 +20,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from hixl.core import notify, wire
 from hixl.core.descriptors import Descriptor
 from hixl.core.notify import Notification
@@ -1296,7 +1294,7 @@ class Engine:
         try:
             if self._closed:
                 return False
-            self._reap_send(self.send_cq.poll_array(POLL_BATCH))
+            self._reap_send(self.send_cq.poll_rows(POLL_BATCH))
             return not (self._posters or self._to_post)
         except HixlError:
             return False
@@ -1375,17 +1373,16 @@ class Engine:
         self._notify_cv.notify_all()
 
     # -- progress thread callbacks (all but the socket reads run under the lock) -----------
-    def _reap_send(self, wcs: np.ndarray[Any, Any]) -> int:
-        """Handle send completions (a :data:`~hixl.verbs.chain.WC_DTYPE` array); return how many.
+    def _reap_send(self, wcs: list[tuple[int, int, int, int]]) -> int:
+        """Handle send completions, rows of ``CompletionQueue.poll_rows``; return how many.
 
         One completion per signal group, not per work request.  Connections that freed
         send-queue room post more of their backlog once, after the whole batch.
         """
-        if wcs.size == 0:
+        if not wcs:
             return 0
         pump: dict[int, Connection] = {}
-        # Rows of WC_DTYPE: wr_id, status, opcode, vendor_err, byte_len, imm_data, qp_num, ...
-        for wr_id, status, _, vendor_err, _, _, qpn, *_ in wcs.tolist():
+        for wr_id, status, vendor_err, qpn in wcs:
             conn = self._by_qpn.get(qpn)
             if conn is None:
                 continue
@@ -1410,7 +1407,7 @@ class Engine:
         for conn in pump.values():
             if conn.window.backlog and not conn.window.poster:
                 self._want_post(conn)
-        return int(wcs.size)
+        return len(wcs)
 
     def _chunk_done(self, chunk: Chunk) -> None:
         if chunk.notify_slot is not None:

@@ -163,7 +163,7 @@ class Progress:
                 if engine.closed:
                     return False
                 if not self.events:
-                    busy |= engine._reap_send(self.send_cq.poll_array(POLL_BATCH)) == POLL_BATCH
+                    busy |= engine._reap_send(self.send_cq.poll_rows(POLL_BATCH)) == POLL_BATCH
                     busy |= engine._reap_recv(self.recv_cq.poll(POLL_BATCH)) == POLL_BATCH
                 now = time.monotonic()
                 if now >= self._next_expiry_check:
@@ -258,7 +258,7 @@ class Progress:
 
     def _reap_send(self, engine: Engine) -> int:
         with engine._lock:
-            return 0 if engine.closed else engine._reap_send(self.send_cq.poll_array(POLL_BATCH))
+            return 0 if engine.closed else engine._reap_send(self.send_cq.poll_rows(POLL_BATCH))
 
     def _reap_recv(self, engine: Engine) -> int:
         with engine._lock:

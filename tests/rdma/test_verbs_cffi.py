@@ -223,6 +223,42 @@ def test_error_in_mid_chain_completes_with_its_own_status(dev: ibv.Device) -> No
     assert a.state_name == "ERR"
 
 
+def test_poll_rows_reads_the_fields_the_engine_uses(dev: ibv.Device) -> None:
+    """poll_rows gives wr_id, status, vendor_err and qp_num of each completion, in order,
+    a few per call: a good group, the failing WR's own status, then the flushed ones."""
+    a, _, cq = pair(dev)
+    assert cq.poll_rows(8) == []
+    src = np.arange(24 * 64, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    ms = dev.register(src.ctypes.data, src.nbytes, ibv.ACCESS_LOCAL_WRITE, src)
+    md = dev.register(dst.ctypes.data, dst.nbytes, RW, dst)
+    chain = SendChain.for_plan(
+        _rows_plan(24, 64),
+        opcode=ibv.WR_RDMA_WRITE,
+        local_addr=ms.addr,
+        lkey=ms.lkey,
+        remote_addr=md.addr,
+        rkey=md.rkey,
+    )
+    every, first = 4, 2**40 + 9  # an id above 32 bits comes back whole
+    chain.set_signals(first, every)
+    chain.wrs["rkey"][6] = md.rkey ^ 0x5A5A00
+    assert a.post_chain(chain) == 24
+    want = [(first, 0), (first + 1, ibv.WC_REM_ACCESS_ERR)]
+    want += [(first + i // every, ibv.WC_WR_FLUSH_ERR) for i in range(7, 24)]
+    rows: list[tuple[int, int, int, int]] = []
+    deadline = time.monotonic() + 20
+    while len(rows) < len(want) and time.monotonic() < deadline:
+        got = cq.poll_rows(3)
+        assert len(got) <= 3
+        rows += got
+    assert [(wr_id, status) for wr_id, status, _, _ in rows] == want
+    assert {qpn for *_, qpn in rows} == {a.qpn}
+    assert all(isinstance(v, int) and v >= 0 for _, _, v, _ in rows)
+    assert cq.poll_rows(8) == []
+    assert np.array_equal(dst[: 4 * 64], src[: 4 * 64])
+
+
 def _rows_plan(count: int, size: int) -> Plan:
     """``count`` WRs of ``size`` bytes: a contiguous range cut by max_msg_sz."""
     d = ContiguousDesc(offset=0, nbytes=count * size, alignment=None)
