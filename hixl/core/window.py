@@ -142,53 +142,49 @@ class SendWindow:
                 self._backlog.clear()
                 self.poster = True
                 return Batch([(chunk.chain, chunk.start, chunk.stop)], [chunk])
-        plan: list[tuple[Chunk, int, int]] = []
-        for chunk in self._backlog:
-            if chunk.posted == 0:
+        # One pass over the backlog.  A chunk followed by another in the batch went out
+        # to its end (room was left), so it is the one made unsignaled when the next is
+        # added; the batch's last chunk keeps its signal.
+        pieces: list[tuple[Any, int, int]] = []
+        finished: list[Chunk] = []
+        backlog, sent = self._backlog, self._sent
+        prev: Chunk | None = None
+        while backlog and room > 0:
+            chunk = backlog[0]
+            posted = chunk.posted
+            if not posted:
                 try:
                     chunk.chain.check_regions()
                 except HixlError:
-                    if not plan:
+                    if not pieces:
                         raise
                     break
-            lo = chunk.start + chunk.posted
-            hi = min(chunk.stop, lo + room)
-            plan.append((chunk, lo, hi))
-            room -= hi - lo
-            if room <= 0:
+            lo = chunk.start + posted
+            hi = chunk.stop
+            if hi - lo > room:  # room runs out inside it: stop at its last group's start
+                hi = chunk.start + (lo + room - chunk.start) // chunk.every * chunk.every
+                if hi <= lo:
+                    break
+            if prev is not None:
+                prev.chain.unsignal(prev.stop - 1)
+            pieces.append((chunk.chain, lo, hi))
+            if not posted:
+                sent.append(chunk)
+            k = hi - lo
+            chunk.posted = posted + k
+            self.in_flight += k
+            room -= k
+            if hi != chunk.stop:
                 break
-        # Cut back to the last signaled WR.
-        while plan:
-            chunk, lo, hi = plan[-1]
-            if hi == chunk.stop:
-                break
-            end = chunk.start + (hi - chunk.start) // chunk.every * chunk.every
-            if end > lo:
-                plan[-1] = (chunk, lo, end)
-                break
-            plan.pop()
-        if not plan:
+            backlog.popleft()
+            finished.append(chunk)
+            prev = chunk
+        if not pieces:
             if self.in_flight == 0:
                 raise ArgumentError(
-                    f"a signal group of {self._backlog[0].every} WRs does not fit a send "
-                    f"queue of {depth}"
+                    f"a signal group of {backlog[0].every} WRs does not fit a send queue of {depth}"
                 )
             return None  # completions of what is out will make room
-        pieces: list[tuple[Any, int, int]] = []
-        finished: list[Chunk] = []
-        last = len(plan) - 1
-        for i, (chunk, lo, hi) in enumerate(plan):
-            if i < last:  # not the batch's last, so it goes out to its end: no signal
-                chunk.chain.unsignal(chunk.stop - 1)
-            pieces.append((chunk.chain, lo, hi))
-            if not chunk.posted:
-                self._sent.append(chunk)
-            k = hi - lo
-            chunk.posted += k
-            self.in_flight += k
-            if chunk.posted == chunk.size:
-                self._backlog.popleft()
-                finished.append(chunk)
         self.poster = True
         return Batch(pieces, finished)
 

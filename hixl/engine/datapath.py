@@ -11,11 +11,15 @@ takes it and shifts its addresses to its own offsets (the engine rewrites its ``
 ``build`` runs without the engine lock: it reads only immutable values (a region's
 keys, the peer's announced region tuple) and the caches, whose dict and list
 operations are atomic.  A chain taken from the pool belongs to one transfer until
-:meth:`Planner.give_back`.
+:meth:`Planner.give_back`.  The poster does not pool the chains it posted itself: it
+hands each batch's chunks over with one append (:meth:`Planner.posted`), and a thread
+that finds the pool empty pools them, so that per-chain work is paid by the callers,
+not by the thread that also does rxe's sending.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +53,7 @@ __all__ = ["Built", "NotifySlots", "PLAN_CACHE", "Planner", "Template", "signal_
 PLAN_CACHE = 512  # planned (descriptor pair, region sizes) kept per engine
 CHAIN_CACHE_WRS = 1 << 18  # WRs (x 128 bytes, plus SGEs) of idle built chains kept per engine
 CHAIN_WRS_PER_KEY = 4096  # WRs of idle chains kept for one layout (at least 4 chains)
+POSTED_BATCHES = 64  # posted batches whose chains wait to be pooled (older ones are dropped)
 
 
 def signal_interval(sq_depth: int) -> int:
@@ -108,6 +113,8 @@ class Planner:
         self._plans: dict[tuple[Any, ...], Plan] = {}
         self._chains: dict[tuple[Any, ...], list[Built]] = {}  # idle chains by layout
         self._chain_wrs = 0  # WRs held by idle chains (approximate: no lock)
+        # Chunks of posted batches whose chains are not pooled yet (see posted()).
+        self._posted: deque[list[Any]] = deque(maxlen=POSTED_BATCHES)
 
     def template(self, conn: Connection, req: TransferRequest, built: Built) -> Template | None:
         """What :meth:`rebuild` needs to repeat ``req`` (just built); None if not cacheable."""
@@ -259,11 +266,40 @@ class Planner:
             self._plans[key] = plan
         return plan, key, lp.base, rp.base
 
+    def posted(self, chunks: list[Any]) -> None:
+        """The chains of ``chunks`` (window chunks with a ``built``) were posted whole.
+
+        One append, on the poster: the chains are pooled later by a thread that misses
+        the pool.  Beyond :data:`POSTED_BATCHES` waiting batches the oldest are dropped
+        (the pool is a cache; their chains are freed).
+        """
+        self._posted.append(chunks)
+
+    def _reclaim(self) -> None:
+        """Pool the chains of the posted batches handed over so far (no lock: each batch
+        is popped by one thread)."""
+        posted = self._posted
+        while posted:
+            try:
+                chunks = posted.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            for chunk in chunks:
+                built = chunk.built
+                if built is not None:
+                    chunk.built = None
+                    self.give_back(built)
+
     def _take_idle(self, key: tuple[Any, ...]) -> Built | None:
         """An idle chain of the layout ``key`` from the pool (no lock: pops are atomic)."""
         pool = self._chains.get(key)
         if not pool:
-            return None
+            if not self._posted:
+                return None
+            self._reclaim()
+            pool = self._chains.get(key)
+            if not pool:
+                return None
         try:
             idle = pool.pop()
         except IndexError:  # another thread took the last one

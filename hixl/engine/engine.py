@@ -1230,8 +1230,8 @@ class Engine:
     def _post(self, conn: Connection, batch: Batch) -> None:
         """Post a reserved batch outside the lock, then settle it under the lock.
 
-        The chains of chunks that went out whole go back to the planner's pool (the
-        provider copied their WRs).  A refusal fails the connection.  What was queued
+        The chains of chunks that went out whole go to the planner, to be pooled by a
+        caller (the provider copied their WRs).  A refusal fails the connection.  What was queued
         meanwhile is left to the progress thread.
         """
         err: HixlError | None = None
@@ -1242,10 +1242,8 @@ class Engine:
         with self._lock:
             conn.window.end_batch()
             self._posters -= 1
-            for done in batch.finished:
-                if done.built is not None:
-                    self._planner.give_back(done.built)
-                    done.built = None
+            if batch.finished:
+                self._planner.posted(batch.finished)  # pooled later, by a caller
             if err is not None:
                 chunk = batch.finished[0] if batch.finished else None
                 culprit = chunk.handle if chunk is not None else None
