@@ -399,8 +399,28 @@ class ContiguousDesc:
     alignment: int | None = DEFAULT_ALIGNMENT
 
     def __post_init__(self) -> None:
-        offset = _int("ContiguousDesc.offset", self.offset, minimum=0)
-        nbytes = _int("ContiguousDesc.nbytes", self.nbytes, minimum=1)
+        offset, nbytes, alignment = self.offset, self.nbytes, self.alignment
+        # The common case, plain ints already valid and in normal form, in a few
+        # comparisons (one descriptor per KV block is made in a hot loop); anything else
+        # takes the full conversion and checks below.
+        if (
+            type(offset) is int
+            and type(nbytes) is int
+            and 0 <= offset <= INT64_MAX - nbytes
+            and nbytes >= 1
+            and (
+                alignment is None
+                or (
+                    type(alignment) is int
+                    and alignment > 0
+                    and not alignment & (alignment - 1)
+                    and not offset % alignment
+                )
+            )
+        ):
+            return
+        offset = _int("ContiguousDesc.offset", offset, minimum=0)
+        nbytes = _int("ContiguousDesc.nbytes", nbytes, minimum=1)
         if offset > INT64_MAX - nbytes:
             raise DescriptorError(
                 f"ContiguousDesc overflows int64: offset={offset} nbytes={nbytes} "

@@ -82,12 +82,16 @@ class Template:
     Valid while ``conn`` is the peer's connection, the peer's announced regions are the
     very tuple ``remotes`` (any REGIONS change swaps it) and ``local`` is open: bounds,
     access and alignment depend only on the descriptors and the regions' immutable
-    fields, so they still hold.
+    fields, so they still hold.  ``remote`` is the peer's region the request resolved
+    to; a template of two :class:`~hixl.core.descriptors.ContiguousDesc` is also used at
+    other offsets of the same regions (see :meth:`Planner.rebuild`), with the bounds and
+    alignment checked per call.
     """
 
     conn: Connection
     remotes: tuple[RemoteRegion, ...]
     local: Region
+    remote: RemoteRegion
     plan: Plan
     opcode: int
     key: tuple[Any, ...]
@@ -126,6 +130,7 @@ class Planner:
             conn=conn,
             remotes=conn.remote_regions,
             local=req.local,
+            remote=remote,
             plan=plan,
             opcode=verbs.WR_RDMA_WRITE if req.op == "write" else verbs.WR_RDMA_READ,
             key=built.key,
@@ -136,25 +141,27 @@ class Planner:
             num_wrs=built.chain.num_wrs,
         )
 
-    def rebuild(self, t: Template) -> Built:
-        """The chain of a :class:`Template`'s request: a pooled one, or built anew."""
+    def rebuild(self, t: Template, local_addr: int, remote_addr: int) -> Built:
+        """The chain of a :class:`Template`'s plan placed at ``local_addr`` and
+        ``remote_addr`` (the template's own, or checked by the caller): a pooled chain,
+        shifted, or one built anew."""
         idle = self._take_idle(t.key)
         if idle is not None:
             la, ra = idle.bases
-            if la == t.local_addr and ra == t.remote_addr:
+            if la == local_addr and ra == remote_addr:
                 return idle  # the very same request again
-            idle.chain.shift(t.local_addr - la, t.remote_addr - ra)
-            return Built(idle.chain, t.nbytes, t.key, (t.local_addr, t.remote_addr))
+            idle.chain.shift(local_addr - la, remote_addr - ra)
+            return Built(idle.chain, t.nbytes, t.key, (local_addr, remote_addr))
         chain = SendChain.for_plan(
             t.plan,
             opcode=t.opcode,
-            local_addr=t.local_addr,
+            local_addr=local_addr,
             lkey=t.local.lkey,
-            remote_addr=t.remote_addr,
+            remote_addr=remote_addr,
             rkey=t.rkey,
             regions=(t.local,),
         )
-        return Built(chain, t.nbytes, t.key, (t.local_addr, t.remote_addr))
+        return Built(chain, t.nbytes, t.key, (local_addr, remote_addr))
 
     def build(self, owner: object, conn: Connection, req: TransferRequest, index: int) -> Built:
         """The filled chain of one request; raises before anything is posted."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hixl.core import notify, wire
-from hixl.core.descriptors import Descriptor
+from hixl.core.descriptors import ContiguousDesc, Descriptor
 from hixl.core.notify import Notification
 from hixl.core.plan import DeviceLimits
 from hixl.core.states import ConnEvent, ConnState
@@ -57,6 +57,7 @@ log = logging.getLogger("hixl.engine")
 
 SEND_NOTIFY_SLOTS = 256  # notifications in flight per engine
 TEMPLATES = 1024  # single requests kept checked and planned (see Engine._one)
+_RANGES = object()  # first item of the key of a template reused at other offsets
 # Room left in a handshake message for everything but the exposed regions, bytes.
 _REGION_BYTES = wire.MAX_PAYLOAD - 4096
 
@@ -1001,7 +1002,9 @@ class Engine:
     ) -> TransferHandle:
         """A single put or get.  One already checked with these very arguments on this
         connection is repeated from its :class:`~hixl.engine.datapath.Template` (no
-        checks, no planning: what they depend on has not changed, see there)."""
+        checks, no planning: what they depend on has not changed, see there).  A pair of
+        :class:`ContiguousDesc` at new offsets reuses the template of the same sizes
+        between the same regions; only the bounds and the alignment are checked."""
         tkey: tuple[Any, ...] | None = (peer, op, local, remote, local_desc, remote_desc)
         last = self._last_template  # a loop repeats one call: compared by identity first
         t: Template | None
@@ -1018,6 +1021,21 @@ class Engine:
             if t is not None and tkey is not None:
                 self._last_template = (tkey, t)
         if t is not None:
+            la, ra = t.local_addr, t.remote_addr
+        elif type(local_desc) is ContiguousDesc and type(remote_desc) is ContiguousDesc:
+            ln, rn = local_desc.nbytes, remote_desc.nbytes
+            t = self._templates.get((_RANGES, peer, op, local, remote, ln, rn))
+            if t is not None:
+                lo, ro, align = local_desc.offset, remote_desc.offset, self._planner.alignment
+                if (
+                    lo + ln <= t.local.length
+                    and ro + rn <= t.remote.length
+                    and not (align and (lo % align or ro % align))
+                ):
+                    la, ra = t.local.addr + lo, t.remote.addr + ro
+                else:
+                    t = None  # planned as it is, which raises what is wrong
+        if t is not None:
             conn = t.conn
             if (
                 conn.state is ConnState.READY
@@ -1028,9 +1046,9 @@ class Engine:
                 and not self._closed
             ):
                 if notify is None:
-                    return self._queue1(conn, self._planner.rebuild(t), timeout, now)
+                    return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, now)
                 payload = _notify.encode(notify, notify_message)
-                built = [self._planner.rebuild(t)]
+                built = [self._planner.rebuild(t, la, ra)]
                 return self._queue(conn, built, payload, op == "read", timeout, now)
         req = TransferRequest(
             op=op, local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
@@ -1069,6 +1087,12 @@ class Engine:
                 if len(self._templates) >= TEMPLATES:
                     self._templates.clear()
                 self._templates[tkey] = t
+                req = requests[0]
+                ld, rd = req.local_desc, req.remote_desc
+                if type(ld) is ContiguousDesc and type(rd) is ContiguousDesc:
+                    # The same sizes between the same regions at other offsets: see _one.
+                    rkey = (_RANGES, peer, req.op, req.local, req.remote, ld.nbytes, rd.nbytes)
+                    self._templates[rkey] = t
         reads = any(r.op == "read" for r in requests)
         return self._queue(conn, built, payload, reads, timeout, now)
 

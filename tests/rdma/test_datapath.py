@@ -16,7 +16,13 @@ import pytest
 from hixl.core.descriptors import ContiguousDesc, StridedDesc
 from hixl.core.states import ConnState
 from hixl.engine import Access, Engine, TransferHandle
-from hixl.errors import BoundsError, CompletionError, ConnectionFailed, RegistrationError
+from hixl.errors import (
+    AlignmentError,
+    BoundsError,
+    CompletionError,
+    ConnectionFailed,
+    RegistrationError,
+)
 
 from .conftest import listening_engine
 
@@ -224,6 +230,51 @@ def test_one_layout_at_ever_new_offsets_moves_the_right_bytes(
     with pytest.raises(BoundsError, match=f"remote out of bounds: offset={n - 1900 + 1 + 1900} "):
         move(server.id, r, "mem", local_desc=ldesc, remote_desc=too_far, timeout=30)
     assert np.array_equal(dst, before)
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_ranges_of_one_size_at_new_offsets_move_their_bytes_and_are_checked_each_time(
+    pair: tuple[Engine, Engine], op: str
+) -> None:
+    """Single ranges of one size at a new offset on both sides every call (KV blocks
+    written where each belongs) repeat the first call's checked plan: every call lands
+    exactly its own bytes, and an offset that reaches past a region's end or breaks the
+    engine's 64-byte alignment is refused before anything is posted, as on a first call."""
+    client, server = pair
+    n, size = 1 << 16, 4096
+    remote_mem = pattern(n, 7) if op == "read" else np.zeros(n, np.uint8)
+    local_mem = np.zeros(n, np.uint8) if op == "read" else pattern(n, 8)
+    server.register(remote_mem, access=RW, name="mem")
+    r = client.register(local_mem, access=RW)
+    client.connect(server.id, timeout=30.0)
+    move = client.put if op == "write" else client.get
+    src, dst = (local_mem, remote_mem) if op == "write" else (remote_mem, local_mem)
+
+    def rng(offset: int) -> ContiguousDesc:
+        return ContiguousDesc(offset=offset, nbytes=size, alignment=None)
+
+    expect = dst.copy()
+    offsets = [(0, 0), (64, 8192), (n - size, 128), (4096, n - size), (0, 0), (192, 64)]
+    for k, (lo, ro) in enumerate(offsets):
+        move(server.id, r, "mem", local_desc=rng(lo), remote_desc=rng(ro), timeout=30)
+        s_off, d_off = (lo, ro) if op == "write" else (ro, lo)
+        expect[d_off : d_off + size] = src[s_off : s_off + size]
+        assert np.array_equal(dst, expect), f"transfer {k} at local {lo} remote {ro}"
+    before = dst.copy()
+    past = n - size + 64
+    with pytest.raises(BoundsError, match=f"remote out of bounds: offset={past} "):
+        move(server.id, r, "mem", local_desc=rng(0), remote_desc=rng(past), timeout=30)
+    with pytest.raises(BoundsError, match=f"local out of bounds: offset={past} "):
+        move(server.id, r, "mem", local_desc=rng(past), remote_desc=rng(0), timeout=30)
+    with pytest.raises(AlignmentError):
+        move(server.id, r, "mem", local_desc=rng(0), remote_desc=rng(4104), timeout=30)
+    with pytest.raises(AlignmentError):
+        move(server.id, r, "mem", local_desc=rng(8), remote_desc=rng(0), timeout=30)
+    assert np.array_equal(dst, before)
+    move(server.id, r, "mem", local_desc=rng(640), remote_desc=rng(1280), timeout=30)
+    s_off, d_off = (640, 1280) if op == "write" else (1280, 640)
+    expect[d_off : d_off + size] = src[s_off : s_off + size]
+    assert np.array_equal(dst, expect)
 
 
 def test_coalesced_puts_fail_from_the_bad_one_on(connected: tuple[Engine, Engine]) -> None:

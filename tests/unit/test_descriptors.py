@@ -138,6 +138,52 @@ def test_contiguous() -> None:
         ContiguousDesc(offset=INT64_MAX - 63, nbytes=64, alignment=None)
 
 
+_INTS = st.one_of(
+    st.integers(-3, 5000),
+    st.integers(INT64_MAX - 5000, INT64_MAX + 3),
+    st.integers(-3, 5000).map(np.int64),
+    st.booleans(),
+)
+
+
+@settings(max_examples=1000)
+@given(
+    offset=_INTS,
+    nbytes=_INTS,
+    alignment=st.sampled_from([None, 0, 1, 3, 8, 8, 64, 64, 64, 100, -64, np.int64(64), True]),
+)
+def test_contiguous_accepts_exactly_the_valid_ranges(
+    offset: Any, nbytes: Any, alignment: Any
+) -> None:
+    """Plain ints take a short check, everything else the full conversion; either way a
+    range is accepted exactly when it is valid, and its fields end up as plain ints."""
+
+    def invalid() -> type[Exception] | None:
+        for v in (offset, nbytes, alignment):
+            if isinstance(v, bool | np.bool_):
+                return DescriptorError
+        o, n = int(offset), int(nbytes)
+        if o < 0 or n < 1 or o > INT64_MAX or n > INT64_MAX or o > INT64_MAX - n:
+            return DescriptorError
+        if alignment is None or alignment == 0:
+            return None
+        a = int(alignment)
+        if a < 0 or a & (a - 1):
+            return DescriptorError
+        return AlignmentError if o % a else None
+
+    want = invalid()
+    if want is not None:
+        with pytest.raises(want):
+            ContiguousDesc(offset=offset, nbytes=nbytes, alignment=alignment)
+        return
+    d = ContiguousDesc(offset=offset, nbytes=nbytes, alignment=alignment)
+    assert (d.offset, d.nbytes) == (int(offset), int(nbytes))
+    assert type(d.offset) is int and type(d.nbytes) is int
+    assert d.alignment == (int(alignment) if alignment else None)
+    assert d.alignment is None or type(d.alignment) is int
+
+
 def test_strided() -> None:
     desc = StridedDesc(offset=64, count=4, size=100, stride=128)
     assert desc.to_segments().pairs() == [(64, 100), (192, 100), (320, 100), (448, 100)]
