@@ -15,7 +15,7 @@ import pytest
 
 from hixl.core.descriptors import ContiguousDesc, StridedDesc
 from hixl.core.states import ConnState
-from hixl.engine import Access, Engine, TransferHandle
+from hixl.engine import Access, Engine, Region, TransferHandle
 from hixl.errors import (
     AlignmentError,
     BoundsError,
@@ -192,6 +192,20 @@ def test_a_deregistered_region_is_refused_and_its_memory_registered_again_works(
     assert np.array_equal(got[:, :128], want[:, :128]) and not got[:, 128:].any()
 
 
+def _regions_for(
+    op: str, client: Engine, server: Engine, n: int, seed: int
+) -> tuple[Region, Callable[..., None], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """``n`` bytes on each side for ``op`` (the side read from holds a pattern, the other
+    zeros), the server's registered as "mem", the client connected; returns the client's
+    region, its ``put`` or ``get``, and the local and remote memory."""
+    remote_mem = pattern(n, seed) if op == "read" else np.zeros(n, np.uint8)
+    local_mem = np.zeros(n, np.uint8) if op == "read" else pattern(n, seed + 1)
+    server.register(remote_mem, access=RW, name="mem")
+    r = client.register(local_mem, access=RW)
+    client.connect(server.id, timeout=30.0)
+    return r, client.put if op == "write" else client.get, local_mem, remote_mem
+
+
 @pytest.mark.parametrize("op", ["write", "read"])
 def test_one_layout_at_ever_new_offsets_moves_the_right_bytes(
     loose: tuple[Engine, Engine], op: str
@@ -202,12 +216,7 @@ def test_one_layout_at_ever_new_offsets_moves_the_right_bytes(
     region's end is refused before anything is posted, as on the first call."""
     client, server = loose
     n = 1 << 16
-    remote_mem = pattern(n, 2) if op == "read" else np.zeros(n, np.uint8)
-    local_mem = np.zeros(n, np.uint8) if op == "read" else pattern(n, 3)
-    server.register(remote_mem, access=RW, name="mem")
-    r = client.register(local_mem, access=RW)
-    client.connect(server.id, timeout=30.0)
-    move = client.put if op == "write" else client.get
+    r, move, local_mem, remote_mem = _regions_for(op, client, server, n, seed=2)
     src, dst = (local_mem, remote_mem) if op == "write" else (remote_mem, local_mem)
     expect = dst.copy()
     for k, (lo, ro) in enumerate([(0, 5000), (777, 0), (4096, 9999), (123, 40000), (0, 5000)]):
@@ -242,12 +251,7 @@ def test_ranges_of_one_size_at_new_offsets_move_their_bytes_and_are_checked_each
     engine's 64-byte alignment is refused before anything is posted, as on a first call."""
     client, server = pair
     n, size = 1 << 16, 4096
-    remote_mem = pattern(n, 7) if op == "read" else np.zeros(n, np.uint8)
-    local_mem = np.zeros(n, np.uint8) if op == "read" else pattern(n, 8)
-    server.register(remote_mem, access=RW, name="mem")
-    r = client.register(local_mem, access=RW)
-    client.connect(server.id, timeout=30.0)
-    move = client.put if op == "write" else client.get
+    r, move, local_mem, remote_mem = _regions_for(op, client, server, n, seed=7)
     src, dst = (local_mem, remote_mem) if op == "write" else (remote_mem, local_mem)
 
     def rng(offset: int) -> ContiguousDesc:

@@ -187,8 +187,13 @@ def test_gather_chain_of_32_unequal_sges(dev: ibv.Device) -> None:
     assert np.array_equal(dst, want)
 
 
-def test_error_in_mid_chain_completes_with_its_own_status(dev: ibv.Device) -> None:
-    """WR 13 of 40 carries a bad rkey: its group reports REM_ACCESS_ERR, not a flush."""
+@pytest.mark.parametrize("reader", ["poll_array", "poll_rows"])
+def test_error_in_mid_chain_completes_with_its_own_status(dev: ibv.Device, reader: str) -> None:
+    """WR 13 of 40 carries a bad rkey: its group reports REM_ACCESS_ERR, not a flush.
+
+    Read both ways, a few completions per poll: ``poll_array`` (numpy) and ``poll_rows``
+    (the fields the engine reaps with), each with the 64-bit id and the queue pair's number.
+    """
     a, _, cq = pair(dev)
     src = np.arange(40 * 64, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -202,7 +207,19 @@ def test_error_in_mid_chain_completes_with_its_own_status(dev: ibv.Device) -> No
         remote_addr=md.addr,
         rkey=md.rkey,
     )
-    every, first = 8, 700
+    every, first = 8, 2**40 + 700  # an id above 32 bits comes back whole
+
+    def read(n: int) -> list[tuple[int, int, int]]:
+        """Up to ``n`` completions as (wr_id, status, qp_num)."""
+        if reader == "poll_rows":
+            got = [(w, st, q) for w, st, _, q in cq.poll_rows(n)]
+        else:
+            wcs = cq.poll_array(n)
+            got = list(zip(*(wcs[f].tolist() for f in ("wr_id", "status", "qp_num")), strict=True))
+        assert len(got) <= n
+        return got
+
+    assert read(8) == []
     chain.set_signals(first, every)
     chain.wrs["rkey"][13] = md.rkey ^ 0x5A5A00
     assert a.post_chain(chain) == 40
@@ -210,53 +227,17 @@ def test_error_in_mid_chain_completes_with_its_own_status(dev: ibv.Device) -> No
     # are flushed, each with a completion (errors complete whether signaled or not).
     want = [(first, 0), (first + 1, ibv.WC_REM_ACCESS_ERR)]
     want += [(first + i // every, ibv.WC_WR_FLUSH_ERR) for i in range(14, 40)]
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, int]] = []
     deadline = time.monotonic() + 20
     while len(seen) < len(want) and time.monotonic() < deadline:
-        wcs = cq.poll_array(64)
-        seen += list(zip(wcs["wr_id"].tolist(), wcs["status"].tolist(), strict=True))
+        seen += read(3)
     time.sleep(0.1)
-    seen += list(zip(*(cq.poll_array(64)[f].tolist() for f in ("wr_id", "status")), strict=True))
-    assert seen == want
+    seen += read(64)
+    assert [(w, st) for w, st, _ in seen] == want
+    assert {q for _, _, q in seen} == {a.qpn}
     assert ibv.WC_STATUS_NAMES[seen[1][1]] == "IBV_WC_REM_ACCESS_ERR"
     assert np.array_equal(dst[: 8 * 64], src[: 8 * 64])
     assert a.state_name == "ERR"
-
-
-def test_poll_rows_reads_the_fields_the_engine_uses(dev: ibv.Device) -> None:
-    """poll_rows gives wr_id, status, vendor_err and qp_num of each completion, in order,
-    a few per call: a good group, the failing WR's own status, then the flushed ones."""
-    a, _, cq = pair(dev)
-    assert cq.poll_rows(8) == []
-    src = np.arange(24 * 64, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    ms = dev.register(src.ctypes.data, src.nbytes, ibv.ACCESS_LOCAL_WRITE, src)
-    md = dev.register(dst.ctypes.data, dst.nbytes, RW, dst)
-    chain = SendChain.for_plan(
-        _rows_plan(24, 64),
-        opcode=ibv.WR_RDMA_WRITE,
-        local_addr=ms.addr,
-        lkey=ms.lkey,
-        remote_addr=md.addr,
-        rkey=md.rkey,
-    )
-    every, first = 4, 2**40 + 9  # an id above 32 bits comes back whole
-    chain.set_signals(first, every)
-    chain.wrs["rkey"][6] = md.rkey ^ 0x5A5A00
-    assert a.post_chain(chain) == 24
-    want = [(first, 0), (first + 1, ibv.WC_REM_ACCESS_ERR)]
-    want += [(first + i // every, ibv.WC_WR_FLUSH_ERR) for i in range(7, 24)]
-    rows: list[tuple[int, int, int, int]] = []
-    deadline = time.monotonic() + 20
-    while len(rows) < len(want) and time.monotonic() < deadline:
-        got = cq.poll_rows(3)
-        assert len(got) <= 3
-        rows += got
-    assert [(wr_id, status) for wr_id, status, _, _ in rows] == want
-    assert {qpn for *_, qpn in rows} == {a.qpn}
-    assert all(isinstance(v, int) and v >= 0 for _, _, v, _ in rows)
-    assert cq.poll_rows(8) == []
-    assert np.array_equal(dst[: 4 * 64], src[: 4 * 64])
 
 
 def _rows_plan(count: int, size: int) -> Plan:
