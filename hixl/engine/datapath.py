@@ -45,10 +45,19 @@ from hixl.verbs import adapter as verbs
 from hixl.verbs.chain import SendChain
 
 if TYPE_CHECKING:
+    from hixl.core.window import Chunk
     from hixl.engine.connection import Connection
     from hixl.engine.handles import TransferRequest
 
-__all__ = ["Built", "NotifySlots", "PLAN_CACHE", "Planner", "Template", "signal_interval"]
+__all__ = [
+    "Built",
+    "NotifySlots",
+    "PLAN_CACHE",
+    "Planner",
+    "Template",
+    "ranges_key",
+    "signal_interval",
+]
 
 PLAN_CACHE = 512  # planned (descriptor pair, region sizes) kept per engine
 CHAIN_CACHE_WRS = 1 << 18  # WRs (x 128 bytes, plus SGEs) of idle built chains kept per engine
@@ -118,7 +127,7 @@ class Planner:
         self._chains: dict[tuple[Any, ...], list[Built]] = {}  # idle chains by layout
         self._chain_wrs = 0  # WRs held by idle chains (approximate: no lock)
         # Chunks of posted batches whose chains are not pooled yet (see posted()).
-        self._posted: deque[list[Any]] = deque(maxlen=POSTED_BATCHES)
+        self._posted: deque[list[Chunk]] = deque(maxlen=POSTED_BATCHES)
 
     def template(self, conn: Connection, req: TransferRequest, built: Built) -> Template | None:
         """What :meth:`rebuild` needs to repeat ``req`` (just built); None if not cacheable."""
@@ -140,6 +149,24 @@ class Planner:
             nbytes=built.nbytes,
             num_wrs=built.chain.num_wrs,
         )
+
+    def at_offsets(
+        self, t: Template, ldesc: ContiguousDesc, rdesc: ContiguousDesc
+    ) -> tuple[int, int] | None:
+        """The local and remote addresses of ``t``'s plan moved to these ranges' offsets
+        (``t`` is the template of two ranges of these sizes between the same regions, see
+        :func:`ranges_key`), or None when a range leaves its region or breaks the
+        alignment policy: the rules of :meth:`_placed` for a contiguous shape, in four
+        comparisons.  None means: plan the request as it is, which raises what is wrong.
+        """
+        lo, ro, align = ldesc.offset, rdesc.offset, self.alignment
+        if (
+            lo + ldesc.nbytes <= t.local.length
+            and ro + rdesc.nbytes <= t.remote.length
+            and not (align and (lo % align or ro % align))
+        ):
+            return t.local.addr + lo, t.remote.addr + ro
+        return None
 
     def rebuild(self, t: Template, local_addr: int, remote_addr: int) -> Built:
         """The chain of a :class:`Template`'s plan placed at ``local_addr`` and
@@ -273,7 +300,7 @@ class Planner:
             self._plans[key] = plan
         return plan, key, lp.base, rp.base
 
-    def posted(self, chunks: list[Any]) -> None:
+    def posted(self, chunks: list[Chunk]) -> None:
         """The chains of ``chunks`` (window chunks with a ``built``) were posted whole.
 
         One append, on the poster: the chains are pooled later by a thread that misses
@@ -390,6 +417,20 @@ def _resolve_remote(conn: Connection, remote: RemoteRegion | str, where: str) ->
     raise RegistrationError(
         f"{where}: remote memory {remote!r} is not a region peer {conn.peer} exposes"
     )
+
+
+_RANGES = object()  # first item of a ranges_key: no key of exact arguments starts with it
+
+
+def ranges_key(
+    peer: str, op: str, local: object, remote: object, ldesc: object, rdesc: object
+) -> tuple[Any, ...] | None:
+    """The key of the template a single put or get of two :class:`ContiguousDesc` shares
+    with every other of the same sizes between the same regions (at any offsets), or
+    None for other descriptors."""
+    if type(ldesc) is ContiguousDesc and type(rdesc) is ContiguousDesc:
+        return (_RANGES, peer, op, local, remote, ldesc.nbytes, rdesc.nbytes)
+    return None
 
 
 class NotifySlots:

@@ -21,14 +21,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hixl.core import notify, wire
-from hixl.core.descriptors import ContiguousDesc, Descriptor
+from hixl.core.descriptors import Descriptor
 from hixl.core.notify import Notification
 from hixl.core.plan import DeviceLimits
 from hixl.core.states import ConnEvent, ConnState
 from hixl.core.window import Batch, Chunk
 from hixl.core.wire import RemoteRegion
 from hixl.engine.connection import RECV_SLOTS, Connection
-from hixl.engine.datapath import Built, NotifySlots, Planner, Template, signal_interval
+from hixl.engine.datapath import (
+    Built,
+    NotifySlots,
+    Planner,
+    Template,
+    ranges_key,
+    signal_interval,
+)
 from hixl.engine.handles import TransferHandle, TransferRequest
 from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
 from hixl.engine.names import Names
@@ -57,7 +64,6 @@ log = logging.getLogger("hixl.engine")
 
 SEND_NOTIFY_SLOTS = 256  # notifications in flight per engine
 TEMPLATES = 1024  # single requests kept checked and planned (see Engine._one)
-_RANGES = object()  # first item of the key of a template reused at other offsets
 # Room left in a handshake message for everything but the exposed regions, bytes.
 _REGION_BYTES = wire.MAX_PAYLOAD - 4096
 
@@ -1022,19 +1028,15 @@ class Engine:
                 self._last_template = (tkey, t)
         if t is not None:
             la, ra = t.local_addr, t.remote_addr
-        elif type(local_desc) is ContiguousDesc and type(remote_desc) is ContiguousDesc:
-            ln, rn = local_desc.nbytes, remote_desc.nbytes
-            t = self._templates.get((_RANGES, peer, op, local, remote, ln, rn))
+        else:
+            rkey = ranges_key(peer, op, local, remote, local_desc, remote_desc)
+            t = self._templates.get(rkey) if rkey is not None else None
             if t is not None:
-                lo, ro, align = local_desc.offset, remote_desc.offset, self._planner.alignment
-                if (
-                    lo + ln <= t.local.length
-                    and ro + rn <= t.remote.length
-                    and not (align and (lo % align or ro % align))
-                ):
-                    la, ra = t.local.addr + lo, t.remote.addr + ro
-                else:
+                where = self._planner.at_offsets(t, local_desc, remote_desc)  # type: ignore[arg-type]
+                if where is None:
                     t = None  # planned as it is, which raises what is wrong
+                else:
+                    la, ra = where
         if t is not None:
             conn = t.conn
             if (
@@ -1084,14 +1086,15 @@ class Engine:
         if tkey is not None:
             t = self._planner.template(conn, requests[0], built[0])
             if t is not None:
-                if len(self._templates) >= TEMPLATES:
+                req = requests[0]
+                # Also under the key of the same sizes at other offsets (see _one).
+                rkey = ranges_key(
+                    peer, req.op, req.local, req.remote, req.local_desc, req.remote_desc
+                )
+                if len(self._templates) >= TEMPLATES - 1:
                     self._templates.clear()
                 self._templates[tkey] = t
-                req = requests[0]
-                ld, rd = req.local_desc, req.remote_desc
-                if type(ld) is ContiguousDesc and type(rd) is ContiguousDesc:
-                    # The same sizes between the same regions at other offsets: see _one.
-                    rkey = (_RANGES, peer, req.op, req.local, req.remote, ld.nbytes, rd.nbytes)
+                if rkey is not None:
                     self._templates[rkey] = t
         reads = any(r.op == "read" for r in requests)
         return self._queue(conn, built, payload, reads, timeout, now)
