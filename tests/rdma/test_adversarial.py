@@ -421,6 +421,11 @@ def test_notification_caps_per_peer_and_in_total_are_configurable() -> None:
         a.connect(srv.id)
         b.connect(srv.id)
         assert _send_notes(a, srv.id, 50) is None  # exactly the per-peer cap: kept
+        # A sender's completion means the SENDs reached the target's receive queue; its
+        # progress thread counts them when it reaps them, a moment later.
+        deadline = time.monotonic() + 10
+        while srv.diagnostics().notifications < 50 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert srv.diagnostics().notifications == 50
         _send_notes(a, srv.id, 1)
         assert "max_notifications_per_peer=50" in _wait_failed(a, srv.id)
