@@ -24,6 +24,10 @@ Theory of operation
   was signaled or not, so the chunk that owns the failure is the last one returned.
 * **One poster.** A reserved batch is posted outside the engine lock; until
   :meth:`SendWindow.end_batch`, no other batch is taken, so WRs reach the queue in order.
+* **Holds.** A chunk marked ``held`` stops every batch before it, with what is queued
+  behind it, until its owner clears the mark.  The engine holds a notification while
+  work queued before it on its connection's other queue pairs (lanes) is unfinished
+  (:attr:`SendWindow.oldest_id`), since lanes complete in any order among themselves.
 
 ``tests/unit/test_window.py`` checks these rules with Hypothesis against real chains.
 """
@@ -31,6 +35,7 @@ Theory of operation
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,8 +57,11 @@ class Chunk:
     """WRs ``start .. stop-1`` of ``chain``, in signal groups of ``every``.
 
     Group ``g`` completes under ``wr_id = first_id + g``.  ``posted``/``done`` count the
-    chunk's WRs posted and completed so far.  ``handle``, ``notify_slot`` and ``built``
-    belong to the engine (the transfer, a notification buffer, the pooled chain).
+    chunk's WRs posted and completed so far.  A ``held`` chunk, and what is queued after
+    it, is not posted until its owner clears the flag (the engine holds a notification
+    until work queued before it on other queue pairs has completed).  ``handle``,
+    ``notify_slot`` and ``built`` belong to the engine (the transfer, a notification
+    buffer, the pooled chain).
     """
 
     chain: Any
@@ -67,6 +75,7 @@ class Chunk:
     done: int = 0
     notify_slot: int | None = None
     built: Any = None
+    held: bool = False
 
     @property
     def size(self) -> int:
@@ -105,6 +114,19 @@ class SendWindow:
         """The chunk the next batch starts with."""
         return self._backlog[0] if self._backlog else None
 
+    def waiting(self) -> Iterator[Chunk]:
+        """The backlog's chunks, oldest first."""
+        return iter(self._backlog)
+
+    @property
+    def oldest_id(self) -> int | None:
+        """The first id of the oldest chunk not yet completed; None when there is none."""
+        if self._sent:
+            return self._sent[0].first_id
+        if self._backlog:
+            return self._backlog[0].first_id
+        return None
+
     @property
     def backlog(self) -> bool:
         """True when some chunk still has WRs to post."""
@@ -134,7 +156,7 @@ class SendWindow:
             return None
         if len(self._backlog) == 1:  # one chunk that fits whole: the common case
             chunk = self._backlog[0]
-            if chunk.posted == 0 and chunk.size <= room:
+            if chunk.posted == 0 and chunk.size <= room and not chunk.held:
                 chunk.chain.check_regions()
                 self._sent.append(chunk)
                 chunk.posted = chunk.size
@@ -151,6 +173,8 @@ class SendWindow:
         prev: Chunk | None = None
         while backlog and room > 0:
             chunk = backlog[0]
+            if chunk.held:
+                break
             posted = chunk.posted
             if not posted:
                 try:
@@ -180,7 +204,7 @@ class SendWindow:
             finished.append(chunk)
             prev = chunk
         if not pieces:
-            if self.in_flight == 0:
+            if self.in_flight == 0 and not backlog[0].held:
                 raise ArgumentError(
                     f"a signal group of {backlog[0].every} WRs does not fit a send queue of {depth}"
                 )

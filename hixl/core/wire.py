@@ -21,7 +21,8 @@ type        payload keys
 HELLO       ``engine_id``, ``nonce`` (16 bytes)
 CHALLENGE   ``engine_id``, ``nonce`` (16 bytes)
 INFO        ``proof``, ``qpn``, ``psn``, ``gid``, ``mtu``, ``max_sge``, ``recv_slots``,
-            ``recv_slot_size``, ``regions`` (list of region objects)
+            ``recv_slot_size``, ``regions`` (list of region objects), ``lanes``
+            (hex; 6 bytes per extra queue pair: QP number and PSN, 3 bytes each)
 ACCEPT      same keys as INFO
 READY       none (``{}``)
 REGIONS     ``add``, ``remove`` (lists of region objects)
@@ -64,7 +65,7 @@ import operator
 import re
 import secrets
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -79,6 +80,8 @@ __all__ = [
     "MAX_REGIONS",
     "NONCE_SIZE",
     "PROOF_SIZE",
+    "LANE_BYTES",
+    "MAX_LANES",
     "PROTOCOL_VERSION",
     "REMOTE_READ",
     "REMOTE_WRITE",
@@ -102,13 +105,20 @@ __all__ = [
     "encode",
     "expect",
     "make_nonce",
+    "pack_lanes",
     "parse_engine_id",
     "region_size",
 ]
 
 #: Version of the wire format this module speaks; a frame with another version is refused.
 #: 3: the handshake proofs are keyed with SHA-256 of the token (see hixl.core.handshake).
-PROTOCOL_VERSION = 3
+#: 4: INFO and ACCEPT carry ``lanes``, the sender's extra queue pairs (see :class:`QpInfo`).
+PROTOCOL_VERSION = 4
+#: Most queue pairs (lanes) one connection may have, the first included.
+MAX_LANES = 8
+#: Bytes one extra lane takes in ``QpInfo.lanes``: its QP number and its starting PSN,
+#: 3 bytes each, big-endian.
+LANE_BYTES = 6
 #: First four bytes of every frame.
 MAGIC = b"HIXL"
 #: Frame header: magic, version (u16), message type (u16), payload length in bytes (u32).
@@ -426,7 +436,11 @@ class QpInfo:
     number, ``gid`` 16 bytes, ``mtu`` the path MTU in bytes (256..4096, a power of two),
     ``max_sge`` 1..1024, ``recv_slots`` and ``recv_slot_size`` (bytes) describe the posted
     receive buffers (0..65536 each) and ``regions`` the exposed memory (at most 4096, no
-    two with the same rkey and addr).
+    two with the same rkey and addr).  ``lanes`` lists the sender's extra queue pairs (at
+    most ``MAX_LANES - 1``), :data:`LANE_BYTES` each: QP number (non-zero) and starting
+    PSN, 3 bytes each, big-endian (see :meth:`extra_lanes` and :func:`pack_lanes`).  Both
+    ends connect as many lanes as the shorter list allows; the receive buffers, and so
+    the notifications, are on the first QP (``qpn``).
     """
 
     proof: bytes
@@ -438,6 +452,7 @@ class QpInfo:
     recv_slots: int
     recv_slot_size: int
     regions: tuple[RemoteRegion, ...] = ()
+    lanes: bytes = b""
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
@@ -457,6 +472,28 @@ class QpInfo:
             _int(f"{kind}.recv_slot_size", self.recv_slot_size, 0, _MAX_RECV_SLOT_SIZE),
         )
         _set(self, "regions", _regions(f"{kind}.regions", self.regions))
+        lanes = _bytes(f"{kind}.lanes", self.lanes, None, (MAX_LANES - 1) * LANE_BYTES)
+        if len(lanes) % LANE_BYTES:
+            raise HandshakeError(
+                f"{kind}.lanes has {len(lanes)} bytes, not a multiple of {LANE_BYTES}"
+            )
+        for i in range(0, len(lanes), LANE_BYTES):
+            if not int.from_bytes(lanes[i : i + 3], "big"):
+                raise HandshakeError(f"{kind}.lanes[{i // LANE_BYTES}] has QP number 0")
+        _set(self, "lanes", lanes)
+
+    def extra_lanes(self) -> tuple[tuple[int, int], ...]:
+        """The sender's extra queue pairs as ``(qpn, psn)`` pairs, in lane order."""
+        b = self.lanes
+        return tuple(
+            (int.from_bytes(b[i : i + 3], "big"), int.from_bytes(b[i + 3 : i + 6], "big"))
+            for i in range(0, len(b), LANE_BYTES)
+        )
+
+
+def pack_lanes(lanes: Iterable[tuple[int, int]]) -> bytes:
+    """``(qpn, psn)`` pairs in the form of :attr:`QpInfo.lanes`."""
+    return b"".join(q.to_bytes(3, "big") + p.to_bytes(3, "big") for q, p in lanes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

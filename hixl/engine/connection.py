@@ -1,12 +1,16 @@
-"""One connection: an RC queue pair to a peer, its receive slots, send window and control socket.
+"""One connection: RC queue pairs (lanes) to a peer, receive slots, send windows and control socket.
 
 A :class:`Connection` is owned by its engine and mutated only under the engine lock,
 except where a method says otherwise.  It keeps three things behind methods:
 
-* the *send window* (:class:`hixl.core.window.SendWindow`, pure bookkeeping): chunks
-  waiting to be posted, chunks out, the slots in use, and the one poster at a time;
-* the *receive slots*: buffers posted for notifications, one :data:`notify.SLOT_BYTES`
-  each;
+* its *lanes* (:class:`Lane`): one RC queue pair each, connected to the peer's lane of
+  the same index, each with its *send window* (:class:`hixl.core.window.SendWindow`,
+  pure bookkeeping): chunks waiting to be posted, chunks out, the slots in use, and the
+  one poster at a time.  Lanes let two threads post to one peer at once (on rxe the
+  post does the sending); work on one lane completes in order, across lanes in any
+  order.  Lane 0 carries the notifications;
+* the *receive slots*: buffers posted on lane 0 for notifications, one
+  :data:`notify.SLOT_BYTES` each;
 * the *control channel*: the TCP socket the handshake ran on, its decoder, and an outbox
   of encoded control messages.  Messages are queued under the engine lock and written by
   the progress thread with non-blocking sends, so no caller ever blocks on a peer that
@@ -26,13 +30,13 @@ from hixl.core import notify, wire
 from hixl.core.states import ConnEvent, ConnState, next_state
 from hixl.core.window import Batch, SendWindow
 from hixl.core.wire import RemoteRegion
-from hixl.errors import ConnectionFailed, HandshakeError, RegistrationError, StateError
+from hixl.errors import ConnectionFailed, HandshakeError, HixlError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
 
 if TYPE_CHECKING:
     from hixl.engine.engine import Engine
 
-__all__ = ["Connection", "MAX_OUTBOX", "RECV_SLOTS"]
+__all__ = ["Connection", "Lane", "MAX_OUTBOX", "RECV_SLOTS"]
 
 RECV_SLOTS = 64  # receive buffers per connection, for notifications
 MAX_OUTBOX = 1 << 20  # bytes of control messages a peer may leave unread before it fails
@@ -40,14 +44,45 @@ MAX_OUTBOX = 1 << 20  # bytes of control messages a peer may leave unread before
 _QI = TypeVar("_QI", wire.Info, wire.Accept)
 
 
-class Connection:
-    """An RC queue pair to one peer, plus the TCP control socket.
+class Lane:
+    """One queue pair of a connection and its send window (engine lock, except posting)."""
 
-    Read-only for users: ``peer``, ``state``, ``mtu``, ``remote_regions``, ``failure``.
+    __slots__ = ("conn", "index", "psn", "qp", "qpn", "window")
+
+    def __init__(self, conn: Connection, index: int, qp: verbs.QueuePair) -> None:
+        self.conn = conn
+        self.index = index
+        self.qp = qp
+        self.qpn = qp.qpn
+        self.psn = secrets.randbits(24)
+        self.window = SendWindow()  # what waits, what is out (engine lock)
+
+    def __repr__(self) -> str:
+        return f"<Lane {self.index} of {self.conn.peer} qpn={self.qpn:#x}>"
+
+    def take_batch(self, sq_depth: int) -> Batch | None:
+        """The next batch to post (see :meth:`SendWindow.take_batch`); None unless READY."""
+        if self.conn.state is not ConnState.READY:
+            return None
+        return self.window.take_batch(sq_depth)
+
+    def post_batch(self, batch: Batch) -> None:
+        """Post a batch from :meth:`take_batch`; no engine lock needed (nor wanted).
+
+        Raises :class:`HixlError` when the provider refuses.
+        """
+        self.qp.post_pieces(batch.pieces)
+
+
+class Connection:
+    """RC queue pairs (lanes) to one peer, plus the TCP control socket.
+
+    Read-only for users: ``peer``, ``state``, ``mtu``, ``remote_regions``, ``failure``,
+    ``lanes`` (the connected queue pairs: as many as both engines' ``lanes`` allow).
     Transfers go through the :class:`Engine`.
     """
 
-    def __init__(self, engine: Engine, peer: str, outbound: bool) -> None:
+    def __init__(self, engine: Engine, peer: str, outbound: bool, lanes: int = 1) -> None:
         self.peer = peer
         self.outbound = outbound
         self.state = ConnState.CONNECTING
@@ -63,11 +98,27 @@ class Connection:
         self.pong_at = -1.0
         self._dev = engine.device
         self._qp_timeout = engine.qp_timeout
-        self._qp = self._dev.create_rc_qp(
-            engine.send_cq, engine.recv_cq, engine.sq_depth, RECV_SLOTS, self._dev.caps.max_sge, 1
-        )
+        # Every lane's queue pair exists from here; establish() connects as many as the
+        # peer has and leaves the rest unused (closed with the connection).
+        self._all: list[Lane] = []
+        self.lanes: tuple[Lane, ...] = ()
+        self._next_lane = 0  # round robin over the lanes for single requests
+        self.held = 0  # notifications waiting for the other lanes (see Engine._queue)
+        sq, max_sge = engine.sq_depth, self._dev.caps.max_sge
+        for i in range(lanes):
+            try:
+                qp = self._dev.create_rc_qp(
+                    engine.send_cq, engine.recv_cq, sq, RECV_SLOTS if i == 0 else 1, max_sge, 1
+                )
+            except BaseException:
+                for lane in self._all:
+                    lane.qp.close()
+                raise
+            self._all.append(Lane(self, i, qp))
+        self.lanes = (self._all[0],)
+        self._qp = self._all[0].qp
         self.qpn = self._qp.qpn
-        self.psn = secrets.randbits(24)
+        self.psn = self._all[0].psn
         self._recv_buf = np.zeros(RECV_SLOTS * notify.SLOT_BYTES, dtype=np.uint8)
         self._recv_mr = self._dev.register(
             self._recv_buf.ctypes.data,
@@ -84,9 +135,18 @@ class Connection:
         self.sock: socket.socket | None = None
         self.decoder: wire.Decoder | None = None
         self._outbox = bytearray()
-        self.window = SendWindow()  # what waits, what is out (engine lock)
 
     # -- what users read -----------------------------------------------------------------
+    @property
+    def all_lanes(self) -> tuple[Lane, ...]:
+        """Every lane made, the unused ones (beyond what the peer has) included."""
+        return tuple(self._all)
+
+    @property
+    def qpns(self) -> tuple[int, ...]:
+        """The QP numbers of every lane made, connected or not."""
+        return tuple(lane.qpn for lane in self._all)
+
     @property
     def remote_regions(self) -> tuple[RemoteRegion, ...]:
         """The regions the peer exposes to us (its latest announcement)."""
@@ -178,21 +238,30 @@ class Connection:
             recv_slots=RECV_SLOTS,
             recv_slot_size=notify.SLOT_BYTES,
             regions=regions,
+            lanes=wire.pack_lanes((lane.qpn, lane.psn) for lane in self._all[1:]),
         )
 
     def establish(self, remote: wire.QpInfo) -> None:
-        """Bring the queue pair to RTS against the peer's half of the handshake."""
+        """Bring the lanes to RTS against the peer's half of the handshake.
+
+        As many lanes as both ends made are connected, each to the peer's of the same
+        index; the others stay unused.
+        """
         self.mtu = min(self._dev.active_mtu, remote.mtu)
-        self._qp.connect(
-            remote.qpn,
-            remote.psn,
-            self.psn,
-            remote.gid,
-            self.mtu,
-            timeout=self._qp_timeout,
-            retry_cnt=7,  # rxe reads 7 as "retry until the transfer deadline"
-            rnr_retry=7,
-        )
+        theirs = ((remote.qpn, remote.psn), *remote.extra_lanes())
+        used = self._all[: min(len(self._all), len(theirs))]
+        for lane, (qpn, psn) in zip(used, theirs, strict=False):
+            lane.qp.connect(
+                qpn,
+                psn,
+                lane.psn,
+                remote.gid,
+                self.mtu,
+                timeout=self._qp_timeout,
+                retry_cnt=7,  # rxe reads 7 as "retry until the transfer deadline"
+                rnr_retry=7,
+            )
+        self.lanes = tuple(used)
         self.set_remote_regions(remote.regions)
 
     def attach(self, sock: socket.socket, decoder: wire.Decoder) -> None:
@@ -237,24 +306,44 @@ class Connection:
         except (BlockingIOError, InterruptedError):
             return None
 
-    # -- send window (hixl.core.window; engine lock) ------------------------------------
+    # -- send windows (hixl.core.window; engine lock) -----------------------------------
     @property
     def poster(self) -> bool:
-        """True while a batch of this connection is being posted."""
-        return self.window.poster
+        """True while a batch of one of this connection's lanes is being posted."""
+        return any(lane.window.poster for lane in self.lanes)
 
-    def take_batch(self, sq_depth: int) -> Batch | None:
-        """The next batch to post (see :meth:`SendWindow.take_batch`); None unless READY."""
-        if self.state is not ConnState.READY:
-            return None
-        return self.window.take_batch(sq_depth)
+    @property
+    def window(self) -> SendWindow:
+        """Lane 0's send window (notifications and multi-request transfers go there)."""
+        return self._all[0].window
 
-    def post_batch(self, batch: Batch) -> None:
-        """Post a batch from :meth:`take_batch`; no engine lock needed (nor wanted).
+    def pick_lane(self) -> Lane:
+        """The lane for the next single request: round robin."""
+        lanes = self.lanes
+        if len(lanes) == 1:
+            return lanes[0]
+        i = self._next_lane
+        self._next_lane = (i + 1) % len(lanes)
+        return lanes[i]
 
-        Raises :class:`HixlError` when the provider refuses.
-        """
-        self._qp.post_pieces(batch.pieces)
+    def behind(self, first_id: int) -> bool:
+        """True while a lane other than 0 has work queued before ``first_id`` unfinished."""
+        for lane in self.lanes[1:]:
+            oldest = lane.window.oldest_id
+            if oldest is not None and oldest < first_id:
+                return True
+        return False
+
+    def release_held(self) -> bool:
+        """Clear the hold of lane 0's notifications that no other lane is behind any
+        more; True when one was released (lane 0 has something to post)."""
+        released = False
+        for chunk in self._all[0].window.waiting():
+            if chunk.held and not self.behind(chunk.first_id):
+                chunk.held = False
+                self.held -= 1
+                released = True
+        return released
 
     # -- verbs ---------------------------------------------------------------------------
     def post_recv(self, slot: int) -> None:
@@ -267,11 +356,22 @@ class Connection:
         return bytes(self._recv_buf[start : start + min(nbytes, notify.SLOT_BYTES)])
 
     def to_error(self) -> None:
-        """Move the queue pair to ERR: everything still queued is flushed, no late DMA."""
-        self._qp.to_error()
+        """Move the lanes to ERR: everything still queued is flushed, no late DMA.
+
+        Raises the first lane's :class:`HixlError` after trying every lane.
+        """
+        first: HixlError | None = None
+        for lane in self.lanes:
+            try:
+                lane.qp.to_error()
+            except HixlError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def destroy(self) -> None:
-        self._qp.close()
+        for lane in self._all:
+            lane.qp.close()
         self._recv_mr.close()
         if getattr(self, "sock", None) is not None:
             assert self.sock is not None

@@ -26,8 +26,8 @@ from hixl.core.notify import Notification
 from hixl.core.plan import DeviceLimits
 from hixl.core.states import ConnEvent, ConnState
 from hixl.core.window import Batch, Chunk
-from hixl.core.wire import RemoteRegion
-from hixl.engine.connection import RECV_SLOTS, Connection
+from hixl.core.wire import MAX_LANES, RemoteRegion
+from hixl.engine.connection import RECV_SLOTS, Connection, Lane
 from hixl.engine.datapath import (
     Built,
     NotifySlots,
@@ -148,6 +148,7 @@ class Engine:
         token: bytes | str | None = None,
         alignment: int | None = 64,
         send_queue_depth: int = 512,
+        lanes: int = 2,
         handshake_timeout: float = 10.0,
         qp_timeout: int = 14,
         max_peers: int = 64,
@@ -179,6 +180,9 @@ class Engine:
                 raise ArgumentError(f"{what} must be an integer >= 1, got {value!r}")
         if handshake_timeout <= 0:
             raise ArgumentError(f"handshake_timeout must be > 0 seconds, got {handshake_timeout}")
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
+            raise ArgumentError(f"lanes must be an integer in [1, {MAX_LANES}], got {lanes!r}")
+        self._lanes = lanes
         if gil_switch_interval is not None:
             if not 0 < gil_switch_interval <= 1:
                 raise ArgumentError(
@@ -221,9 +225,10 @@ class Engine:
                 max_sge_rd=caps.max_sge_rd,
                 max_msg_sz=min(caps.max_msg_sz, 0xFFFF_FFFF),
             )
-            # Signaled WRs of every peer, plus room for one queue's worth of flushed WRs
-            # (a failed queue pair completes every outstanding WR, signaled or not).
-            cq_depth = max_peers * (self.sq_depth // self._every + 4) + self.sq_depth
+            # Signaled WRs of every lane of every peer, plus room for one connection's
+            # flushed WRs (a failed queue pair completes every outstanding WR, signaled
+            # or not).
+            cq_depth = (max_peers * (self.sq_depth // self._every + 4) + self.sq_depth) * lanes
             self.send_cq = self._dev.create_cq(cq_depth, events=completion_events)
             self.recv_cq = self._dev.create_cq(
                 max_peers * RECV_SLOTS + 16, events=completion_events
@@ -247,7 +252,7 @@ class Engine:
         self._last_template: tuple[tuple[Any, ...], Template] | None = None
         self._regions: dict[tuple[int, int], Region] = {}
         self._conns: dict[str, Connection] = {}
-        self._by_qpn: dict[int, Connection] = {}
+        self._by_qpn: dict[int, Lane] = {}  # every lane made, connected or not
         self._handles: set[TransferHandle] = set()
         self._notes: deque[Notification] = deque()
         self._note_counts: dict[str, int] = {}  # notifications queued, per peer
@@ -258,7 +263,7 @@ class Engine:
         self._next_wr = 1
         # Posting (see _start_post): connections whose backlog the progress thread posts,
         # whether it was woken for them, and batches out (posted outside the lock).
-        self._to_post: dict[int, Connection] = {}
+        self._to_post: dict[int, Lane] = {}
         self._post_wake = False
         self._wake_due = False  # _want_post asked for a wake-up: sent once the lock is free
         self._posters = 0
@@ -615,8 +620,9 @@ class Engine:
                     f"engine {self.id} already has {self._peer_count()} peers "
                     f"(max_peers={self._max_peers})"
                 )
-            conn = Connection(self, peer, outbound)
-            self._by_qpn[conn.qpn] = conn
+            conn = Connection(self, peer, outbound, self._lanes)
+            for lane in conn.all_lanes:
+                self._by_qpn[lane.qpn] = lane
             return conn
 
     def _admit(self, peer: str, info: wire.Info, claims: set[str]) -> Admission:
@@ -649,10 +655,11 @@ class Engine:
             if old is not None:
                 self._drop(old, f"replaced by a new connection from {peer}", send_bye=False)
             try:
-                conn = Connection(self, peer, outbound=False)
+                conn = Connection(self, peer, outbound=False, lanes=self._lanes)
             except HixlError as exc:
                 return Admission(code=wire.ErrorCode.INTERNAL, message=f"no queue pair: {exc}")
-            self._by_qpn[conn.qpn] = conn
+            for lane in conn.all_lanes:
+                self._by_qpn[lane.qpn] = lane
         try:
             conn.establish(info)
         except HixlError as exc:
@@ -690,7 +697,8 @@ class Engine:
     def _discard(self, conn: Connection) -> None:
         """Forget a connection whose handshake did not finish."""
         with self._lock:
-            self._by_qpn.pop(conn.qpn, None)
+            for qpn in conn.qpns:
+                self._by_qpn.pop(qpn, None)
         conn.destroy()
 
     def _adopt(
@@ -820,7 +828,8 @@ class Engine:
         self._fail_pending(conn, ConnectionFailed(f"connection to {conn.peer} failed: {reason}"))
 
     def _fail_pending(self, conn: Connection, error: HixlError) -> None:
-        chunks = conn.window.drain()
+        chunks = [c for lane in conn.all_lanes for c in lane.window.drain()]
+        conn.held = 0
         for chunk in chunks:
             self._release_notify(chunk)
         for h in {c.handle for c in chunks}:
@@ -845,7 +854,8 @@ class Engine:
         conn.transition(ConnEvent.CLOSE)
         self._progress.unwatch(conn)
         self._outgoing.discard(conn)
-        self._by_qpn.pop(conn.qpn, None)
+        for qpn in conn.qpns:
+            self._by_qpn.pop(qpn, None)
         if self._conns.get(conn.peer) is conn:
             del self._conns[conn.peer]
         self._dead.append(conn)
@@ -1138,6 +1148,11 @@ class Engine:
                 slot = self._notify_slots.take(payload)
                 chunk = Chunk(self._notify_slots.chain, slot, slot + 1, handle, 1, self._next_wr)
                 chunk.notify_slot = slot
+                # Work queued before it on other lanes must complete first: only then has
+                # its data landed (lanes complete in any order among themselves).
+                if conn.behind(chunk.first_id):
+                    chunk.held = True
+                    conn.held += 1
                 chunk.groups = chunk.chain.set_signals(self._next_wr, 1, slot, slot + 1)
                 # After READs the SEND is fenced: it starts only once they have completed,
                 # so the peer is told "done" after its memory was read, not before.
@@ -1151,10 +1166,11 @@ class Engine:
                 )
                 self._next_wr += 1
                 chunks.append(chunk)
-            conn.window.queue(chunks)
+            lane = conn.lanes[0]  # where the notifications go, in order after the data
+            lane.window.queue(chunks)
             self._handles.add(handle)
-            batch = self._start_post(conn, defer=not now or conn.window.in_flight > 0)
-        self._post_or_wake(conn, batch)
+            batch = self._start_post(lane, defer=not now or lane.window.in_flight > 0)
+        self._post_or_wake(lane, batch)
         return handle
 
     def _queue1(self, conn: Connection, b: Built, timeout: float, now: bool) -> TransferHandle:
@@ -1178,17 +1194,18 @@ class Engine:
             else:
                 chunk.groups = chain.set_signals(first, chunk.every)
             self._next_wr = first + chunk.groups
-            window = conn.window
+            lane = conn.pick_lane()
+            window = lane.window
             window.queue1(chunk)
             self._handles.add(handle)
             if window.poster:
                 return handle  # the batch being posted takes it next
             if now and not window.in_flight:
-                batch = self._start_post(conn, defer=False)
+                batch = self._start_post(lane, defer=False)
             else:  # hand it to the progress thread (see _start_post)
-                self._want_post(conn)
+                self._want_post(lane)
                 batch = None
-        self._post_or_wake(conn, batch)
+        self._post_or_wake(lane, batch)
         return handle
 
     def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0) -> None:
@@ -1201,26 +1218,29 @@ class Engine:
             chunk.notify_slot = None
 
     # -- posting ---------------------------------------------------------------------------
-    def _start_post(self, conn: Connection, *, defer: bool) -> Batch | None:
-        """Reserve the next batch of ``conn``'s backlog for this thread to post (lock held).
+    def _start_post(self, lane: Lane, *, defer: bool) -> Batch | None:
+        """Reserve the next batch of ``lane``'s backlog for this thread to post (lock held).
 
-        None when a batch of the connection is already out (its poster takes the rest
-        next), when nothing fits, or with ``defer``: then the progress thread posts, and
-        what callers queue meanwhile goes out with it in one ``post_send`` (coalescing)
-        while they go on running Python.  Blocking calls post to an idle queue pair
-        themselves (one thread hand-off less).
+        None when a batch of the lane is already out (its poster takes the rest next),
+        when nothing fits, or with ``defer``: then the progress thread posts, and what
+        callers queue meanwhile goes out with it in one ``post_send`` (coalescing) while
+        they go on running Python.  Blocking calls post to an idle queue pair themselves
+        (one thread hand-off less), and so does a waiter that finds a lane waiting for
+        the progress thread (:meth:`_reap_inline`): two threads then post at once, each
+        to its own lane.
         """
-        if conn.window.poster or not conn.window.backlog:
+        window = lane.window
+        if window.poster or not window.backlog:
             return None
         if defer:
-            self._want_post(conn)
+            self._want_post(lane)
             return None
-        chunk = conn.window.head
+        chunk = window.head
         try:
-            batch = conn.take_batch(self.sq_depth)
+            batch = lane.take_batch(self.sq_depth)
         except HixlError as exc:
             culprit = chunk.handle if chunk is not None else None
-            self._fail(conn, f"post_send refused: {exc}", exc, culprit=culprit)
+            self._fail(lane.conn, f"post_send refused: {exc}", exc, culprit=culprit)
             return None
         if batch is not None:
             self._posters += 1
@@ -1228,24 +1248,24 @@ class Engine:
             self._posted_wrs += sum(hi - lo for _, lo, hi in batch.pieces)
         return batch
 
-    def _want_post(self, conn: Connection) -> None:
-        """Have the progress thread post ``conn``'s backlog (lock held).
+    def _want_post(self, lane: Lane) -> None:
+        """Have the progress thread post ``lane``'s backlog (lock held).
 
         An application thread sends the wake-up this may ask for (:meth:`_wake`) once it
         has let go of the lock: sending is a system call, and it releases the GIL.
         """
-        self._to_post[conn.qpn] = conn
+        self._to_post[lane.qpn] = lane
         # A thread that is not sleeping sees _to_post before it sleeps (Progress.step
         # looks again after saying it sleeps), so only a sleeping one needs the byte.
         if not self._post_wake and self._progress.sleeping:
             self._post_wake = True
             self._wake_due = True
 
-    def _post_or_wake(self, conn: Connection, batch: Batch | None) -> None:
+    def _post_or_wake(self, lane: Lane, batch: Batch | None) -> None:
         """After queueing (lock let go): post the batch this thread reserved, or send the
         wake-up the hand-over asked for."""
         if batch is not None:
-            self._post(conn, batch)
+            self._post(lane, batch)
         elif self._wake_due:
             self._wake()
 
@@ -1254,7 +1274,7 @@ class Engine:
         self._wake_due = False
         self._progress.wake()
 
-    def _post(self, conn: Connection, batch: Batch) -> None:
+    def _post(self, lane: Lane, batch: Batch) -> None:
         """Post a reserved batch outside the lock, then settle it under the lock.
 
         The chains of chunks that went out whole go to the planner, to be pooled by a
@@ -1262,12 +1282,13 @@ class Engine:
         meanwhile is left to the progress thread.
         """
         err: HixlError | None = None
+        conn = lane.conn
         try:
-            conn.post_batch(batch)
+            lane.post_batch(batch)
         except HixlError as exc:
             err = exc
         with self._lock:
-            conn.window.end_batch()
+            lane.window.end_batch()
             self._posters -= 1
             if batch.finished:
                 self._planner.posted(batch.finished)  # pooled later, by a caller
@@ -1275,8 +1296,8 @@ class Engine:
                 chunk = batch.finished[0] if batch.finished else None
                 culprit = chunk.handle if chunk is not None else None
                 self._fail(conn, f"post_send failed: {err}", err, culprit=culprit)
-            elif conn.window.backlog and conn.state is ConnState.READY:
-                self._want_post(conn)
+            elif lane.window.backlog and conn.state is ConnState.READY:
+                self._want_post(lane)
             if conn.state is ConnState.CLOSED or (self._closed and not self._posters):
                 self._post_cv.notify_all()  # close() waits for the last poster
                 if conn.state is ConnState.CLOSED:
@@ -1291,23 +1312,24 @@ class Engine:
             waiting = list(self._to_post.values())
             self._to_post.clear()
             batches = []
-            for conn in waiting:
-                batch = self._start_post(conn, defer=False)
+            for lane in waiting:
+                batch = self._start_post(lane, defer=False)
                 if batch is not None:
-                    batches.append((conn, batch))
-        for conn, batch in batches:
-            self._post(conn, batch)
+                    batches.append((lane, batch))
+        for lane, batch in batches:
+            self._post(lane, batch)
         return bool(self._to_post)
 
     def _reap_inline(self, sleeping: bool) -> bool:
         """A waiter reaps send completions itself (no hand-off); True: worth spinning on.
 
         Skips the reaping when the lock is busy (the progress thread is reaping, most
-        likely).  Spinning stops paying once a backlog waits for the poster or a batch is
-        being posted: the completions the waiter wants then come after that post, and a
-        spinning waiter only takes the CPU and the GIL the poster needs (on rxe the post
-        itself does the sending).  ``sleeping``: the waiter is about to sleep on its
-        handle, so the progress thread is woken to watch the completion queue.
+        likely).  A lane whose backlog waits for the progress thread is posted by the
+        waiter itself, so two threads post at once.  Spinning stops paying once only a
+        batch being posted is left: the completions the waiter wants then come after
+        that post, and a spinning waiter only takes the CPU and the GIL the poster needs
+        (on rxe the post itself does the sending).  ``sleeping``: the waiter is about to
+        sleep on its handle, so the progress thread is woken to watch the completion queue.
         """
         if sleeping:
             self._driven_at = 0.0
@@ -1316,17 +1338,28 @@ class Engine:
         self._driven_at = time.monotonic()
         if not self._lock.acquire(blocking=False):
             return True
+        lane: Lane | None = None
+        batch: Batch | None = None
         try:
             if self._closed:
                 return False
             self._reap_send(self.send_cq.poll_rows(POLL_BATCH))
-            return not (self._posters or self._to_post)
+            if not self._to_post:
+                return not self._posters
+            # A lane waits for the progress thread: post it from here, beside whatever
+            # that thread posts (on rxe the post does the sending, and two threads on
+            # two lanes send twice as much).
+            _, lane = self._to_post.popitem()
+            batch = self._start_post(lane, defer=False)
         except HixlError:
             return False
         finally:
             self._lock.release()
             if self._wake_due:
                 self._wake()
+        if batch is not None:
+            self._post(lane, batch)
+        return True
 
     def _has_pending(self) -> bool:
         return bool(self._handles)
@@ -1406,12 +1439,13 @@ class Engine:
         """
         if not wcs:
             return 0
-        pump: dict[int, Connection] = {}
+        pump: dict[int, Lane] = {}
         for wr_id, status, vendor_err, qpn in wcs:
-            conn = self._by_qpn.get(qpn)
-            if conn is None:
+            lane = self._by_qpn.get(qpn)
+            if lane is None:
                 continue
-            got = conn.window.completed(wr_id)
+            conn = lane.conn
+            got = lane.window.completed(wr_id)
             if not got:
                 continue  # completion of a chunk that was already failed
             if status != 0:
@@ -1422,16 +1456,22 @@ class Engine:
                 self._release_notify(chunk)
                 name = verbs.WC_STATUS_NAMES.get(status, f"IBV_WC_STATUS_{status}")
                 err = CompletionError(f"{op} to {conn.peer}", status, name, wr_id, vendor_err)
-                pump.pop(id(conn), None)
+                for other in conn.all_lanes:
+                    pump.pop(other.qpn, None)
                 self._fail(conn, f"completion error {name}", err, culprit=chunk.handle)
                 continue
-            pump[id(conn)] = conn
+            pump[qpn] = lane
             for chunk, finished in got:
                 if finished:
                     self._chunk_done(chunk)
-        for conn in pump.values():
-            if conn.window.backlog and not conn.window.poster:
-                self._want_post(conn)
+        for lane in pump.values():
+            conn = lane.conn
+            if conn.held and lane.index and conn.release_held():
+                first = conn.lanes[0]
+                if not first.window.poster:
+                    self._want_post(first)
+            if lane.window.backlog and not lane.window.poster:
+                self._want_post(lane)
         return len(wcs)
 
     def _chunk_done(self, chunk: Chunk) -> None:
@@ -1448,9 +1488,10 @@ class Engine:
     def _reap_recv(self, wcs: list[verbs.Completion]) -> int:
         """Handle receive completions (notifications); return how many there were."""
         for wc in wcs:
-            conn = self._by_qpn.get(wc.qp_num)
-            if conn is None:
+            lane = self._by_qpn.get(wc.qp_num)
+            if lane is None:
                 continue
+            conn = lane.conn
             # A successful receive is a notification the peer sent, whatever state the
             # connection is in now: a server-side connection is CONNECTING until the
             # handshake thread has read READY, and a peer that says goodbye right after

@@ -37,3 +37,10 @@ def test_limits_below_one_or_not_integers_are_refused(option: str, value: object
 def test_handshake_timeout_must_be_positive() -> None:
     with pytest.raises(ArgumentError, match="handshake_timeout must be > 0 seconds, got 0"):
         Engine("127.0.0.1:0", handshake_timeout=0)
+
+
+@pytest.mark.parametrize("lanes", [0, 9, True, 1.5])
+def test_lanes_outside_one_to_eight_are_refused(lanes: object) -> None:
+    msg = rf"lanes must be an integer in \[1, 8\], got {lanes!r}"
+    with pytest.raises(ArgumentError, match=msg):
+        Engine("127.0.0.1:0", lanes=lanes)  # type: ignore[arg-type]

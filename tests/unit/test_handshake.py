@@ -62,6 +62,9 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "recv_slots": st.integers(0, 65536),
     "recv_slot_size": st.integers(0, 65536),
     "regions": regions,
+    "lanes": st.lists(st.tuples(st.integers(1, (1 << 24) - 1), u24), max_size=7).map(
+        wire.pack_lanes
+    ),
 }
 
 

@@ -183,3 +183,25 @@ def test_take_batch_refuses_a_second_poster() -> None:
         window.take_batch(8)
     window.end_batch()
     assert window.take_batch(8) is not None
+
+
+def test_a_held_chunk_and_those_behind_it_wait_until_released() -> None:
+    window = SendWindow()
+    a, b, c = queue_chunks(window, [(4, 2), (1, 1), (3, 1)])
+    b.held = True
+    batch = window.take_batch(64)
+    assert batch is not None and batch.finished == [a]  # stops before the held one
+    window.end_batch()
+    assert window.take_batch(64) is None  # nothing but held work is left: no error either
+    assert window.oldest_id == a.first_id
+    assert list(window.waiting()) == [b, c]
+    window.completed(a.first_id + a.groups - 1)
+    assert window.oldest_id == b.first_id
+    b.held = False
+    batch = window.take_batch(64)
+    assert batch is not None and batch.finished == [b, c]
+    window.end_batch()
+
+
+def test_oldest_id_of_an_empty_window_is_none() -> None:
+    assert SendWindow().oldest_id is None

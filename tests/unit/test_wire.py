@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from hixl.core import wire
 from hixl.core.wire import (
     HEADER,
     HEADER_SIZE,
@@ -102,6 +103,9 @@ region_tuples = st.lists(remote_regions(), max_size=6, unique_by=lambda r: (r.rk
     tuple
 )
 nonces = st.binary(min_size=16, max_size=16)
+lane_lists = st.lists(
+    st.tuples(st.integers(1, (1 << 24) - 1), st.integers(0, (1 << 24) - 1)), max_size=7
+).map(wire.pack_lanes)
 proofs = st.one_of(st.just(b""), st.binary(min_size=32, max_size=32))
 
 
@@ -117,6 +121,7 @@ def qp_info(cls: type[Info] | type[Accept]) -> st.SearchStrategy[Info | Accept]:
         recv_slots=st.integers(0, 65536),
         recv_slot_size=st.integers(0, 65536),
         regions=region_tuples,
+        lanes=lane_lists,
     )
 
 
@@ -217,7 +222,12 @@ def test_round_trip_in_any_chunking(msgs: list[Message], cuts: list[int]) -> Non
 def test_round_trip_byte_by_byte_and_decode(msg: Message) -> None:
     data = encode(msg)
     assert data[:4] == MAGIC
-    assert HEADER.unpack(data[:HEADER_SIZE]) == (MAGIC, 3, msg.TYPE, len(data) - HEADER_SIZE)
+    assert HEADER.unpack(data[:HEADER_SIZE]) == (
+        MAGIC,
+        PROTOCOL_VERSION,
+        msg.TYPE,
+        len(data) - HEADER_SIZE,
+    )
     assert decode(data) == msg
     decoder = Decoder()
     out: list[Message] = []
@@ -334,11 +344,24 @@ def _info(**changes: object) -> dict[str, Any]:
         (dict(gid="00" * 16), r"gid must be bytes, got str"),
         (dict(regions=("x",)), r"regions\[0\] must be a RemoteRegion, got str"),
         (dict(regions={}), r"regions must be a tuple"),
+        (dict(lanes=bytes(5)), r"Info.lanes has 5 bytes, not a multiple of 6"),
+        (dict(lanes=bytes(6)), r"Info.lanes\[0\] has QP number 0"),
+        (dict(lanes=b"\0\0\1\0\0\0" * 8), r"Info.lanes has 48 bytes, at most 42"),
+        (dict(lanes="00"), r"Info.lanes must be bytes, got str"),
     ],
 )
 def test_info_rejects(changes: dict[str, object], match: str) -> None:
     with pytest.raises(HandshakeError, match=match):
         Info(**_info(**changes))
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, (1 << 24) - 1), st.integers(0, (1 << 24) - 1)), max_size=7)
+)
+def test_lanes_round_trip(pairs: list[tuple[int, int]]) -> None:
+    info = Info(**_info(lanes=wire.pack_lanes(pairs)))
+    got = wire.decode(wire.encode(info))
+    assert isinstance(got, Info) and got.extra_lanes() == tuple(pairs)
 
 
 def test_regions_limits() -> None:
@@ -506,7 +529,7 @@ def test_bad_magic_fails_on_the_first_byte() -> None:
 
 def test_version_mismatch_names_both_versions() -> None:
     decoder = Decoder()
-    with pytest.raises(HandshakeError, match=r"unsupported protocol version 7: .*speaks version 3"):
+    with pytest.raises(HandshakeError, match=r"unsupported protocol version 7: .*speaks version 4"):
         decoder.feed(frame(MsgType.HELLO, b"{}", version=7)[:6])
     assert decoder.error_code is ErrorCode.VERSION
     with pytest.raises(HandshakeError, match="earlier error.*version 7"):
