@@ -36,7 +36,7 @@ import math
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NoReturn, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -128,6 +128,8 @@ def _to_i64(name: str, values: object) -> I64Array:
         if big.size:
             i = int(big[0])
             raise DescriptorError(f"{name}[{i}]={int(arr[i])} exceeds the int64 limit {INT64_MAX}")
+    if arr.dtype == np.int64 and isinstance(values, list | tuple):
+        return _readonly(arr)  # asarray made it from the list: already a fresh copy
     return _readonly(np.array(arr, dtype=np.int64, copy=True))
 
 
@@ -145,6 +147,23 @@ def _checked_total(lengths: I64Array) -> int:
             f"already sum past {INT64_MAX} bytes"
         )
     return int(csum[-1])
+
+
+def _refuse_segments(off: I64Array, ln: I64Array) -> NoReturn:
+    """Raise :class:`DescriptorError` naming the first invalid segment."""
+    bad = np.flatnonzero(ln <= 0)
+    if bad.size:
+        i = int(bad[0])
+        raise DescriptorError(f"segment {i} has length {int(ln[i])}: lengths must be >= 1")
+    bad = np.flatnonzero(off < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise DescriptorError(f"segment {i} has offset {int(off[i])}: offsets must be >= 0")
+    i = int(np.flatnonzero(off > INT64_MAX - ln)[0])
+    raise DescriptorError(
+        f"segment {i} overflows int64: offset={int(off[i])} length={int(ln[i])} "
+        f"ends past {INT64_MAX}"
+    )
 
 
 # --------------------------------------------------------------------------- Segments
@@ -176,21 +195,8 @@ class Segments:
             )
         if off.size > MAX_SEGMENTS:
             raise DescriptorError(f"{off.size} segments exceed the limit of {MAX_SEGMENTS}")
-        bad = np.flatnonzero(ln <= 0)
-        if bad.size:
-            i = int(bad[0])
-            raise DescriptorError(f"segment {i} has length {int(ln[i])}: lengths must be >= 1")
-        bad = np.flatnonzero(off < 0)
-        if bad.size:
-            i = int(bad[0])
-            raise DescriptorError(f"segment {i} has offset {int(off[i])}: offsets must be >= 0")
-        bad = np.flatnonzero(off > INT64_MAX - ln)
-        if bad.size:
-            i = int(bad[0])
-            raise DescriptorError(
-                f"segment {i} overflows int64: offset={int(off[i])} length={int(ln[i])} "
-                f"ends past {INT64_MAX}"
-            )
+        if (ln <= 0).any() or (off < 0).any() or (off > INT64_MAX - ln).any():
+            _refuse_segments(off, ln)
         object.__setattr__(self, "offsets", off)
         object.__setattr__(self, "lengths", ln)
         object.__setattr__(self, "nbytes", _checked_total(ln))

@@ -400,6 +400,43 @@ def _plan_one_range(loc: Segments, rem: Segments, op: Op, limits: DeviceLimits) 
     )
 
 
+def _plan_separate_blocks(
+    loc: Segments, rem: Segments, op: Op, limits: DeviceLimits
+) -> Plan | None:
+    """The plan of a block list whose blocks pair one to one, when no two remote blocks
+    touch: one WR of one SGE per block, in remote order (a batch of messages).
+
+    That is also what the general planner gives for it (no WR can span two blocks: each
+    WR writes or reads one contiguous remote range), in a dozen array operations instead
+    of the general planner's hundreds, which is what costs at a few dozen blocks.  None
+    when the shortcut does not apply: block ``i`` of each side differs in length, a
+    block is longer than a message may be, remote blocks touch or overlap, or, for a
+    READ, local blocks overlap; the general planner then plans it (or says what is
+    wrong).
+    """
+    n = loc.count
+    ln = loc.lengths
+    if (
+        n < 2
+        or rem.count != n
+        or not np.array_equal(ln, rem.lengths)
+        or int(ln.max()) > limits.max_msg_sz
+    ):
+        return None
+    lo, ro = loc.offsets, rem.offsets
+    if not bool((ro[1:] > ro[:-1]).all()):
+        order = np.argsort(ro, kind="stable")
+        lo, ro, ln = lo[order], ro[order], ln[order]
+    if not bool((ro[1:] > ro[:-1] + ln[:-1]).all()):
+        return None  # remote blocks touch (one WR may take both) or overlap
+    if op is Op.READ:
+        by_local = np.argsort(lo, kind="stable")
+        ls, ll = lo[by_local], ln[by_local]
+        if not bool((ls[1:] >= ls[:-1] + ll[:-1]).all()):
+            return None  # the READ destination overlaps itself: the general path says so
+    return Plan(op, limits, ro, ln, np.arange(n + 1, dtype=np.int64), lo, ln)
+
+
 def plan_transfer(
     local: Descriptor,
     remote: Descriptor,
@@ -432,6 +469,10 @@ def plan_transfer(
             f"local and remote totals differ: local nbytes={loc0.nbytes} in {loc0.count} "
             f"segments, remote nbytes={rem0.nbytes} in {rem0.count} segments"
         )
+    if merge:
+        quick = _plan_separate_blocks(loc0, rem0, op, limits)
+        if quick is not None:
+            return quick
     loc, rem = (loc0.merged(), rem0.merged()) if merge else (loc0, rem0)
     if loc.count == 1 and rem.count == 1:
         return _plan_one_range(loc, rem, op, limits)

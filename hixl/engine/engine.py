@@ -1306,18 +1306,23 @@ class Engine:
             self._wake()
 
     def _post_pending(self) -> bool:
-        """Progress thread: post every connection's waiting backlog; True if more waits."""
+        """Progress thread: post the lanes waiting for it; True if more waits.
+
+        One lane at a time, oldest first, each taken under the lock just before its
+        post: a waiter that looks meanwhile takes another (:meth:`_reap_inline`), and
+        the two posts run at once.  Lanes queued during this call wait for the next.
+        """
         with self._lock:
             self._post_wake = False
-            waiting = list(self._to_post.values())
-            self._to_post.clear()
-            batches = []
-            for lane in waiting:
+            count = len(self._to_post)
+        for _ in range(count):
+            with self._lock:
+                if not self._to_post:
+                    break
+                lane = self._to_post.pop(next(iter(self._to_post)))
                 batch = self._start_post(lane, defer=False)
-                if batch is not None:
-                    batches.append((lane, batch))
-        for lane, batch in batches:
-            self._post(lane, batch)
+            if batch is not None:
+                self._post(lane, batch)
         return bool(self._to_post)
 
     def _reap_inline(self, sleeping: bool) -> bool:

@@ -397,3 +397,38 @@ def test_strided_accepts_only_valid_values(offset: int, count: int, size: int, s
     else:
         with pytest.raises(DescriptorError):
             StridedDesc(offset=offset, count=count, size=size, stride=stride, alignment=None)
+
+
+@st.composite
+def block_batches(draw: st.DrawFn) -> tuple[Segments, Segments, Op]:
+    """A batch of messages: block ``i`` of each side has the same length; offsets are
+    drawn freely, so remote blocks may be apart, touch or overlap, in any order."""
+    n = draw(st.integers(2, 12))
+    lengths = draw(st.lists(st.integers(1, 16), min_size=n, max_size=n))
+    local = draw(st.lists(st.integers(0, 200), min_size=n, max_size=n))
+    remote = draw(st.lists(st.integers(0, 200), min_size=n, max_size=n))
+    op = draw(st.sampled_from([Op.WRITE, Op.READ]))
+    return Segments(local, lengths), Segments(remote, lengths), op
+
+
+@PROPS
+@given(block_batches(), limits_st)
+def test_block_batches_plan_as_the_reference_does(
+    t: tuple[Segments, Segments, Op], limits: DeviceLimits
+) -> None:
+    """Batches take a shortcut when no two remote blocks touch; the plan (or the error)
+    is the reference planner's either way, and such a batch takes one WR per block."""
+    local, remote, op = t
+    try:
+        want = reference_plan(local, remote, op, limits)
+    except DescriptorError as exc:
+        with pytest.raises(DescriptorError) as got:
+            plan_transfer(local, remote, op, limits)
+        assert type(got.value) is type(exc)
+        return
+    plan = plan_transfer(local, remote, op, limits)
+    assert plan == want
+    order = np.argsort(remote.offsets, kind="stable")
+    ro, ln = remote.offsets[order], remote.lengths[order]
+    if bool((ro[1:] > ro[:-1] + ln[:-1]).all()) and int(ln.max()) <= limits.max_msg_sz:
+        assert plan.num_wrs == local.count
