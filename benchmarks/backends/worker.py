@@ -153,18 +153,23 @@ class HixlSide(Side):
         while window:
             window.popleft().wait()
 
-    def request(self, segments: list[list[int]]) -> None:
+    @staticmethod
+    def _blocks(segments: list[list[int]]) -> dict[str, Any]:
+        """The segments as the local and remote block lists of one transfer."""
         from hixl import BlockListDesc
 
-        local = BlockListDesc(
-            offsets=[s[0] for s in segments], lengths=[s[2] for s in segments], alignment=None
-        )
-        remote = BlockListDesc(
-            offsets=[s[1] for s in segments], lengths=[s[2] for s in segments], alignment=None
-        )
-        self.engine.put(
-            self.peer, self.region, "sink", local_desc=local, remote_desc=remote, timeout=300.0
-        )
+        lengths = [s[2] for s in segments]
+        return {
+            "local_desc": BlockListDesc(
+                offsets=[s[0] for s in segments], lengths=lengths, alignment=None
+            ),
+            "remote_desc": BlockListDesc(
+                offsets=[s[1] for s in segments], lengths=lengths, alignment=None
+            ),
+        }
+
+    def request(self, segments: list[list[int]]) -> None:
+        self.engine.put(self.peer, self.region, "sink", timeout=300.0, **self._blocks(segments))
 
     def blocking_write(self, size: int) -> None:
         from hixl import ContiguousDesc
@@ -176,6 +181,27 @@ class HixlSide(Side):
 
     def close(self) -> None:
         self.engine.close()
+
+
+class HixlBatchesSide(HixlSide):
+    """hixl streaming as Mooncake's batches do: each batch of depth/2 messages is one
+    ``put_async`` of a block list, two batches in flight.  Requests and the blocking
+    write are hixl's own (not reported twice)."""
+
+    blocking = False
+
+    def stream(self, segments: list[list[int]], depth: int) -> None:
+        step = max(1, depth // 2)
+        window: deque[Any] = deque()
+        for i in range(0, len(segments), step):
+            if len(window) >= 2:
+                window.popleft().wait()
+            descs = self._blocks(segments[i : i + step])
+            window.append(
+                self.engine.put_async(self.peer, self.region, "sink", timeout=120.0, **descs)
+            )
+        while window:
+            window.popleft().wait()
 
 
 class MooncakeSide(Side):
@@ -327,6 +353,7 @@ class NixlSide(Side):
 
 BACKENDS: dict[str, type[Side]] = {
     "hixl": HixlSide,
+    "hixl-batches": HixlBatchesSide,
     "mooncake": MooncakeSide,
     "nixl": NixlSide,
 }

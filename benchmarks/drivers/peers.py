@@ -7,7 +7,9 @@ selects. Cases:
 
 * ``contiguous`` streams of 4 KiB, 64 KiB and 1 MiB messages, ``--bytes`` per stream,
   at most ``--depth`` messages in flight (``ib_write_bw -t``; hixl ``put_async`` handles;
-  Mooncake, which has a handle per batch, two batches of depth/2);
+  Mooncake, which has a handle per batch, two batches of depth/2; and "hixl (batches)",
+  hixl driven the way Mooncake is: each batch of depth/2 messages one ``put_async`` of a
+  block list, two in flight);
 * ``segments``: a layer of 8192 segments of 256 B (stride 512 on both sides) in one
   request (one hixl ``put`` with a block list; one Mooncake batch); perftest moves the
   same messages as ``ib_write_bw -s 256 -n 8192``;
@@ -487,7 +489,8 @@ def markdown(data: dict[str, Any]) -> str:
         "this run (order rotated each repeat); higher is better. Rates are context only "
         "(MB/s = 10^6 bytes/s).",
         f"- In flight: at most {p['depth']} messages (perftest `-t`, hixl `put_async` handles, "
-        "Mooncake two batches of depth/2, NIXL one request per message). `segments` and "
+        "Mooncake two batches of depth/2, hixl (batches) likewise, each batch one "
+        "`put_async` of a block list, NIXL one request per message). `segments` and "
         "`paged` are one request each; perftest moves the same number of same-size messages "
         "there. Each contender's processes are frozen (SIGSTOP) while another is measured.",
         "- CPU: user + system seconds of each process during the stream (`getrusage`); for "
@@ -503,6 +506,7 @@ def _title(name: str) -> str:
     titles = {
         "perftest": "`ib_write_bw`",
         "hixl": "hixl",
+        "hixl-batches": "hixl (batches)",
         "mooncake": "Mooncake TE",
         "nixl": "NIXL (as installed)",
         "nixl-tuned": "NIXL (tuned)",
@@ -653,7 +657,10 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     log_path = (args.json.parent if args.json else Path(".")) / "peers-workers.log"
-    contenders = [Contender("hixl", sys.executable, {})]
+    contenders = [
+        Contender("hixl", sys.executable, {}),
+        Contender("hixl-batches", sys.executable, {}),
+    ]
     for st in statuses:
         if st.ok:
             for name, env in PEERS[st.name].contenders().items():
