@@ -82,6 +82,9 @@ class Built:
     nbytes: int
     key: tuple[Any, ...] | None  # None: built for this request only (unhashable descriptors)
     bases: tuple[int, int]  # the local and remote addresses the chain's plan starts from
+    # Cut over several lanes: one entry per part, popped as each part's post is handed
+    # back; the part that pops True (the last) pools the chain.  None: one part.
+    parts: list[bool] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -322,6 +325,14 @@ class Planner:
                 built = chunk.built
                 if built is not None:
                     chunk.built = None
+                    parts = built.parts
+                    if parts is not None:
+                        try:
+                            if not parts.pop():  # atomic: one thread pops the last part
+                                continue
+                        except IndexError:
+                            continue
+                        built.parts = None
                     self.give_back(built)
 
     def _take_idle(self, key: tuple[Any, ...]) -> Built | None:

@@ -1131,7 +1131,6 @@ class Engine:
             chunk = Chunk(b.chain, 0, b.chain.num_wrs, handle, every)
             chunk.built = b
             chunks.append(chunk)
-        handle.chunks_left = len(chunks) + (payload is not None)
         with self._lock:  # ids are taken in queue order: completions rely on it
             try:
                 self._check_open()
@@ -1140,10 +1139,16 @@ class Engine:
                 for b in built:
                     self._planner.give_back(b)
                 raise
+            placed: list[tuple[Lane, Chunk]] = []
             for chunk in chunks:
                 chunk.first_id = self._next_wr
                 chunk.groups = chunk.chain.set_signals(self._next_wr, every)
                 self._next_wr += chunk.groups
+                placed += _spread(chunk, conn)
+            for lane, part in placed:
+                lane.window.queue1(part)
+            handle.chunks_left = len(placed) + (payload is not None)
+            first = conn.lanes[0]  # where the notifications go, after the data
             if payload is not None:
                 slot = self._notify_slots.take(payload)
                 chunk = Chunk(self._notify_slots.chain, slot, slot + 1, handle, 1, self._next_wr)
@@ -1165,11 +1170,14 @@ class Engine:
                     " fenced" if reads else "",
                 )
                 self._next_wr += 1
-                chunks.append(chunk)
-            lane = conn.lanes[0]  # where the notifications go, in order after the data
-            lane.window.queue(chunks)
+                first.window.queue1(chunk)
+                placed.append((first, chunk))
             self._handles.add(handle)
+            lanes = list(dict.fromkeys(lane for lane, _ in placed))
+            lane = lanes[0]
             batch = self._start_post(lane, defer=not now or lane.window.in_flight > 0)
+            for other in lanes[1:]:  # the progress thread, or a waiter, posts the others
+                self._start_post(other, defer=True)
         self._post_or_wake(lane, batch)
         return handle
 
@@ -1194,17 +1202,27 @@ class Engine:
             else:
                 chunk.groups = chain.set_signals(first, chunk.every)
             self._next_wr = first + chunk.groups
-            lane = conn.pick_lane()
-            window = lane.window
-            window.queue1(chunk)
             self._handles.add(handle)
-            if window.poster:
-                return handle  # the batch being posted takes it next
-            if now and not window.in_flight:
-                batch = self._start_post(lane, defer=False)
-            else:  # hand it to the progress thread (see _start_post)
-                self._want_post(lane)
-                batch = None
+            if chunk.groups > 1 and len(conn.lanes) > 1:  # a long chain: over every lane
+                parts = _spread(chunk, conn)
+                handle.chunks_left = len(parts)
+                for lane, part in parts:
+                    lane.window.queue1(part)
+                lane = parts[0][0]
+                for other, _ in parts[1:]:
+                    self._start_post(other, defer=True)
+                batch = self._start_post(lane, defer=not now or lane.window.in_flight > 0)
+            else:
+                lane = conn.pick_lane()
+                window = lane.window
+                window.queue1(chunk)
+                if window.poster:
+                    return handle  # the batch being posted takes it next
+                if now and not window.in_flight:
+                    batch = self._start_post(lane, defer=False)
+                else:  # hand it to the progress thread (see _start_post)
+                    self._want_post(lane)
+                    batch = None
         self._post_or_wake(lane, batch)
         return handle
 
@@ -1603,6 +1621,42 @@ class Engine:
             self._fail(conn, f"peer reported {msg.code}: {msg.message}")
         else:
             self._fail(conn, f"unexpected {type(msg).__name__} on the control channel")
+
+
+def _spread(chunk: Chunk, conn: Connection) -> list[tuple[Lane, Chunk]]:
+    """``chunk`` (ids assigned) cut at signal-group boundaries into a part per lane, as
+    even as the groups allow, each paired with its lane (lock held).
+
+    A part completes under the ids of its own groups, as a whole chunk would.  The parts
+    share the chain and its :class:`Built`: whichever part's post is handed back last
+    returns the chain to the pool (``Built.parts``).  A chunk of one group, or a
+    connection of one lane, stays whole on the next lane of the round robin.
+    """
+    lanes = conn.lanes
+    k = min(len(lanes), chunk.groups)
+    if k < 2:
+        return [(conn.pick_lane(), chunk)]
+    per, extra = divmod(chunk.groups, k)
+    every, start = chunk.every, chunk.start
+    parts: list[tuple[Lane, Chunk]] = []
+    g = 0
+    for i in range(k):
+        n = per + (i < extra)
+        part = Chunk(
+            chunk.chain,
+            start + g * every,
+            min(chunk.stop, start + (g + n) * every),
+            chunk.handle,
+            every,
+            chunk.first_id + g,
+        )
+        part.groups = n
+        part.built = chunk.built
+        parts.append((conn.pick_lane(), part))
+        g += n
+    if chunk.built is not None:
+        chunk.built.parts = [True] + [False] * (k - 1)  # popped once per part posted
+    return parts
 
 
 def _token_bytes(token: bytes | str | None) -> bytes | None:
