@@ -64,6 +64,9 @@ log = logging.getLogger("hixl.engine")
 
 SEND_NOTIFY_SLOTS = 256  # notifications in flight per engine
 TEMPLATES = 1024  # single requests kept checked and planned (see Engine._one)
+#: A request of a few WRs but at least this many bytes is signalled in smaller groups,
+#: so that it is cut over the lanes like a long one (see _spread).
+SPREAD_BYTES = 128 * 1024
 # Room left in a handshake message for everything but the exposed regions, bytes.
 _REGION_BYTES = wire.MAX_PAYLOAD - 4096
 
@@ -1142,7 +1145,8 @@ class Engine:
             placed: list[tuple[Lane, Chunk]] = []
             for chunk in chunks:
                 chunk.first_id = self._next_wr
-                chunk.groups = chunk.chain.set_signals(self._next_wr, every)
+                chunk.every = _every_for(conn, chunk.size, chunk.built.nbytes, every)
+                chunk.groups = chunk.chain.set_signals(self._next_wr, chunk.every)
                 self._next_wr += chunk.groups
                 placed += _spread(chunk, conn)
             for lane, part in placed:
@@ -1200,6 +1204,7 @@ class Engine:
                 chain.signal_one(first)
                 chunk.groups = 1
             else:
+                chunk.every = _every_for(conn, n, b.nbytes, chunk.every)
                 chunk.groups = chain.set_signals(first, chunk.every)
             self._next_wr = first + chunk.groups
             self._handles.add(handle)
@@ -1621,6 +1626,16 @@ class Engine:
             self._fail(conn, f"peer reported {msg.code}: {msg.message}")
         else:
             self._fail(conn, f"unexpected {type(msg).__name__} on the control channel")
+
+
+def _every_for(conn: Connection, n: int, nbytes: int, every: int) -> int:
+    """The signal group size for a request of ``n`` WRs and ``nbytes``: ``every``, or for
+    a request of one group's WRs or fewer that carries :data:`SPREAD_BYTES` or more, a
+    group per lane (two WRs of 1 MiB then go out on two lanes at once)."""
+    k = len(conn.lanes)
+    if k > 1 and 1 < n <= every and nbytes >= SPREAD_BYTES:
+        return -(-n // k)
+    return every
 
 
 def _spread(chunk: Chunk, conn: Connection) -> list[tuple[Lane, Chunk]]:

@@ -92,12 +92,14 @@ def test_a_notification_waits_for_the_data_on_every_lane(pair: tuple[Engine, Eng
 
 
 @pytest.mark.parametrize("op", ["write", "read"])
-def test_a_long_transfer_is_cut_over_the_lanes(pair: tuple[Engine, Engine], op: str) -> None:
-    """A request of thousands of WRs goes out in a part per lane; repeated (the chain
-    comes back from the pool) with new bytes each time, and with a notification that
-    arrives only after every part has landed."""
+@pytest.mark.parametrize(("n", "size"), [(4096, 256), (4, 256 * 1024)], ids=["long", "large"])
+def test_a_long_transfer_is_cut_over_the_lanes(
+    pair: tuple[Engine, Engine], op: str, n: int, size: int
+) -> None:
+    """A request of thousands of WRs, or of a few large ones, goes out in a part per
+    lane; repeated (the chain comes back from the pool) with new bytes each time, and
+    with a notification that arrives only after every part has landed."""
     client, server = pair
-    n, size = 4096, 256
     theirs = np.zeros(2 * n * size, np.uint8)
     server.register(theirs, access=RW, name="mem")
     mine = np.zeros(2 * n * size, np.uint8)
