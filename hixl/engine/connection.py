@@ -312,11 +312,6 @@ class Connection:
         """True while a batch of one of this connection's lanes is being posted."""
         return any(lane.window.poster for lane in self.lanes)
 
-    @property
-    def window(self) -> SendWindow:
-        """Lane 0's send window (notifications and multi-request transfers go there)."""
-        return self._all[0].window
-
     def pick_lane(self) -> Lane:
         """The lane for the next single request: round robin."""
         lanes = self.lanes

@@ -1177,11 +1177,7 @@ class Engine:
                 first.window.queue1(chunk)
                 placed.append((first, chunk))
             self._handles.add(handle)
-            lanes = list(dict.fromkeys(lane for lane, _ in placed))
-            lane = lanes[0]
-            batch = self._start_post(lane, defer=not now or lane.window.in_flight > 0)
-            for other in lanes[1:]:  # the progress thread, or a waiter, posts the others
-                self._start_post(other, defer=True)
+            lane, batch = self._start_posts([lane for lane, _ in placed], now)
         self._post_or_wake(lane, batch)
         return handle
 
@@ -1213,10 +1209,7 @@ class Engine:
                 handle.chunks_left = len(parts)
                 for lane, part in parts:
                     lane.window.queue1(part)
-                lane = parts[0][0]
-                for other, _ in parts[1:]:
-                    self._start_post(other, defer=True)
-                batch = self._start_post(lane, defer=not now or lane.window.in_flight > 0)
+                lane, batch = self._start_posts([lane for lane, _ in parts], now)
             else:
                 lane = conn.pick_lane()
                 window = lane.window
@@ -1270,6 +1263,17 @@ class Engine:
             self._send_posts += 1  # counted when reserved: completions may beat the post
             self._posted_wrs += sum(hi - lo for _, lo, hi in batch.pieces)
         return batch
+
+    def _start_posts(self, lanes: list[Lane], now: bool) -> tuple[Lane, Batch | None]:
+        """After queueing a transfer's parts on ``lanes`` (lock held): reserve the first
+        lane's batch for this thread when ``now`` and that lane is idle, and hand the
+        others to the progress thread (or a waiter, see :meth:`_reap_inline`)."""
+        order = list(dict.fromkeys(lanes))
+        lane = order[0]
+        batch = self._start_post(lane, defer=not now or lane.window.in_flight > 0)
+        for other in order[1:]:
+            self._start_post(other, defer=True)
+        return lane, batch
 
     def _want_post(self, lane: Lane) -> None:
         """Have the progress thread post ``lane``'s backlog (lock held).

@@ -13,11 +13,25 @@ import numpy as np
 import pytest
 
 from hixl.core.descriptors import BlockListDesc, ContiguousDesc
-from hixl.engine import Access, Engine, TransferStatus
+from hixl.engine import Access, Engine, Region, TransferHandle, TransferStatus
 
 from .conftest import listening_engine
 
 RW = Access.REMOTE_READ | Access.REMOTE_WRITE
+
+
+def _put_each(client: Engine, peer: str, r: Region, n: int, size: int) -> list[TransferHandle]:
+    """``n`` puts of ``size`` bytes, block ``i`` of ``r`` to block ``i`` of the peer's "dst"."""
+    return [
+        client.put_async(
+            peer,
+            r,
+            "dst",
+            local_desc=ContiguousDesc(offset=i * size, nbytes=size),
+            remote_desc=ContiguousDesc(offset=i * size, nbytes=size),
+        )
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize(("ours", "theirs"), [(2, 2), (3, 1), (1, 2), (3, 2)])
@@ -37,16 +51,7 @@ def test_a_connection_has_as_many_lanes_as_both_ends_made(ours: int, theirs: int
             assert time.monotonic() < deadline, "the server never saw the connection"
             time.sleep(0.01)
         assert len(server.connection(client.id).lanes) == min(ours, theirs)
-        handles = [
-            client.put_async(
-                server.id,
-                r,
-                "dst",
-                local_desc=ContiguousDesc(offset=i * size, nbytes=size),
-                remote_desc=ContiguousDesc(offset=i * size, nbytes=size),
-            )
-            for i in range(n)
-        ]
+        handles = _put_each(client, server.id, r, n, size)
         for h in handles:
             h.wait(30)
             assert h.status is TransferStatus.DONE
@@ -73,16 +78,7 @@ def test_a_notification_waits_for_the_data_on_every_lane(pair: tuple[Engine, Eng
     assert len(conn.lanes) == 2
     for k in range(rounds):
         src[:] = np.random.default_rng(k).integers(0, 256, src.size, np.uint8)
-        handles = [
-            client.put_async(
-                server.id,
-                r,
-                "dst",
-                local_desc=ContiguousDesc(offset=i * size, nbytes=size),
-                remote_desc=ContiguousDesc(offset=i * size, nbytes=size),
-            )
-            for i in range(n)
-        ]
+        handles = _put_each(client, server.id, r, n, size)
         h = client.transfer_async(server.id, [], notify=f"round{k}")
         server.wait_notification(f"round{k}", timeout=60)
         landed = np.array_equal(dst, src)
