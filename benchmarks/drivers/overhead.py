@@ -121,6 +121,17 @@ def plan_cases(limits: DeviceLimits) -> list[dict[str, Any]]:
             pool * block_bytes,
             n_blocks * block_bytes,
         ),
+        (
+            # What a stream in batches submits (one put_async per batch): each message
+            # at its own offsets on both sides, no two remote messages touching.
+            f"batch of 32 messages of {fmt_size(block_bytes)}, block lists on both sides",
+            BlockListDesc(offsets=offs[:32], lengths=np.full(32, block_bytes)),
+            BlockListDesc(
+                offsets=np.arange(32) * 2 * block_bytes, lengths=np.full(32, block_bytes)
+            ),
+            pool * block_bytes,
+            pool * block_bytes,
+        ),
     ]
     out = []
     for name, ld, rd, lsize, rsize in cases:
