@@ -41,7 +41,13 @@ from typing import Any, Protocol
 
 from hixl.errors import ArgumentError, HixlError
 
-__all__ = ["Batch", "Chain", "Chunk", "SendWindow"]
+__all__ = ["MAX_BATCHES", "Batch", "Chain", "Chunk", "SendWindow"]
+
+#: Batches one send queue may have out (posted, last WR not completed).  Each ends on a
+#: signaled WR, so with the group ends of what is out this bounds the completions a
+#: queue can owe its CQ: at most ``depth // every + MAX_BATCHES`` (the engine sizes its
+#: send CQ by it).  What is queued meanwhile waits and goes out in the next, larger batch.
+MAX_BATCHES = 8
 
 
 class Chain(Protocol):
@@ -93,11 +99,12 @@ class Batch:
 class SendWindow:
     """The backlog, the sent chunks and the slots in use of one send queue."""
 
-    __slots__ = ("_backlog", "_sent", "in_flight", "poster")
+    __slots__ = ("_backlog", "_ends", "_sent", "in_flight", "poster")
 
     def __init__(self) -> None:
         self._backlog: deque[Chunk] = deque()  # not all posted; the head may be partly
         self._sent: deque[Chunk] = deque()  # some WRs posted, not all completed; in order
+        self._ends: deque[int] = deque()  # the id of each batch out's last WR, in order
         self.in_flight = 0  # WRs posted (or being posted) and not completed
         self.poster = False  # a batch is out, being posted
 
@@ -152,7 +159,7 @@ class SendWindow:
         if self.poster:
             raise AssertionError("take_batch while a batch is out")
         room = depth - self.in_flight
-        if room <= 0 or not self._backlog:
+        if room <= 0 or not self._backlog or len(self._ends) >= MAX_BATCHES:
             return None
         if len(self._backlog) == 1:  # one chunk that fits whole: the common case
             chunk = self._backlog[0]
@@ -163,6 +170,7 @@ class SendWindow:
                 self.in_flight += chunk.size
                 self._backlog.clear()
                 self.poster = True
+                self._ends.append(chunk.first_id + chunk.groups - 1)
                 return Batch([(chunk.chain, chunk.start, chunk.stop)], [chunk])
         # One pass over the backlog.  A chunk followed by another in the batch went out
         # to its end (room was left), so it is the one made unsignaled when the next is
@@ -171,6 +179,7 @@ class SendWindow:
         finished: list[Chunk] = []
         backlog, sent = self._backlog, self._sent
         prev: Chunk | None = None
+        last = backlog[0]  # the chunk of the batch's last piece
         while backlog and room > 0:
             chunk = backlog[0]
             if chunk.held:
@@ -192,6 +201,7 @@ class SendWindow:
             if prev is not None:
                 prev.chain.unsignal(prev.stop - 1)
             pieces.append((chunk.chain, lo, hi))
+            last = chunk
             if not posted:
                 sent.append(chunk)
             k = hi - lo
@@ -210,6 +220,8 @@ class SendWindow:
                 )
             return None  # completions of what is out will make room
         self.poster = True
+        # The last WR ends a group or the chunk: signaled, under its group's id.
+        self._ends.append(last.first_id + (pieces[-1][2] - 1 - last.start) // last.every)
         return Batch(pieces, finished)
 
     def end_batch(self) -> None:
@@ -223,6 +235,9 @@ class SendWindow:
         complete up to its group (``True`` when that is all of it).  Empty for an id of
         a chunk already forgotten (flushed after a failure, or never sent).
         """
+        ends = self._ends
+        while ends and ends[0] <= wr_id:
+            ends.popleft()
         out: list[tuple[Chunk, bool]] = []
         sent = self._sent
         while sent:
@@ -254,5 +269,6 @@ class SendWindow:
         chunks = list(self._sent) + [c for c in self._backlog if not c.posted]
         self._sent.clear()
         self._backlog.clear()
+        self._ends.clear()
         self.in_flight = 0
         return chunks

@@ -25,7 +25,7 @@ from hixl.core.descriptors import Descriptor
 from hixl.core.notify import Notification
 from hixl.core.plan import DeviceLimits
 from hixl.core.states import ConnEvent, ConnState
-from hixl.core.window import Batch, Chunk
+from hixl.core.window import MAX_BATCHES, Batch, Chunk
 from hixl.core.wire import MAX_LANES, RemoteRegion
 from hixl.engine.connection import RECV_SLOTS, Connection, Lane
 from hixl.engine.datapath import (
@@ -228,10 +228,12 @@ class Engine:
                 max_sge_rd=caps.max_sge_rd,
                 max_msg_sz=min(caps.max_msg_sz, 0xFFFF_FFFF),
             )
-            # Signaled WRs of every lane of every peer, plus room for one connection's
-            # flushed WRs (a failed queue pair completes every outstanding WR, signaled
-            # or not).
-            cq_depth = (max_peers * (self.sq_depth // self._every + 4) + self.sq_depth) * lanes
+            # Signaled WRs of every lane of every peer (group ends, and batch ends, of
+            # which a window lets at most MAX_BATCHES be out), plus room for one
+            # connection's flushed WRs (a failed queue pair completes every outstanding
+            # WR, signaled or not).
+            per_lane = self.sq_depth // self._every + MAX_BATCHES
+            cq_depth = (max_peers * per_lane + self.sq_depth) * lanes
             self.send_cq = self._dev.create_cq(cq_depth, events=completion_events)
             self.recv_cq = self._dev.create_cq(
                 max_peers * RECV_SLOTS + 16, events=completion_events

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hixl.core.window import Chunk, SendWindow
+from hixl.core.window import MAX_BATCHES, Chunk, SendWindow
 from hixl.errors import RegistrationError
 from hixl.verbs.chain import SEND_SIGNALED, SendChain
 
@@ -39,12 +39,18 @@ def make_chunk(size: int, every: int, first_id: int, tag: int) -> Chunk:
     return chunk
 
 
-def queue_chunks(window: SendWindow, specs: list[tuple[int, int]]) -> list[Chunk]:
+def make_chunks(specs: list[tuple[int, int]]) -> list[Chunk]:
+    """Chunks of ``(size, every)`` with increasing ids, tagged 0, 1, ..."""
     chunks, next_id = [], 1
     for tag, (size, every) in enumerate(specs):
         chunk = make_chunk(size, every, next_id, tag)
         next_id += chunk.groups
         chunks.append(chunk)
+    return chunks
+
+
+def queue_chunks(window: SendWindow, specs: list[tuple[int, int]]) -> list[Chunk]:
+    chunks = make_chunks(specs)
     window.queue(chunks)
     return chunks
 
@@ -85,28 +91,38 @@ def test_every_chunk_finishes_once_in_order_within_the_depth(
     specs: list[tuple[int, int]], depth: int, steps: st.DataObject
 ) -> None:
     window = SendWindow()
-    chunks = queue_chunks(window, specs)
+    chunks = make_chunks(specs)
+    arriving = deque(chunks)  # queued a few at a time, between batches, as callers do
     dev = Device()
     finished: list[int] = []
     posted_whole: list[int] = []
+    ends: list[int] = []  # the device-queue position of each batch's last WR
+    executed = 0
     for _ in range(100_000):
-        if not window.backlog and not dev.queue:
+        if not window.backlog and not dev.queue and not arriving:
             break
-        take = not dev.queue or steps.draw(st.booleans(), label="take a batch")
-        if window.backlog and take:
+        least = 1 if not window.backlog and not dev.queue else 0
+        for _ in range(min(len(arriving), steps.draw(st.integers(least, 3), label="queued"))):
+            window.queue1(arriving.popleft())
+        takes = 1 if not dev.queue else steps.draw(st.integers(0, 3), label="batches taken")
+        for _ in range(takes if window.backlog else 0):
             batch = window.take_batch(depth)
-            if batch is not None:
-                assert batch.pieces, "a batch posts something"
-                # The batch's last WR is signaled: what is out always raises a completion.
-                chain, _, hi = batch.pieces[-1]
-                assert int(chain.wrs[hi - 1]["send_flags"]) & SEND_SIGNALED
-                dev.post(batch.pieces)
-                posted_whole.extend(c.handle for c in batch.finished)
-                window.end_batch()
-            else:  # no room, or only inside a group: what is out must complete first
-                assert window.in_flight > 0
+            if batch is None:  # no room, only inside a group, or MAX_BATCHES out:
+                assert window.in_flight > 0  # what is out must complete first
+                break
+            assert batch.pieces, "a batch posts something"
+            # The batch's last WR is signaled: what is out always raises a completion.
+            chain, _, hi = batch.pieces[-1]
+            assert int(chain.wrs[hi - 1]["send_flags"]) & SEND_SIGNALED
+            dev.post(batch.pieces)
+            ends.append(len(dev.posted_addrs))
+            posted_whole.extend(c.handle for c in batch.finished)
+            window.end_batch()
         assert 0 <= window.in_flight <= depth
-        n = steps.draw(st.integers(1, 16), label="WRs executed")
+        # At most MAX_BATCHES batches are out: what a queue owes its CQ stays bounded.
+        assert sum(1 for e in ends if e > executed) <= MAX_BATCHES
+        n = steps.draw(st.integers(0, 16), label="WRs executed")
+        executed += min(n, len(dev.queue))
         for wr_id in dev.complete_some(n):
             for chunk, done in window.completed(wr_id):
                 if done:
