@@ -116,9 +116,6 @@ class Connection:
                 raise
             self._all.append(Lane(self, i, qp))
         self.lanes = (self._all[0],)
-        self._qp = self._all[0].qp
-        self.qpn = self._qp.qpn
-        self.psn = self._all[0].psn
         self._recv_buf = np.zeros(RECV_SLOTS * notify.SLOT_BYTES, dtype=np.uint8)
         self._recv_mr = self._dev.register(
             self._recv_buf.ctypes.data,
@@ -137,6 +134,11 @@ class Connection:
         self._outbox = bytearray()
 
     # -- what users read -----------------------------------------------------------------
+    @property
+    def qpn(self) -> int:
+        """Lane 0's QP number (the one the peer's notifications arrive on)."""
+        return self._all[0].qpn
+
     @property
     def all_lanes(self) -> tuple[Lane, ...]:
         """Every lane made, the unused ones (beyond what the peer has) included."""
@@ -230,8 +232,8 @@ class Connection:
         self.sent_regions = regions
         return cls(
             proof=proof,
-            qpn=self.qpn,
-            psn=self.psn,
+            qpn=self._all[0].qpn,
+            psn=self._all[0].psn,
             gid=self._dev.gid,
             mtu=self._dev.active_mtu,
             max_sge=self._dev.caps.max_sge,
@@ -343,7 +345,7 @@ class Connection:
     # -- verbs ---------------------------------------------------------------------------
     def post_recv(self, slot: int) -> None:
         base = self._recv_mr.addr + slot * notify.SLOT_BYTES
-        self._qp.post_recv(slot, [(base, notify.SLOT_BYTES, self._recv_mr.lkey)])
+        self._all[0].qp.post_recv(slot, [(base, notify.SLOT_BYTES, self._recv_mr.lkey)])
 
     def recv_slot(self, slot: int, nbytes: int) -> bytes:
         """The bytes a receive completion put in ``slot``."""
