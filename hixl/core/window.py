@@ -24,6 +24,8 @@ Theory of operation
   was signaled or not, so the chunk that owns the failure is the last one returned.
 * **One poster.** A reserved batch is posted outside the engine lock; until
   :meth:`SendWindow.end_batch`, no other batch is taken, so WRs reach the queue in order.
+  A blocking single request on an idle window is reserved whole as a batch of its own
+  (:meth:`SendWindow.take_solo`) and posted by its caller.
 * **Holds.** A chunk marked ``held`` stops every batch before it, with what is queued
   behind it, until its owner clears the mark.  The engine holds a notification while
   work queued before it on its connection's other queue pairs (lanes) is unfinished
@@ -224,6 +226,25 @@ class SendWindow:
         self._ends.append(last.first_id + (pieces[-1][2] - 1 - last.start) // last.every)
         return Batch(pieces, finished)
 
+    def take_solo(self, chunk: Chunk) -> bool:
+        """Reserve ``chunk`` (ids assigned, one signal group) as a batch of its own, for
+        the caller to post at once; only when the window is idle: nothing queued, nothing
+        out and no batch being posted.  False otherwise, with nothing changed (queue it).
+
+        Sets :attr:`poster` until :meth:`end_batch`, as :meth:`take_batch` does; the
+        chunk completes through :meth:`completed` like any other.
+        """
+        if self.poster or self.in_flight or self._backlog:
+            return False
+        if chunk.groups != 1 or chunk.posted:
+            raise ArgumentError(f"take_solo: a chunk of one unposted signal group, not {chunk}")
+        chunk.posted = size = chunk.stop - chunk.start
+        self._sent.append(chunk)
+        self.in_flight = size
+        self.poster = True
+        self._ends.append(chunk.first_id)
+        return True
+
     def end_batch(self) -> None:
         """The batch's post returned."""
         self.poster = False
@@ -245,18 +266,19 @@ class SendWindow:
             g = wr_id - chunk.first_id
             if g < 0:
                 break
+            size = chunk.stop - chunk.start  # not the property: this runs per completion
             if g >= chunk.groups:
-                if chunk.posted < chunk.size:
+                if chunk.posted < size:
                     break  # not all posted: the id is not of a later chunk
-                self.in_flight -= chunk.size - chunk.done
-                chunk.done = chunk.size
+                self.in_flight -= size - chunk.done
+                chunk.done = size
                 sent.popleft()
                 out.append((chunk, True))
                 continue
-            upto = min(chunk.size, (g + 1) * chunk.every)
+            upto = min(size, (g + 1) * chunk.every)
             self.in_flight -= upto - chunk.done
             chunk.done = upto
-            if upto == chunk.size:
+            if upto == size:
                 sent.popleft()
                 out.append((chunk, True))
             else:

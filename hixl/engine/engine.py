@@ -36,7 +36,7 @@ from hixl.engine.datapath import (
     ranges_key,
     signal_interval,
 )
-from hixl.engine.handles import TransferHandle, TransferRequest
+from hixl.engine.handles import SPIN_S, TransferHandle, TransferRequest
 from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
 from hixl.engine.names import Names
 from hixl.engine.progress import POLL_BATCH, Progress
@@ -84,6 +84,8 @@ class Diagnostics:
     ``post_send`` calls made for transfers and notifications so far and
     ``posted_wrs`` the work requests they carried: many ``put_async`` calls issued
     while earlier ones are out go in one post (see :meth:`Engine.transfer_async`).
+    ``direct_posts`` counts the blocking single requests among them that were posted
+    and completed on the caller's thread (see :meth:`Engine.put`).
     """
 
     progress_thread_id: int | None
@@ -97,6 +99,7 @@ class Diagnostics:
     notifications: int = 0
     send_posts: int = 0
     posted_wrs: int = 0
+    direct_posts: int = 0
 
 
 class Engine:
@@ -277,6 +280,7 @@ class Engine:
         self._driven_at = 0.0
         self._send_posts = 0  # post_send calls for transfers, and the WRs they carried
         self._posted_wrs = 0
+        self._direct_posts = 0  # of them, blocking single requests posted by their caller
         self._post_cv = threading.Condition(self._lock)
         self._outgoing: set[Connection] = set()  # connections with control output queued
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
@@ -361,6 +365,7 @@ class Engine:
                 notifications=len(self._notes),
                 send_posts=self._send_posts,
                 posted_wrs=self._posted_wrs,
+                direct_posts=self._direct_posts,
             )
 
     def close(self) -> None:
@@ -898,8 +903,14 @@ class Engine:
         :class:`AlignmentError`, :class:`DescriptorError` before posting;
         :class:`CompletionError`, :class:`ConnectionFailed` or
         :class:`TransferTimeout` (after ``timeout`` seconds) after it.
+
+        A repeated put of one work request (a contiguous range, say) to a connection
+        with an idle queue pair is posted by this thread, which then polls for its
+        completion itself: no hand-over to the progress thread, no handle
+        (``Diagnostics.direct_posts`` counts them).  Otherwise it is queued like
+        :meth:`put_async` and waited for.
         """
-        self._one(
+        handle = self._one(
             "write",
             peer,
             local,
@@ -910,7 +921,9 @@ class Engine:
             notify_message,
             timeout,
             now=True,
-        ).wait()
+        )
+        if handle is not None:  # None: posted and completed on this thread (see _solo)
+            handle.wait()
 
     def get(
         self,
@@ -924,11 +937,14 @@ class Engine:
     ) -> None:
         """RDMA READ the peer's ``remote_desc`` of ``remote`` into ``local_desc`` of ``local``.
 
-        Errors as for :meth:`put`.  ``local`` needs ``Access.LOCAL_WRITE``.
+        Errors, and the direct post of a repeated single work request, as for
+        :meth:`put`.  ``local`` needs ``Access.LOCAL_WRITE``.
         """
-        self._one(
+        handle = self._one(
             "read", peer, local, remote, local_desc, remote_desc, None, b"", timeout, now=True
-        ).wait()
+        )
+        if handle is not None:
+            handle.wait()
 
     def put_async(
         self,
@@ -943,7 +959,7 @@ class Engine:
         timeout: float = 30.0,
     ) -> TransferHandle:
         """Start a put (see :meth:`put`); return its :class:`TransferHandle`."""
-        return self._one(
+        handle = self._one(
             "write",
             peer,
             local,
@@ -955,6 +971,8 @@ class Engine:
             timeout,
             now=False,
         )
+        assert handle is not None  # only a blocking call finishes on its own thread
+        return handle
 
     def get_async(
         self,
@@ -967,9 +985,11 @@ class Engine:
         timeout: float = 30.0,
     ) -> TransferHandle:
         """Start a get (see :meth:`get`); return its :class:`TransferHandle`."""
-        return self._one(
+        handle = self._one(
             "read", peer, local, remote, local_desc, remote_desc, None, b"", timeout, now=False
         )
+        assert handle is not None
+        return handle
 
     def transfer(
         self,
@@ -1020,12 +1040,15 @@ class Engine:
         timeout: float,
         *,
         now: bool,
-    ) -> TransferHandle:
+    ) -> TransferHandle | None:
         """A single put or get.  One already checked with these very arguments on this
         connection is repeated from its :class:`~hixl.engine.datapath.Template` (no
         checks, no planning: what they depend on has not changed, see there).  A pair of
         :class:`ContiguousDesc` at new offsets reuses the template of the same sizes
-        between the same regions; only the bounds and the alignment are checked."""
+        between the same regions; only the bounds and the alignment are checked.
+
+        None (only with ``now``): the transfer was posted and has completed on this
+        thread (:meth:`_solo`); otherwise its handle."""
         tkey: tuple[Any, ...] | None = (peer, op, local, remote, local_desc, remote_desc)
         last = self._last_template  # a loop repeats one call: compared by identity first
         t: Template | None
@@ -1063,6 +1086,8 @@ class Engine:
                 and not self._closed
             ):
                 if notify is None:
+                    if now and t.num_wrs == 1:
+                        return self._solo(t, la, ra, timeout)
                     return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, now)
                 payload = _notify.encode(notify, notify_message)
                 built = [self._planner.rebuild(t, la, ra)]
@@ -1226,6 +1251,109 @@ class Engine:
         self._post_or_wake(lane, batch)
         return handle
 
+    def _solo(self, t: Template, la: int, ra: int, timeout: float) -> TransferHandle | None:
+        """A blocking request of one WR (``t`` placed at ``la``/``ra``), posted and waited
+        for on this thread when one of the connection's lanes is idle; None once it has
+        completed (its error raised).  The common case of a blocking put or get: no
+        hand-over, no handle to wait on, no batch, and the completion is polled here.
+
+        The chunk goes through the lane's window like any other (:meth:`SendWindow.take_solo`),
+        so whichever thread reaps its completion ends it, a connection failure fails it,
+        and notifications queued meanwhile wait for it.  With no idle lane it is queued as
+        usual and its handle returned.  Past ``timeout`` it fails with
+        :class:`TransferTimeout` and, as any transfer past its deadline, fails the
+        connection.  Counts as a poster until it returns, so :meth:`close` waits for it.
+        """
+        conn = t.conn
+        b = self._planner.rebuild(t, la, ra)
+        chain = b.chain
+        start = time.monotonic()
+        handle = TransferHandle(conn.peer, b.nbytes, 1, start + timeout)
+        handle.chunks_left = 1
+        chunk = Chunk(chain, 0, 1, handle, 1)
+        with self._lock:
+            if self._closed or conn.state is not ConnState.READY:
+                self._planner.give_back(b)
+                self._check_open()
+                conn.check_ready()
+            wr_id = chunk.first_id = self._next_wr
+            chunk.groups = 1
+            for lane in conn.lanes:
+                if lane.window.take_solo(chunk):
+                    self._next_wr = wr_id + 1
+                    self._posters += 1
+                    self._send_posts += 1
+                    self._posted_wrs += 1
+                    self._direct_posts += 1
+                    break
+            else:
+                lane = None
+        if lane is None:  # every lane busy: queued behind their work, as usual
+            return self._queue1(conn, b, timeout, True)
+        chain.signal_one(wr_id)
+        err: HixlError | None = None
+        try:
+            lane.qp.post_pieces(((chain, 0, 1),))
+        except HixlError as exc:
+            err = exc
+        self._planner.give_back(b)  # the provider has copied the WR
+        self._await_solo(lane, err, handle, start)
+        if handle.error is not None:
+            raise handle.error
+        return None
+
+    def _await_solo(
+        self, lane: Lane, err: HixlError | None, handle: TransferHandle, start: float
+    ) -> None:
+        """After :meth:`_solo`'s post returned (``err``: the provider refused it): settle
+        the post, then reap the send CQ on this thread until ``handle`` finishes, spinning
+        for :data:`SPIN_S`, then with sleeps of up to 1 ms between polls; then stop
+        counting as a poster.  The queue is polled under the lock, as every reaper does
+        (completions of one queue pair are handled in order).  The first round settles
+        the post and polls in one turn of the lock."""
+        cq = self.send_cq
+        lock = self._lock
+        spin_until = start + SPIN_S
+        nap = 0.00005
+        settle = True
+        while True:
+            with lock:
+                if settle:
+                    settle = False
+                    self._settle_locked(lane, err, handle)
+                if self._closed:
+                    handle.finish(
+                        StateError(f"engine {self.id} closed while the transfer was pending")
+                    )
+                    rows = None
+                else:
+                    rows = cq.poll_rows(POLL_BATCH)
+                    if rows:
+                        self._reap_send(rows)
+                done = handle.done()
+                if done:
+                    self._posters -= 1
+                    if self._closed and not self._posters:
+                        self._post_cv.notify_all()  # close() waits for the last poster
+            if self._wake_due:  # the reap handed other lanes' backlog over
+                self._wake()
+            if done:
+                return
+            if rows:
+                continue
+            now = time.monotonic()
+            if now >= handle.deadline:
+                timed_out = TransferTimeout(
+                    f"transfer to {handle.peer} did not complete within its deadline "
+                    f"({handle.nbytes} bytes, 1 work request); the connection is marked "
+                    "failed because its requests cannot be recalled"
+                )
+                with lock:
+                    self._fail(lane.conn, "a transfer timed out", timed_out, culprit=handle)
+            elif now >= spin_until:
+                time.sleep(nap)
+                nap = min(nap * 2, 0.001)
+
     def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0) -> None:
         """Send a notification to ``peer`` alone (after everything posted before it)."""
         self.transfer(peer, [], notify=name, notify_message=message, timeout=timeout)
@@ -1311,28 +1439,36 @@ class Engine:
         meanwhile is left to the progress thread.
         """
         err: HixlError | None = None
-        conn = lane.conn
         try:
             lane.post_batch(batch)
         except HixlError as exc:
             err = exc
+        if batch.finished:
+            self._planner.posted(batch.finished)  # pooled later, by a caller
+        chunk = batch.finished[0] if batch.finished else None
         with self._lock:
-            lane.window.end_batch()
+            self._settle_locked(lane, err, chunk.handle if chunk is not None else None)
             self._posters -= 1
-            if batch.finished:
-                self._planner.posted(batch.finished)  # pooled later, by a caller
-            if err is not None:
-                chunk = batch.finished[0] if batch.finished else None
-                culprit = chunk.handle if chunk is not None else None
-                self._fail(conn, f"post_send failed: {err}", err, culprit=culprit)
-            elif lane.window.backlog and conn.state is ConnState.READY:
-                self._want_post(lane)
-            if conn.state is ConnState.CLOSED or (self._closed and not self._posters):
+            if self._closed and not self._posters:
                 self._post_cv.notify_all()  # close() waits for the last poster
-                if conn.state is ConnState.CLOSED:
-                    self._wake_due = True  # free it now that nobody posts to it
         if self._wake_due:
             self._wake()
+
+    def _settle_locked(
+        self, lane: Lane, err: HixlError | None, culprit: TransferHandle | None
+    ) -> None:
+        """After a post to ``lane`` returned (lock held): end its batch, fail the
+        connection if the provider refused it (``culprit``: the transfer that gets
+        ``err``), or hand the backlog queued meanwhile to the progress thread.  The
+        caller stops counting as a poster itself."""
+        conn = lane.conn
+        lane.window.end_batch()
+        if err is not None:
+            self._fail(conn, f"post_send failed: {err}", err, culprit=culprit)
+        elif lane.window.backlog and conn.state is ConnState.READY:
+            self._want_post(lane)
+        if conn.state is ConnState.CLOSED:
+            self._wake_due = True  # free it now that nobody posts to it
 
     def _post_pending(self) -> bool:
         """Progress thread: post the lanes waiting for it; True if more waits.

@@ -508,23 +508,21 @@ class MemoryRegion:
         self.lkey = int(mr.lkey)
         self.rkey = int(mr.rkey)
         self._owner = owner  # keeps the registered memory alive
-        self._closed = False
+        #: True once :meth:`close` ran (read-only to users; a plain attribute, since the
+        #: data path reads it for every request it posts).
+        self.closed = False
 
     def __repr__(self) -> str:
         return (
             f"<MemoryRegion addr={self.addr:#x} length={self.length} "
             f"rkey={self.rkey:#x} access={self.access:#x}"
-            f"{' closed' if self._closed else ''}>"
+            f"{' closed' if self.closed else ''}>"
         )
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def close(self) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         rc = _lib().ibv_dereg_mr(self._mr)
         self._owner = None
         if rc:

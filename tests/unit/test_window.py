@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hixl.core.window import MAX_BATCHES, Chunk, SendWindow
-from hixl.errors import RegistrationError
+from hixl.errors import ArgumentError, RegistrationError
 from hixl.verbs.chain import SEND_SIGNALED, SendChain
 
 
@@ -103,7 +103,20 @@ def test_every_chunk_finishes_once_in_order_within_the_depth(
             break
         least = 1 if not window.backlog and not dev.queue else 0
         for _ in range(min(len(arriving), steps.draw(st.integers(least, 3), label="queued"))):
-            window.queue1(arriving.popleft())
+            chunk = arriving.popleft()
+            # A blocking request of one group may be reserved whole and posted at once
+            # (take_solo), which the window allows only while it is idle.
+            idle = not window.backlog and not window.poster and window.in_flight == 0
+            if chunk.groups == 1 and steps.draw(st.booleans(), label="solo"):
+                if window.take_solo(chunk):
+                    assert idle and not dev.queue
+                    dev.post([(chunk.chain, chunk.start, chunk.stop)])
+                    ends.append(len(dev.posted_addrs))
+                    posted_whole.append(chunk.handle)
+                    window.end_batch()
+                    continue
+                assert not idle
+            window.queue1(chunk)
         takes = 1 if not dev.queue else steps.draw(st.integers(0, 3), label="batches taken")
         for _ in range(takes if window.backlog else 0):
             batch = window.take_batch(depth)
@@ -221,3 +234,31 @@ def test_a_held_chunk_and_those_behind_it_wait_until_released() -> None:
 
 def test_oldest_id_of_an_empty_window_is_none() -> None:
     assert SendWindow().oldest_id is None
+
+
+def test_take_solo_reserves_only_an_idle_window() -> None:
+    window = SendWindow()
+    busy, solo, later = make_chunks([(4, 4), (1, 1), (1, 1)])
+    window.queue1(busy)
+    assert not window.take_solo(solo)  # work queued: it would overtake it
+    batch = window.take_batch(16)
+    assert batch is not None
+    assert not window.take_solo(solo)  # a batch is being posted
+    window.end_batch()
+    assert not window.take_solo(solo)  # WRs out: still not idle
+    assert [(c.handle, done) for c, done in window.completed(busy.first_id)] == [(0, True)]
+    assert window.take_solo(solo)
+    assert window.poster and window.in_flight == 1 and window.oldest_id == solo.first_id
+    window.end_batch()
+    window.queue1(later)  # queued behind it, posted once it completes
+    assert window.take_batch(16) is not None
+    window.end_batch()
+    done = window.completed(later.first_id)
+    assert [(c.handle, d) for c, d in done] == [(1, True), (2, True)]
+    assert window.in_flight == 0 and window.pending == 0
+
+
+def test_take_solo_refuses_a_chunk_of_several_groups() -> None:
+    (chunk,) = make_chunks([(4, 2)])
+    with pytest.raises(ArgumentError):
+        SendWindow().take_solo(chunk)
