@@ -363,8 +363,8 @@ class Engine:
                 handshakes=self._incoming.pending if self._incoming is not None else 0,
                 refused_busy=self._incoming.refused_busy if self._incoming is not None else 0,
                 notifications=len(self._notes),
-                send_posts=self._send_posts,
-                posted_wrs=self._posted_wrs,
+                send_posts=self._send_posts + self._direct_posts,
+                posted_wrs=self._posted_wrs + self._direct_posts,
                 direct_posts=self._direct_posts,
             )
 
@@ -1282,9 +1282,7 @@ class Engine:
                 if lane.window.take_solo(chunk):
                     self._next_wr = wr_id + 1
                     self._posters += 1
-                    self._send_posts += 1
-                    self._posted_wrs += 1
-                    self._direct_posts += 1
+                    self._direct_posts += 1  # also a post of one WR, see diagnostics
                     break
             else:
                 lane = None
@@ -1293,7 +1291,7 @@ class Engine:
         chain.signal_one(wr_id)
         err: HixlError | None = None
         try:
-            lane.qp.post_pieces(((chain, 0, 1),))
+            lane.qp.post_whole(chain)
         except HixlError as exc:
             err = exc
         self._planner.give_back(b)  # the provider has copied the WR
