@@ -21,9 +21,11 @@ import pytest
 from hixl.core.descriptors import ContiguousDesc
 from hixl.core.states import ConnState
 from hixl.engine import Access, Engine
-from hixl.errors import CompletionError, ConnectionFailed, HixlError
+from hixl.errors import CompletionError, ConnectionFailed, HixlError, TransferTimeout
+from hixl.testbed.net import free_tcp_port
 
 from .conftest import listening_engine
+from .peerproc import PeerProcess
 
 RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 KIB = 1024
@@ -182,3 +184,40 @@ def test_closing_the_engine_ends_a_direct_put_under_way(
     t.join(30)
     assert not t.is_alive(), "a blocking put outlived its engine's close()"
     assert len(outcome) == 1 and isinstance(outcome[0], HixlError), outcome
+
+
+def test_a_peer_killed_under_direct_puts_ends_them_in_time() -> None:
+    """A peer process is killed while another thread loops on blocking 8 MiB puts to it:
+    the put under way (or the next) ends with an error naming the peer, within its
+    timeout and a margin, and the connection is FAILED."""
+    victim = PeerProcess(f"127.0.0.1:{free_tcp_port()}", 8 << 20)
+    try:
+        victim.wait_ready()
+        with Engine("127.0.0.1:0") as client:
+            r = client.register(np.ones(8 << 20, np.uint8), access=Access.NONE)
+            conn = client.connect(victim.id, timeout=30)
+            client.put(victim.id, r, "buf", timeout=30)  # checked and planned: the template
+            outcome: list[BaseException] = []
+
+            def loop() -> None:
+                try:
+                    while True:
+                        client.put(victim.id, r, "buf", timeout=3)
+                except BaseException as exc:  # noqa: BLE001 - checked by the main thread
+                    outcome.append(exc)
+
+            t = threading.Thread(target=loop)
+            t.start()
+            time.sleep(0.5)
+            assert client.diagnostics().direct_posts >= 1
+            victim.kill()
+            t0 = time.monotonic()
+            t.join(30)
+            assert not t.is_alive(), "a direct put to a dead peer never ended"
+            assert time.monotonic() - t0 < 10
+            assert len(outcome) == 1, outcome
+            assert isinstance(outcome[0], (ConnectionFailed, TransferTimeout)), outcome
+            assert victim.id in str(outcome[0])
+            assert conn.state is ConnState.FAILED
+    finally:
+        victim.close()
