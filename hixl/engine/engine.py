@@ -1309,6 +1309,26 @@ class Engine:
         counting as a poster.  The queue is polled under the lock, as every reaper does
         (completions of one queue pair are handled in order).  The first round settles
         the post and polls in one turn of the lock."""
+        released = [False]  # set with the poster count given back
+        try:
+            self._reap_solo(lane, err, handle, start, released)
+        except BaseException:
+            with self._lock:  # a poll that raised: stop counting as a poster all the same
+                if not released[0]:
+                    self._posters -= 1
+                    if self._closed and not self._posters:
+                        self._post_cv.notify_all()
+            raise
+
+    def _reap_solo(
+        self,
+        lane: Lane,
+        err: HixlError | None,
+        handle: TransferHandle,
+        start: float,
+        released: list[bool],
+    ) -> None:
+        """The loop of :meth:`_await_solo`."""
         cq = self.send_cq
         lock = self._lock
         spin_until = start + SPIN_S
@@ -1331,15 +1351,14 @@ class Engine:
                 done = handle.done()
                 if done:
                     self._posters -= 1
+                    released[0] = True
                     if self._closed and not self._posters:
                         self._post_cv.notify_all()  # close() waits for the last poster
             if self._wake_due:  # the reap handed other lanes' backlog over
                 self._wake()
             if done:
                 return
-            if rows:
-                continue
-            now = time.monotonic()
+            now = time.monotonic()  # also when others' completions keep coming
             if now >= handle.deadline:
                 timed_out = TransferTimeout(
                     f"transfer to {handle.peer} did not complete within its deadline "
@@ -1348,7 +1367,7 @@ class Engine:
                 )
                 with lock:
                     self._fail(lane.conn, "a transfer timed out", timed_out, culprit=handle)
-            elif now >= spin_until:
+            elif not rows and now >= spin_until:
                 time.sleep(nap)
                 nap = min(nap * 2, 0.001)
 
