@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -24,7 +23,6 @@ from hixl.engine import Access, Engine
 from hixl.errors import CompletionError, ConnectionFailed, HixlError, TransferTimeout
 from hixl.testbed.net import free_tcp_port
 
-from .conftest import listening_engine
 from .peerproc import PeerProcess
 
 RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
@@ -35,22 +33,10 @@ def pattern(n: int, seed: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
-@pytest.fixture
-def engines() -> Iterator[tuple[Engine, Engine]]:
-    """``(client, server)``, not connected yet: tests register regions first."""
-    server = listening_engine()
-    client = Engine("127.0.0.1:0")
-    try:
-        yield client, server
-    finally:
-        client.close()
-        server.close()
-
-
 def test_repeated_blocking_puts_and_gets_are_posted_directly_and_move_their_bytes(
-    engines: tuple[Engine, Engine],
+    pair: tuple[Engine, Engine],
 ) -> None:
-    client, server = engines
+    client, server = pair
     remote = np.zeros(64 * KIB, np.uint8)
     server.register(remote, access=RW, name="dst")
     src = pattern(64 * KIB, 1)
@@ -78,11 +64,11 @@ def test_repeated_blocking_puts_and_gets_are_posted_directly_and_move_their_byte
 
 
 def test_blocking_puts_beside_a_put_async_stream_all_land(
-    engines: tuple[Engine, Engine],
+    pair: tuple[Engine, Engine],
 ) -> None:
     """A blocking put finds a lane idle (posted directly) or busy with the stream's
     batches (queued behind them); either way every byte of both lands."""
-    client, server = engines
+    client, server = pair
     remote = np.zeros(128 * KIB, np.uint8)
     server.register(remote, access=RW, name="dst")
     src = pattern(128 * KIB, 3)
@@ -121,12 +107,12 @@ def test_blocking_puts_beside_a_put_async_stream_all_land(
 
 
 def test_a_direct_put_refused_by_the_target_fails_with_its_own_status(
-    engines: tuple[Engine, Engine],
+    pair: tuple[Engine, Engine],
 ) -> None:
     """The client believes the peer's 8 KiB region is 1 MiB (test hook): a put at an
     offset past the real end passes the client's checks, is posted directly, and the
     target refuses it: IBV_WC_REM_ACCESS_ERR, the connection FAILED, later calls refused."""
-    client, server = engines
+    client, server = pair
     remote = np.zeros(8 * KIB, np.uint8)
     server.register(remote, access=RW, name="dst")
     src = pattern(64 * KIB, 4)
@@ -150,12 +136,12 @@ def test_a_direct_put_refused_by_the_target_fails_with_its_own_status(
 
 
 def test_closing_the_engine_ends_a_direct_put_under_way(
-    engines: tuple[Engine, Engine],
+    pair: tuple[Engine, Engine],
 ) -> None:
     """Another thread loops on blocking 8 MiB puts (one work request each, a few tenths
     of a second apiece on soft-RoCE) while the engine closes: the loop ends with a hixl
     error or a finished put, promptly, and nothing crashes."""
-    client, server = engines
+    client, server = pair
     size = 8 << 20
     remote = np.zeros(size, np.uint8)
     server.register(remote, access=RW, name="dst")
