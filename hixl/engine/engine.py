@@ -1306,70 +1306,54 @@ class Engine:
         """After :meth:`_solo`'s post returned (``err``: the provider refused it): settle
         the post, then reap the send CQ on this thread until ``handle`` finishes, spinning
         for :data:`SPIN_S`, then with sleeps of up to 1 ms between polls; then stop
-        counting as a poster.  The queue is polled under the lock, as every reaper does
-        (completions of one queue pair are handled in order).  The first round settles
-        the post and polls in one turn of the lock."""
-        released = [False]  # set with the poster count given back
-        try:
-            self._reap_solo(lane, err, handle, start, released)
-        except BaseException:
-            with self._lock:  # a poll that raised: stop counting as a poster all the same
-                if not released[0]:
-                    self._posters -= 1
-                    if self._closed and not self._posters:
-                        self._post_cv.notify_all()
-            raise
-
-    def _reap_solo(
-        self,
-        lane: Lane,
-        err: HixlError | None,
-        handle: TransferHandle,
-        start: float,
-        released: list[bool],
-    ) -> None:
-        """The loop of :meth:`_await_solo`."""
+        counting as a poster (also when a poll raises).  The queue is polled under the
+        lock, as every reaper does (completions of one queue pair are handled in order).
+        The first round settles the post and polls in one turn of the lock."""
         cq = self.send_cq
         lock = self._lock
         spin_until = start + SPIN_S
         nap = 0.00005
         settle = True
-        while True:
-            with lock:
-                if settle:
-                    settle = False
-                    self._settle_locked(lane, err, handle)
-                if self._closed:
-                    handle.finish(
-                        StateError(f"engine {self.id} closed while the transfer was pending")
-                    )
-                    rows = None
-                else:
-                    rows = cq.poll_rows(POLL_BATCH)
-                    if rows:
-                        self._reap_send(rows)
-                done = handle.done()
-                if done:
-                    self._posters -= 1
-                    released[0] = True
-                    if self._closed and not self._posters:
-                        self._post_cv.notify_all()  # close() waits for the last poster
-            if self._wake_due:  # the reap handed other lanes' backlog over
-                self._wake()
-            if done:
-                return
-            now = time.monotonic()  # also when others' completions keep coming
-            if now >= handle.deadline:
-                timed_out = TransferTimeout(
-                    f"transfer to {handle.peer} did not complete within its deadline "
-                    f"({handle.nbytes} bytes, 1 work request); the connection is marked "
-                    "failed because its requests cannot be recalled"
-                )
+        released = False
+        try:
+            while True:
                 with lock:
-                    self._fail(lane.conn, "a transfer timed out", timed_out, culprit=handle)
-            elif not rows and now >= spin_until:
-                time.sleep(nap)
-                nap = min(nap * 2, 0.001)
+                    if settle:
+                        settle = False
+                        self._settle_locked(lane, err, handle)
+                    if self._closed:
+                        handle.finish(
+                            StateError(f"engine {self.id} closed while the transfer was pending")
+                        )
+                        rows = None
+                    else:
+                        rows = cq.poll_rows(POLL_BATCH)
+                        if rows:
+                            self._reap_send(rows)
+                    if handle.done():
+                        released = True
+                        self._release_poster()
+                if self._wake_due:  # the reap handed other lanes' backlog over
+                    self._wake()
+                if released:
+                    return
+                now = time.monotonic()  # also when others' completions keep coming
+                if now >= handle.deadline:
+                    with lock:
+                        self._fail(
+                            lane.conn,
+                            "a transfer timed out",
+                            _deadline_error(handle),
+                            culprit=handle,
+                        )
+                elif not rows and now >= spin_until:
+                    time.sleep(nap)
+                    nap = min(nap * 2, 0.001)
+        except BaseException:
+            if not released:
+                with lock:
+                    self._release_poster()
+            raise
 
     def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0) -> None:
         """Send a notification to ``peer`` alone (after everything posted before it)."""
@@ -1465,11 +1449,16 @@ class Engine:
         chunk = batch.finished[0] if batch.finished else None
         with self._lock:
             self._settle_locked(lane, err, chunk.handle if chunk is not None else None)
-            self._posters -= 1
-            if self._closed and not self._posters:
-                self._post_cv.notify_all()  # close() waits for the last poster
+            self._release_poster()
         if self._wake_due:
             self._wake()
+
+    def _release_poster(self) -> None:
+        """This thread's post (a batch, or a direct post and its wait) is over (lock
+        held); :meth:`close` waits for the last one."""
+        self._posters -= 1
+        if self._closed and not self._posters:
+            self._post_cv.notify_all()
 
     def _settle_locked(
         self, lane: Lane, err: HixlError | None, culprit: TransferHandle | None
@@ -1703,11 +1692,7 @@ class Engine:
 
     def _expire(self, now: float) -> None:
         for h in [h for h in self._handles if h.deadline <= now]:
-            err = TransferTimeout(
-                f"transfer to {h.peer} did not complete within its deadline "
-                f"({h.nbytes} bytes, {h.num_wrs} work requests); the connection is marked "
-                "failed because its requests cannot be recalled"
-            )
+            err = _deadline_error(h)
             conn = self._conns.get(h.peer)
             if conn is not None:
                 self._fail(conn, "a transfer timed out", err, culprit=h)
@@ -1785,6 +1770,15 @@ class Engine:
             self._fail(conn, f"peer reported {msg.code}: {msg.message}")
         else:
             self._fail(conn, f"unexpected {type(msg).__name__} on the control channel")
+
+
+def _deadline_error(h: TransferHandle) -> TransferTimeout:
+    """The error of a transfer past its deadline (queued or posted directly)."""
+    return TransferTimeout(
+        f"transfer to {h.peer} did not complete within its deadline "
+        f"({h.nbytes} bytes, {h.num_wrs} work requests); the connection is marked "
+        "failed because its requests cannot be recalled"
+    )
 
 
 def _every_for(conn: Connection, n: int, nbytes: int, every: int) -> int:
