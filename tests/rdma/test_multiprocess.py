@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from hixl import Access, ConnState, ContiguousDesc, Engine, StridedDesc
+from hixl import Access, ConnState, ContiguousDesc, Engine, StridedDesc, TransferHandle
 from hixl.errors import ConnectionFailed, TransferTimeout
 from hixl.testbed.net import free_tcp_port
 
@@ -121,17 +123,48 @@ def test_peer_killed_mid_transfer() -> None:
             r = prefill.register(big, access=Access.NONE)
             prefill.connect(victim.id, timeout=30)
             prefill.connect(survivor.id, timeout=30)
-            handles = [prefill.put_async(victim.id, r, "buf", timeout=20) for _ in range(4)]
-            time.sleep(0.2)
-            victim.kill()
-            t0 = time.monotonic()
-            for h in handles:
+            # Keep four 8 MiB puts in flight until the kill has taken effect: a fixed batch
+            # can finish before the kill on a fast host, and then nothing is mid-transfer.
+            # The kill runs on its own thread (it waits for the process to go), so the
+            # stream stays full while the peer dies.
+            live: deque[TransferHandle] = deque()
+            failed: list[BaseException] = []
+            handle_failed = False
+            killed_at: list[float] = []
+
+            def kill() -> None:
+                killed_at.append(time.monotonic())
+                victim.kill()
+
+            def settle(h: TransferHandle) -> bool:
                 try:
                     h.wait(30)
                 except (ConnectionFailed, TransferTimeout) as exc:
-                    assert victim.id in str(exc)  # the error names the peer that went away
-            assert time.monotonic() - t0 < 25
-            assert any(h.error is not None for h in handles)
+                    failed.append(exc)
+                    return True
+                return False
+
+            killer = threading.Timer(0.2, kill)
+            killer.start()
+            try:
+                while not failed:
+                    if killed_at:
+                        assert time.monotonic() - killed_at[0] < 25, "puts succeed after the kill"
+                    if len(live) == 4:
+                        handle_failed |= settle(live.popleft())
+                        continue
+                    try:
+                        live.append(prefill.put_async(victim.id, r, "buf", timeout=20))
+                    except ConnectionFailed as exc:
+                        failed.append(exc)
+                while live:
+                    handle_failed |= settle(live.popleft())
+            finally:
+                killer.join(15)
+            assert killed_at and time.monotonic() - killed_at[0] < 25
+            assert handle_failed, "no transfer under way when the peer died ended in an error"
+            for err in failed:
+                assert victim.id in str(err)  # the error names the peer that went away
             assert prefill.connection(victim.id).state is ConnState.FAILED
             with pytest.raises(ConnectionFailed):
                 prefill.put(victim.id, r, "buf", timeout=5)
