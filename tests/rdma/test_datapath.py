@@ -156,18 +156,26 @@ def test_another_thread_keeps_running_during_a_long_put(loose: tuple[Engine, Eng
     client.connect(server.id, timeout=30.0)
     rows = StridedDesc(offset=0, count=2048, size=4000, stride=4096, alignment=None)
     counter = Counter()
+    # Up to three tries, each measuring idle and busy rates back to back: the VM's two
+    # CPUs are shared with the host's other work, and one try has read 0.2 there.  A put
+    # that held the GIL while it posts and waits would read near 0 every time.
+    ratios: list[str] = []
     try:
         time.sleep(0.05)
-        idle, _ = counter.rate(lambda: time.sleep(0.3))
-        busy, took = counter.rate(
-            lambda: client.put(server.id, r, "dst", local_desc=rows, remote_desc=rows)
-        )
+        for _ in range(3):
+            idle, _ = counter.rate(lambda: time.sleep(0.3))
+            busy, took = counter.rate(
+                lambda: client.put(server.id, r, "dst", local_desc=rows, remote_desc=rows)
+            )
+            print(f"counter: idle {idle:.0f}/s, during a {took * 1e3:.0f} ms put {busy:.0f}/s")
+            ratios.append(f"{busy / idle:.2f}")
+            if busy > 0.25 * idle:
+                break
     finally:
         counter.stop()
-    print(f"counter: idle {idle:.0f}/s, during a {took * 1e3:.0f} ms put {busy:.0f}/s")
     got, want = dst.reshape(2048, 4096), src.reshape(2048, 4096)
     assert np.array_equal(got[:, :4000], want[:, :4000]) and not got[:, 4000:].any()
-    assert busy > 0.25 * idle
+    assert busy > 0.25 * idle, f"busy/idle counting rates of the tries: {ratios}"
 
 
 def test_a_deregistered_region_is_refused_and_its_memory_registered_again_works(

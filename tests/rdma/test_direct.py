@@ -106,6 +106,51 @@ def test_blocking_puts_beside_a_put_async_stream_all_land(
     assert client.diagnostics().direct_posts > before  # some found a lane idle
 
 
+def test_threads_repeating_one_template_at_their_own_offsets_all_land(
+    pair: tuple[Engine, Engine],
+) -> None:
+    """Four threads loop on blocking 4 KiB puts of one template (same regions and sizes),
+    each at offsets of its own 64 KiB quarter.  Direct posts and queued ones interleave
+    on the connection's lanes and share the template's pooled chains; every put's bytes
+    are where its caller put them the moment it returns."""
+    client, server = pair
+    threads_n, per, rounds = 4, 64 * KIB, 40
+    remote = np.zeros(threads_n * per, np.uint8)
+    server.register(remote, access=RW, name="dst")
+    src = pattern(threads_n * per, 7)
+    r_src = client.register(src, access=Access.NONE)
+    client.connect(server.id, timeout=30.0)
+    first = ContiguousDesc(offset=0, nbytes=4 * KIB)
+    client.put(server.id, r_src, "dst", local_desc=first, remote_desc=first, timeout=30)
+    before = client.diagnostics().direct_posts
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads_n)
+
+    def loop(k: int) -> None:
+        rng = np.random.default_rng(10 + k)
+        try:
+            start.wait(30)
+            for _ in range(rounds):
+                lo, ro = (k * per + int(x) * 4 * KIB for x in rng.integers(0, 16, 2))
+                ld = ContiguousDesc(offset=lo, nbytes=4 * KIB)
+                rd = ContiguousDesc(offset=ro, nbytes=4 * KIB)
+                client.put(server.id, r_src, "dst", local_desc=ld, remote_desc=rd, timeout=60)
+                if not np.array_equal(remote[ro : ro + 4 * KIB], src[lo : lo + 4 * KIB]):
+                    raise AssertionError(f"thread {k}: put {lo} -> {ro} did not land there")
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=loop, args=(k,)) for k in range(threads_n)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert not any(w.is_alive() for w in workers), "a blocking put never returned"
+    assert not errors, errors
+    assert client.diagnostics().direct_posts > before
+    assert client.diagnostics().pending_transfers == 0
+
+
 def test_a_direct_put_refused_by_the_target_fails_with_its_own_status(
     pair: tuple[Engine, Engine],
 ) -> None:
