@@ -759,8 +759,9 @@ def run_fleet_hosts(
       next time decode-0 reserves a slot for it host0 orders decode-0's host cut off (no
       FIN, no goodbye) before the KV goes out, so that request is in flight when the host
       dies. On host0's clock the summary gives the time from that order to decode-0's
-      lease leaving, to the last choice of decode-0, and to the last attempt on it given
-      up (and re-run elsewhere); each must be within TTL + 1 s;
+      lease leaving (within TTL + 1 s), to the last choice of decode-0, and to the last
+      attempt on it given up (and re-run elsewhere), each at most 0.5 s after the leave
+      (:func:`cut_in_time`);
     * after that, etcd on host0 is stopped for 5 s: work goes on over live connections,
       and announcements are made again when it is back.
     """
@@ -877,21 +878,36 @@ def _hosts_summary(
                 {"router": f"prefill-{j}", "from_leave": True, **cut_timeline(p, "decode-0", None)}
             )
     summary["cut"] = None if cut is None else {**cut, "routers": routers}
-    limit = TTL_S + 1.0
-    own = routers[0] if routers else {}
-    summary["cut_ok"] = (
-        cut is not None
-        and own.get("lease_gone_s") is not None
-        and own["lease_gone_s"] <= limit
-        and (own["last_choice_s"] is None or own["last_choice_s"] <= limit)
-        and (own["last_given_up_s"] is None or own["last_given_up_s"] <= limit)
-        and all(
-            (r["last_choice_s"] is None or r["last_choice_s"] <= 0.5)
-            and (r["last_given_up_s"] is None or r["last_given_up_s"] <= 0.5)
-            for r in routers[1:]
-        )
-    )
+    summary["cut_ok"] = cut is not None and cut_in_time(routers)
     return summary
+
+
+LEAVE_GRACE_S = 0.5
+"""How long after a router sees the lost worker's name leave it may still give up an
+attempt there (or choose it), seconds."""
+
+
+def cut_in_time(routers: list[dict[str, Any]]) -> bool:
+    """Whether the routers stopped using the cut worker in time (pure).
+
+    ``routers``: :func:`cut_timeline` rows, the cutting host's router first (times from
+    the order), then the others (times from when each saw the name leave).  The name
+    must leave within TTL + 1 s of the order; every router's last choice of the worker
+    and last attempt given up there come at most :data:`LEAVE_GRACE_S` after it saw the
+    leave.  (A give-up is caused by the leave, so it trails it by the time the router
+    takes to act: a bound on the give-up equal to the bound on the leave fails a leave
+    seen at TTL + 0.99 s.)"""
+    if not routers:
+        return False
+    gone = routers[0].get("lease_gone_s")
+    if gone is None or gone > TTL_S + 1.0:
+        return False
+    for i, r in enumerate(routers):
+        until = (gone if i == 0 else 0.0) + LEAVE_GRACE_S
+        for key in ("last_choice_s", "last_given_up_s"):
+            if r.get(key) is not None and r[key] > until:
+                return False
+    return True
 
 
 def _secs(value: float | None) -> str:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from hixl.demo.fleet import TOKEN_ENV, cut_timeline, fleet_token
+from hixl.demo.fleet import TOKEN_ENV, TTL_S, cut_in_time, cut_timeline, fleet_token
 from hixl.errors import ArgumentError
 
 
@@ -59,3 +61,24 @@ def test_cut_timeline_without_events() -> None:
     }
     got = cut_timeline(empty, "decode-0", 1.0)
     assert got == {"lease_gone_s": None, "last_choice_s": None, "last_given_up_s": None}
+
+
+def _row(gone: float | None, choice: float | None, given_up: float | None) -> dict[str, Any]:
+    return {"lease_gone_s": gone, "last_choice_s": choice, "last_given_up_s": given_up}
+
+
+def test_a_give_up_just_after_a_late_leave_is_in_time() -> None:
+    # Seen in CI, printed as +3.99 s and +4.00 s: the leave just inside TTL + 1 = 4 s, the
+    # attempt given up a few ms after it and so just past 4 s.
+    assert cut_in_time([_row(3.994, -0.30, 4.004), _row(0.0, -5.59, 0.01)])
+
+
+def test_routers_that_go_on_using_the_lost_worker_are_late() -> None:
+    limit = TTL_S + 1.0
+    assert not cut_in_time([])
+    assert not cut_in_time([_row(None, -0.3, None)])  # the leave never seen
+    assert not cut_in_time([_row(limit + 0.01, -0.3, None)])  # the lease outlived TTL + 1
+    assert not cut_in_time([_row(3.0, 3.6, None)])  # chosen again 0.6 s after the leave
+    assert not cut_in_time([_row(3.0, -0.3, 3.6)])  # given up 0.6 s after the leave
+    assert not cut_in_time([_row(3.0, -0.3, 3.1), _row(0.0, 0.6, None)])  # the other router
+    assert cut_in_time([_row(3.0, None, None), _row(0.0, None, None)])
