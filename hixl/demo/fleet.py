@@ -947,7 +947,8 @@ def format_fleet_hosts(s: dict[str, Any]) -> str:
                 lines.append(
                     f"    {r['router']}: lease gone {_secs(r['lease_gone_s'])}, last chose "
                     f"decode-0 {_secs(r['last_choice_s'])}, last attempt there given up "
-                    f"{_secs(r['last_given_up_s'])} (limit TTL + 1 = {TTL_S + 1:.0f} s)"
+                    f"{_secs(r['last_given_up_s'])} (limits: the leave within TTL + 1 = "
+                    f"{TTL_S + 1:.0f} s, the others {LEAVE_GRACE_S} s after it)"
                 )
         lines.append(f"  routers stopped using decode-0 in time: {'yes' if s['cut_ok'] else 'NO'}")
     outage = s.get("etcd_outage")
