@@ -4,11 +4,13 @@ send it requests and a transfer into it is under way.
 On host0's clock, from the moment host0 orders the cut (the worker is frozen at once, its
 VM killed within a fraction of a second):
 
-* its lease is gone, and every router has stopped choosing it, within TTL + 1 s;
-* the transfer under way fails with ``ConnectionFailed`` naming the registry, within
-  TTL + 1 s, never with a deadline;
+* its lease is gone within TTL + 1.5 s (``LEAVE_LIMIT_S``), and host0's router stopped
+  choosing it and gave up its attempt there at most ``LEAVE_GRACE_S`` (0.5 s) after it saw
+  the leave;
+* the transfer under way fails with ``ConnectionFailed`` naming the registry, by that same
+  moment, never with a deadline;
 * a connect by name started just after the cut, inside the lease window, gives up with
-  ``ConnectionFailed`` once the name leaves (within TTL + 1 s), not after its own 10 s
+  ``ConnectionFailed`` once the name leaves (by that same moment), not after its own 10 s
   timeout;
 * the request in flight there is re-run on the surviving decode worker, and every request
   of both routers completes exactly once, bit-exact with identical tokens.
@@ -29,14 +31,20 @@ import numpy as np
 import pytest
 
 from hixl import ConnectionFailed, Engine, HixlError
-from hixl.demo.fleet import FLEET_CONFIG, TTL_S, check_results, cut_timeline, run_fleet_prefill
+from hixl.demo.fleet import (
+    FLEET_CONFIG,
+    LEAVE_GRACE_S,
+    LEAVE_LIMIT_S,
+    check_results,
+    cut_timeline,
+    run_fleet_prefill,
+)
 from hixl.testbed.hosts import Control, HostEnv
 
 from .conftest import wait_region
 
 REQUESTS = 16  # prefill-0 (host0) takes the even ones, prefill-1 (host1) the odd ones
 SCRATCH_MIB = 16  # one put into decode-0's scratch takes about a second on this wire
-LIMIT = TTL_S + 1.0
 WORKER = [sys.executable, "-u", "-m", "hixl.demo.fleet"]
 
 
@@ -154,23 +162,25 @@ def test_decode_host_cut_off_mid_stream(
 
     own = cut_timeline(p0, "decode-0", cut["t"])
     print(f"host0, after the order to cut decode-0 off: {own}")
-    assert own["lease_gone_s"] is not None and own["lease_gone_s"] <= LIMIT, own
-    assert own["last_choice_s"] is not None and own["last_choice_s"] <= LIMIT, own
-    assert own["last_given_up_s"] is not None and 0 <= own["last_given_up_s"] <= LIMIT, own
+    assert own["lease_gone_s"] is not None and own["lease_gone_s"] <= LEAVE_LIMIT_S, own
+    # What the leave causes trails it by the time this process takes to act on it.
+    after_leave = own["lease_gone_s"] + LEAVE_GRACE_S
+    assert own["last_choice_s"] is not None and own["last_choice_s"] <= after_leave, own
+    assert own["last_given_up_s"] is not None and 0 <= own["last_given_up_s"] <= after_leave, own
 
     other = cut_timeline(p1, "decode-0", None)
     print(f"prefill-1 on host1, after it saw decode-0 leave: {other}")
     assert other["lease_gone_s"] == 0.0, other  # it did see the name leave
     for key in ("last_choice_s", "last_given_up_s"):
-        assert other[key] is None or other[key] <= 0.5, other
+        assert other[key] is None or other[key] <= LEAVE_GRACE_S, other
 
     assert streamer.outcome is not None, "the streamed put into the lost host never failed"
     failed_at, error = streamer.outcome
     print(f"streamed put failed {failed_at - cut['t']:.2f} s after the cut: {error!r}")
     assert isinstance(error, ConnectionFailed) and "left registry" in str(error), error
-    assert failed_at - cut["t"] <= LIMIT
+    assert failed_at - cut["t"] <= after_leave
 
     print(f"late connect: {late['error']!r} {late['ended'] - cut['t']:.2f} s after the cut")
     assert late["started"] - cut["t"] < 1.0  # well inside decode-0's lease window
     assert isinstance(late["error"], ConnectionFailed), late  # not a 10 s TransferTimeout
-    assert late["ended"] - cut["t"] <= LIMIT, late
+    assert late["ended"] - cut["t"] <= after_leave, late
