@@ -316,20 +316,42 @@ def vanish(reason: str, wait: float = 30.0) -> NoReturn:
     itself off runs its kernel's shutdown path, which can stall for minutes on one
     emulated CPU busy with incoming RDMA traffic. Only meaningful inside a hixl VM;
     raises :class:`HixlError` elsewhere rather than touching a real machine.
+
+    Every thread of the calling process is frozen (SIGSTOP) before the runner is told, so
+    nothing of it runs in the moments until the power goes: no registry lease refresh, no
+    answer to a peer.  (Without the freeze, a lease refreshed while the runner was still
+    to notice kept a cut host's name up to a second longer.)  A small helper process does
+    the freezing and the telling; if no runner cuts the power within ``wait`` seconds it
+    kills the process, which fails the run rather than hanging it.
     """
     xdir = os.environ.get("HIXL_VM_XDIR")
     if os.environ.get("HIXL_IN_VM") != "1" or not xdir:
         raise HixlError("vanish() only powers off a hixl VM guest (HIXL_IN_VM/HIXL_VM_XDIR unset)")
     sys.stdout.flush()
     sys.stderr.flush()
-    tmp = Path(xdir) / f".{VANISHED}.tmp"
+    tmp = Path(xdir) / f".{VANISHED}.{os.getpid()}.tmp"
     with tmp.open("w") as fh:  # written whole, then renamed: the runner never reads half
         fh.write(reason + "\n")
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, Path(xdir) / VANISHED)
-    time.sleep(wait)
-    os._exit(1)  # still alive: no runner cut the power, so fail the run rather than hang
+    # $0 pid, $1 note, $2 where the runner looks, $3 seconds: freeze, tell, and kill
+    # the process if the power is still on after that long.
+    script = 'kill -STOP "$0" && mv -f "$1" "$2"; sleep "$3"; kill -KILL "$0"'
+    subprocess.Popen(
+        [
+            "/bin/sh",
+            "-c",
+            script,
+            str(os.getpid()),
+            str(tmp),
+            str(Path(xdir) / VANISHED),
+            str(wait),
+        ],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    while True:  # frozen here by the helper (any other thread that gets here waits too)
+        time.sleep(1.0)
 
 
 class Control:

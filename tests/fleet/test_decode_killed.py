@@ -4,7 +4,7 @@ send it requests and a transfer into it is under way.
 On host0's clock, from the moment host0 orders the cut (the worker is frozen at once, its
 VM killed within a fraction of a second):
 
-* its lease is gone within TTL + 1.5 s (``LEAVE_LIMIT_S``), and host0's router stopped
+* its lease is gone within TTL + 3 s (``LEAVE_LIMIT_S``), and host0's router stopped
   choosing it and gave up its attempt there at most ``LEAVE_GRACE_S`` (0.5 s) after it saw
   the leave;
 * the transfer under way fails with ``ConnectionFailed`` naming the registry, by that same

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import io
+import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +215,51 @@ def test_vanish_refuses_outside_a_vm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HIXL_IN_VM", raising=False)
     with pytest.raises(HixlError, match="only powers off a hixl VM"):
         vanish("test")
+
+
+_VANISHING_CHILD = """
+import sys, threading, time
+from hixl.testbed.hosts import vanish
+
+def beat():
+    n = 0
+    while True:
+        n += 1
+        with open(sys.argv[1], "w") as fh:
+            fh.write(str(n))
+        time.sleep(0.01)
+
+threading.Thread(target=beat, daemon=True).start()
+time.sleep(0.2)
+vanish("test: cut off", wait=float(sys.argv[2]))
+"""
+
+
+def test_vanish_freezes_the_whole_process_before_the_runner_is_told(tmp_path: Path) -> None:
+    # A thread of the vanishing process writes a heartbeat (as a registry lease refresh
+    # would go on): once the runner's note is there, it must not beat any more.  With no
+    # runner to cut the power, the process is killed after ``wait``.
+    beat = tmp_path / "beat"
+    env = {**os.environ, "HIXL_IN_VM": "1", "HIXL_VM_XDIR": str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _VANISHING_CHILD, str(beat), "3"], env=env, cwd=Path.cwd()
+    )
+    try:
+        note = tmp_path / VANISHED
+        deadline = time.monotonic() + 30
+        while not note.exists():
+            assert time.monotonic() < deadline, "no vanish note"
+            assert proc.poll() is None, proc.returncode
+            time.sleep(0.01)
+        assert note.read_text() == "test: cut off\n"
+        first = beat.read_text()
+        time.sleep(0.5)
+        assert beat.read_text() == first, "a thread kept running after the note"
+        assert proc.wait(30) == -signal.SIGKILL  # the power stayed on: killed, not exit 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_align_clocks_puts_decode_on_prefills_clock() -> None:
