@@ -900,6 +900,7 @@ def _hosts_summary(
             )
     summary["cut"] = None if cut is None else {**cut, "routers": routers}
     summary["cut_ok"] = cut is not None and cut_in_time(routers)
+    summary["etcd_warnings"] = list(host0.get("etcd_warnings", []))
     return summary
 
 
@@ -929,6 +930,39 @@ def cut_in_time(routers: list[dict[str, Any]]) -> bool:
             if r.get(key) is not None and r[key] > until:
                 return False
     return True
+
+
+ETCD_WARNINGS = 8
+"""How many of etcd's own warnings host0's result keeps (the last ones)."""
+
+
+def etcd_warnings(log_text: str, limit: int = ETCD_WARNINGS) -> list[str]:
+    """etcd's last ``limit`` warnings and errors from its zap log (JSON lines), each as
+    ``"<time> <message> (took <duration>)"`` and at most 200 characters (pure).  Lines
+    that are not JSON objects are skipped.  Kept so that a late lease can be told apart
+    from a slow etcd ("apply request took too long", slow fdatasync) after the VM is gone."""
+    found: list[str] = []
+    for line in log_text.splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(doc, dict) or doc.get("level") not in ("warn", "error"):
+            continue
+        text = f"{doc.get('ts', '?')} {doc.get('msg', '?')}"
+        if doc.get("took") is not None:
+            text += f" (took {doc['took']})"
+        found.append(text[:200])
+    return found[-limit:] if limit > 0 else []
+
+
+def _log_tail(path: Path | None, nbytes: int = 1 << 18) -> str:
+    """The last ``nbytes`` of a log file ('' if there is none), decoded leniently."""
+    if path is None or not path.exists():
+        return ""
+    with path.open("rb") as fh:
+        fh.seek(max(0, path.stat().st_size - nbytes))
+        return fh.read().decode("utf-8", "replace")
 
 
 def _secs(value: float | None) -> str:
@@ -972,6 +1006,10 @@ def format_fleet_hosts(s: dict[str, Any]) -> str:
                     f"{LEAVE_LIMIT_S:.0f} s, the others {LEAVE_GRACE_S} s after it)"
                 )
         lines.append(f"  routers stopped using decode-0 in time: {'yes' if s['cut_ok'] else 'NO'}")
+        warned = s.get("etcd_warnings") or []
+        if not s["cut_ok"] and warned:  # a late leave: was etcd itself slow?
+            lines.append(f"  etcd's last {len(warned)} warnings on host0:")
+            lines += [f"    {w}" for w in warned]
     outage = s.get("etcd_outage")
     if outage is not None:
         lines.append(
@@ -1265,6 +1303,7 @@ def _prefill_with_etcd(cfg: DemoConfig, args: argparse.Namespace, emit: Emit, to
                 }
             result["baseline"] = baseline
             result["cut"] = cut or None
+            result["etcd_warnings"] = etcd_warnings(_log_tail(etcd.log_path))
             Path(args.result).write_text(json.dumps(result))
             for path in [p for p in args.wait_results.split(",") if p]:
                 while not Path(path).exists():

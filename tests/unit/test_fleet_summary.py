@@ -1,12 +1,22 @@
-"""The multi-host fleet's pure pieces: the shared token, and the timeline after a cut."""
+"""The multi-host fleet's pure pieces: the shared token, the timeline after a cut, and
+etcd's warnings kept for the summary."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from hixl.demo.fleet import LEAVE_LIMIT_S, TOKEN_ENV, cut_in_time, cut_timeline, fleet_token
+from hixl.demo.fleet import (
+    LEAVE_LIMIT_S,
+    TOKEN_ENV,
+    cut_in_time,
+    cut_timeline,
+    etcd_warnings,
+    fleet_token,
+)
 from hixl.errors import ArgumentError
 
 
@@ -89,3 +99,30 @@ def test_routers_that_go_on_using_the_lost_worker_are_late() -> None:
     assert not cut_in_time([_row(3.0, -0.3, 3.6)])  # given up 0.6 s after the leave
     assert not cut_in_time([_row(3.0, -0.3, 3.1), _row(0.0, 0.6, None)])  # the other router
     assert cut_in_time([_row(3.0, None, None), _row(0.0, None, None)])
+
+
+def test_etcd_warnings_keeps_the_last_warnings_and_errors_of_its_log() -> None:
+    log = "\n".join(
+        [
+            '{"level":"info","ts":"t0","msg":"ready to serve client requests"}',
+            "not json at all",
+            '{"level":"warn","ts":"t1","msg":"apply request took too long","took":"612ms"}',
+            "[1, 2]",
+            '{"level":"warn","ts":"t2","msg":"slow fdatasync","took":"1.2s"}',
+            '{"level":"error","ts":"t3","msg":"failed to revoke lease"}',
+        ]
+    )
+    assert etcd_warnings(log) == [
+        "t1 apply request took too long (took 612ms)",
+        "t2 slow fdatasync (took 1.2s)",
+        "t3 failed to revoke lease",
+    ]
+    assert etcd_warnings(log, limit=1) == ["t3 failed to revoke lease"]
+    assert etcd_warnings(log, limit=0) == []
+    assert etcd_warnings("") == []
+
+
+@given(st.lists(st.text(max_size=300) | st.just('{"level":"warn","msg":"' + "x" * 400 + '"}')))
+def test_etcd_warnings_never_raises_and_stays_bounded(lines: list[str]) -> None:
+    got = etcd_warnings("\n".join(lines), limit=3)
+    assert len(got) <= 3 and all(len(w) <= 200 for w in got)
