@@ -916,9 +916,9 @@ def cut_in_time(routers: list[dict[str, Any]]) -> bool:
     the order), then the others (times from when each saw the name leave).  The name
     must leave within :data:`LEAVE_LIMIT_S` of the order; every router's last choice of
     the worker and last attempt given up there come at most :data:`LEAVE_GRACE_S` after
-    it saw the leave.  (A give-up is caused by the leave, so it trails it by the time the router
-    takes to act: a bound on the give-up equal to the bound on the leave fails a leave
-    seen near that limit.)"""
+    it saw the leave.  (A give-up is caused by the leave, so it trails it by the time
+    the router takes to act: a bound on the give-up equal to the bound on the leave
+    fails a leave seen near that limit.)"""
     if not routers:
         return False
     gone = routers[0].get("lease_gone_s")

@@ -319,8 +319,8 @@ def vanish(reason: str, wait: float = 30.0) -> NoReturn:
 
     Every thread of the calling process is frozen (SIGSTOP) before the runner is told, so
     nothing of it runs in the moments until the power goes: no registry lease refresh, no
-    answer to a peer.  (Without the freeze, a lease refreshed while the runner was still
-    to notice kept a cut host's name up to a second longer.)  A small helper process does
+    answer to a peer.  (Without the freeze, a lease refresh made before the runner acted
+    could keep a cut host's name up to one refresh interval longer.)  A small helper does
     the freezing and the telling; if no runner cuts the power within ``wait`` seconds it
     kills the process, which fails the run rather than hanging it.
     """
