@@ -5,8 +5,8 @@ On host0's clock, from the moment host0 orders the cut (the worker is frozen at 
 VM killed within a fraction of a second):
 
 * its lease is gone within TTL + 3 s (``LEAVE_LIMIT_S``), and host0's router stopped
-  choosing it and gave up its attempt there at most ``LEAVE_GRACE_S`` (0.5 s) after it saw
-  the leave;
+  choosing it and gave up its attempt there at most ``REACT_S`` (1 s) after it saw the
+  leave;
 * the transfer under way fails with ``ConnectionFailed`` naming the registry, by that same
   moment, never with a deadline;
 * a connect by name started just after the cut, inside the lease window, gives up with
@@ -46,6 +46,7 @@ from .conftest import wait_region
 REQUESTS = 16  # prefill-0 (host0) takes the even ones, prefill-1 (host1) the odd ones
 SCRATCH_MIB = 16  # one put into decode-0's scratch takes about a second on this wire
 WORKER = [sys.executable, "-u", "-m", "hixl.demo.fleet"]
+REACT_S = 1.0  # how long after the leave this busy process may still act on decode-0
 
 
 class Streamer(threading.Thread):
@@ -163,8 +164,11 @@ def test_decode_host_cut_off_mid_stream(
     own = cut_timeline(p0, "decode-0", cut["t"])
     print(f"host0, after the order to cut decode-0 off: {own}")
     assert own["lease_gone_s"] is not None and own["lease_gone_s"] <= LEAVE_LIMIT_S, own
-    # What the leave causes trails it by the time this process takes to act on it.
-    after_leave = own["lease_gone_s"] + LEAVE_GRACE_S
+    # What the leave causes trails it by the time this process takes to act on it.  This
+    # process also streams 16 MiB puts into decode-0 and runs a late connect beside its
+    # router, so it gets REACT_S rather than the demo's LEAVE_GRACE_S (a CI run saw its
+    # router give up 0.51 s after the leave; other runs 0.02-0.12 s).
+    after_leave = own["lease_gone_s"] + REACT_S
     assert own["last_choice_s"] is not None and own["last_choice_s"] <= after_leave, own
     assert own["last_given_up_s"] is not None and 0 <= own["last_given_up_s"] <= after_leave, own
 
