@@ -317,12 +317,14 @@ def vanish(reason: str, wait: float = 30.0) -> NoReturn:
     emulated CPU busy with incoming RDMA traffic. Only meaningful inside a hixl VM;
     raises :class:`HixlError` elsewhere rather than touching a real machine.
 
-    Every thread of the calling process is frozen (SIGSTOP) before the runner is told, so
-    nothing of it runs in the moments until the power goes: no registry lease refresh, no
-    answer to a peer.  (Without the freeze, a lease refresh made before the runner acted
-    could keep a cut host's name up to one refresh interval longer.)  A small helper does
-    the freezing and the telling; if no runner cuts the power within ``wait`` seconds it
-    kills the process, which fails the run rather than hanging it.
+    Right after the runner is told, every thread of the calling process is frozen
+    (SIGSTOP), so hardly anything of it runs in the moments until the power goes: no
+    registry lease refresh, no answer to a peer.  (Without the freeze, a lease refresh
+    made before the runner acted could keep a cut host's name up to one refresh interval
+    longer.)  The runner is told first so that the cut comes as soon as before: starting
+    the helper that freezes takes a while under emulation.  If no runner cuts the power
+    within ``wait`` seconds, the helper kills the process, which fails the run rather
+    than hanging it.
     """
     xdir = os.environ.get("HIXL_VM_XDIR")
     if os.environ.get("HIXL_IN_VM") != "1" or not xdir:
@@ -334,19 +336,11 @@ def vanish(reason: str, wait: float = 30.0) -> NoReturn:
         fh.write(reason + "\n")
         fh.flush()
         os.fsync(fh.fileno())
-    # $0 pid, $1 note, $2 where the runner looks, $3 seconds: freeze, tell, and kill
-    # the process if the power is still on after that long.
-    script = 'kill -STOP "$0" && mv -f "$1" "$2"; sleep "$3"; kill -KILL "$0"'
+    os.replace(tmp, Path(xdir) / VANISHED)
+    # $0 pid, $1 seconds: freeze the process, and kill it if the power is still on then.
+    script = 'kill -STOP "$0"; sleep "$1"; kill -KILL "$0"'
     subprocess.Popen(
-        [
-            "/bin/sh",
-            "-c",
-            script,
-            str(os.getpid()),
-            str(tmp),
-            str(Path(xdir) / VANISHED),
-            str(wait),
-        ],
+        ["/bin/sh", "-c", script, str(os.getpid()), str(wait)],
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )

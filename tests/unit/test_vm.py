@@ -235,10 +235,10 @@ vanish("test: cut off", wait=float(sys.argv[2]))
 """
 
 
-def test_vanish_freezes_the_whole_process_before_the_runner_is_told(tmp_path: Path) -> None:
+def test_vanish_tells_the_runner_then_freezes_the_whole_process(tmp_path: Path) -> None:
     # A thread of the vanishing process writes a heartbeat (as a registry lease refresh
-    # would go on): once the runner's note is there, it must not beat any more.  With no
-    # runner to cut the power, the process is killed after ``wait``.
+    # would go on): soon after the runner's note is there, it must not beat any more.
+    # With no runner to cut the power, the process is killed after ``wait``.
     beat = tmp_path / "beat"
     env = {**os.environ, "HIXL_IN_VM": "1", "HIXL_VM_XDIR": str(tmp_path)}
     proc = subprocess.Popen(
@@ -252,6 +252,7 @@ def test_vanish_freezes_the_whole_process_before_the_runner_is_told(tmp_path: Pa
             assert proc.poll() is None, proc.returncode
             time.sleep(0.01)
         assert note.read_text() == "test: cut off\n"
+        time.sleep(0.5)  # the helper freezes it meanwhile
         first = beat.read_text()
         time.sleep(0.5)
         assert beat.read_text() == first, "a thread kept running after the note"
