@@ -20,7 +20,10 @@ def test_demo_moves_every_layer_bit_exact_and_generates_equal_tokens(tmp_path: P
     out = io.StringIO()
     path = tmp_path / "summary.json"
     t = time.monotonic()
-    summary = run_demo(SMALL, timeout=150, json_path=str(path), out=out)
+    try:
+        summary = run_demo(SMALL, timeout=150, json_path=str(path), out=out)
+    finally:
+        print(out.getvalue())  # the workers' lines: pytest shows them when the test fails
     elapsed = time.monotonic() - t
     text = out.getvalue()
     assert summary["ok"], text
