@@ -26,9 +26,7 @@ HOLD_S = 2.0
 STALL_S = 0.6
 
 
-def _claim(
-    target: str, claim: str, gid: bytes, hold_s: float
-) -> tuple[list[wire.Message], float]:
+def _claim(target: str, claim: str, gid: bytes, hold_s: float) -> tuple[list[wire.Message], float]:
     """HELLO as ``claim``, then ``hold_s`` later INFO for a queue pair that does not exist.
 
     Returns what came back and how long the answer took after INFO was sent.
