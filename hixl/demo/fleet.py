@@ -956,15 +956,6 @@ def etcd_warnings(log_text: str, limit: int = ETCD_WARNINGS) -> list[str]:
     return found[-limit:] if limit > 0 else []
 
 
-def _log_tail(path: Path | None, nbytes: int = 1 << 18) -> str:
-    """The last ``nbytes`` of a log file ('' if there is none), decoded leniently."""
-    if path is None or not path.exists():
-        return ""
-    with path.open("rb") as fh:
-        fh.seek(max(0, path.stat().st_size - nbytes))
-        return fh.read().decode("utf-8", "replace")
-
-
 def _secs(value: float | None) -> str:
     return "never" if value is None else f"{value:+.2f} s"
 
@@ -1303,7 +1294,7 @@ def _prefill_with_etcd(cfg: DemoConfig, args: argparse.Namespace, emit: Emit, to
                 }
             result["baseline"] = baseline
             result["cut"] = cut or None
-            result["etcd_warnings"] = etcd_warnings(_log_tail(etcd.log_path))
+            result["etcd_warnings"] = etcd_warnings(etcd.log_tail())
             Path(args.result).write_text(json.dumps(result))
             for path in [p for p in args.wait_results.split(",") if p]:
                 while not Path(path).exists():

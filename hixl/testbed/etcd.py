@@ -105,6 +105,15 @@ class EtcdServer:
     def log_path(self) -> Path | None:
         return None if self._dir is None else self._dir / "etcd.log"
 
+    def log_tail(self, nbytes: int = 1 << 18) -> str:
+        """The last ``nbytes`` of etcd's log ('' before the first start), decoded leniently."""
+        path = self.log_path
+        if path is None or not path.exists():
+            return ""
+        with path.open("rb") as fh:
+            fh.seek(max(0, path.stat().st_size - nbytes))
+            return fh.read().decode("utf-8", "replace")
+
     def start(self, *, wipe: bool = False) -> EtcdServer:
         """Start etcd (again) and wait until it is healthy; returns ``self``.
 

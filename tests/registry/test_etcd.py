@@ -192,3 +192,14 @@ def test_malformed_values_in_etcd_are_skipped(
         late.wait_synced(w2, 5.0)
         assert w2.members() == {}
     assert "not UTF-8 JSON" in caplog.text and "unexpected ['addr', 'rkey']" in caplog.text
+
+
+def test_log_tail_is_the_end_of_etcds_own_log(etcd: EtcdServer) -> None:
+    assert EtcdServer().log_tail() == "", "a server never started has no log"
+    tail = etcd.log_tail(4096)
+    assert 0 < len(tail.encode()) <= 4096
+    path = etcd.log_path
+    assert path is not None
+    whole = path.read_bytes().decode("utf-8", "replace")  # etcd may have logged more since
+    assert tail in whole and whole.index(tail) >= len(whole) - len(tail) - (1 << 16)
+    assert '"msg"' in tail  # etcd logs JSON lines
