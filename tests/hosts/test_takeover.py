@@ -13,7 +13,6 @@ saw 0.18 s with a 100 ms bound), so the bound on a put, ``STALL_S``, sits betwee
 
 from __future__ import annotations
 
-import socket
 import time
 
 import numpy as np
@@ -21,37 +20,10 @@ import numpy as np
 from hixl import Access, ConnState, Engine
 from hixl.core import wire
 from hixl.testbed.hosts import Control
+from hixl.testbed.rawpeer import accepted, errors, raw_handshake
 
 HOLD_S = 2.0
 STALL_S = 0.6
-
-
-def _claim(target: str, claim: str, gid: bytes, hold_s: float) -> tuple[list[wire.Message], float]:
-    """HELLO as ``claim``, then ``hold_s`` later INFO for a queue pair that does not exist.
-
-    Returns what came back and how long the answer took after INFO was sent.
-    """
-    host, port = wire.parse_engine_id(target)
-    got: list[wire.Message] = []
-    dec = wire.Decoder()
-    t0 = time.monotonic()
-    with socket.create_connection((host, port), timeout=10 + hold_s) as s:
-        s.sendall(wire.encode(wire.Hello(engine_id=claim, nonce=wire.make_nonce())))
-        info = wire.Info(
-            proof=b"", qpn=0x321, psn=0, gid=gid, mtu=1024, max_sge=1, recv_slots=0,
-            recv_slot_size=0,
-        )  # fmt: skip
-        sent_info = False
-        while data := s.recv(65536):
-            got += dec.feed(data)
-            if not sent_info and any(isinstance(m, wire.Challenge) for m in got):
-                time.sleep(hold_s)
-                t0 = time.monotonic()
-                s.sendall(wire.encode(info))
-                sent_info = True
-            if any(isinstance(m, wire.Error | wire.Accept) for m in got):
-                break
-    return got, time.monotonic() - t0
 
 
 def test_id_takeover_across_the_wire_is_refused(
@@ -60,13 +32,19 @@ def test_id_takeover_across_the_wire_is_refused(
     dst = np.zeros(4096, np.uint8)
     engine.register(dst, access=Access.REMOTE_WRITE, name="takeover-dst")
     agent.call("put_loop_start", peer=engine.id, name="takeover-dst")
-    time.sleep(1.0)
-    got, answered = _claim(peer_id, engine.id, engine.device.gid, HOLD_S)
-    time.sleep(1.0)
-    stats = agent.call("put_loop_stop")
+    try:
+        time.sleep(1.0)
+        # HELLO as host0's engine, then INFO for a queue pair that does not exist HOLD_S later.
+        with raw_handshake(peer_id, engine.id, engine.device.gid, timeout=10, hold=HOLD_S) as thief:
+            assert thief.info_sent is not None, f"no CHALLENGE: {thief.received}"
+            answered = time.monotonic() - thief.info_sent
+            got = thief.received
+        time.sleep(1.0)
+    finally:
+        stats = agent.call("put_loop_stop")
     print(f"takeover across the wire: answered {got} in {answered:.3f} s; host1 puts {stats}")
-    assert not any(isinstance(m, wire.Accept) for m in got), "the impostor got an ACCEPT"
-    codes = [m.code for m in got if isinstance(m, wire.Error)]
+    assert not accepted(thief), "the impostor got an ACCEPT"
+    codes = [m.code for m in errors(thief)]
     assert codes == [wire.ErrorCode.ALREADY_CONNECTED], got
     assert answered < 1.0, f"the impostor waited {answered:.2f} s for its answer"
     assert agent.call("conn", peer=engine.id)["state"] == "READY"

@@ -43,6 +43,7 @@ from hixl import (
 )
 from hixl.core import wire
 from hixl.testbed.net import free_tcp_port
+from hixl.testbed.rawpeer import accepted, errors, raw_handshake
 
 RW = Access.REMOTE_READ | Access.REMOTE_WRITE
 
@@ -57,46 +58,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-# --------------------------------------------------------------------------- raw attacker
-
-
-class RawClient:
-    """A client that speaks the handshake by hand and shows everything it receives."""
-
-    def __init__(self, target: str, source: str | None = None, timeout: float = 5.0) -> None:
-        self.sock = socket.create_connection(
-            addr_of(target), timeout=timeout, source_address=(source, 0) if source else None
-        )
-        self.decoder = wire.Decoder()
-        self.received: list[wire.Message] = []
-        self.timeout = timeout
-        self.info_sent: float | None = None  # when raw_handshake sent INFO
-        self._taken = 0
-
-    def send(self, msg: wire.Message) -> None:
-        self.sock.sendall(wire.encode(msg))
-
-    def recv(self) -> wire.Message | None:
-        """The next message, or None on EOF, reset or timeout."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            if len(self.received) > self._taken:
-                self._taken += 1
-                return self.received[self._taken - 1]
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            self.sock.settimeout(left)
-            try:
-                data = self.sock.recv(65536)
-            except OSError:
-                return None
-            if not data:
-                return None
-            self.received.extend(self.decoder.feed(data))
-
-    def close(self) -> None:
-        self.sock.close()
+# --------------------------------------------------------------------------- a fake server's fields
 
 
 def challenge_fields(engine_id: str, nonce: bytes) -> dict[str, Any]:
@@ -104,52 +66,6 @@ def challenge_fields(engine_id: str, nonce: bytes) -> dict[str, Any]:
     if "proof" in wire.Challenge.__dataclass_fields__:  # protocol version 1
         fields["proof"] = b""
     return fields
-
-
-def fake_info(gid: bytes, proof: bytes = b"") -> wire.Info:
-    """INFO for a queue pair that does not exist: enough for the server to act on."""
-    return wire.Info(
-        proof=proof,
-        qpn=0x123,
-        psn=0,
-        gid=gid,
-        mtu=1024,
-        max_sge=1,
-        recv_slots=0,
-        recv_slot_size=0,
-        regions=(),
-    )
-
-
-def raw_handshake(
-    target: str,
-    claim: str,
-    gid: bytes,
-    *,
-    proof: bytes = b"",
-    source: str | None = None,
-    timeout: float = 5.0,
-    hold: float = 0.0,
-) -> RawClient:
-    """HELLO as ``claim``, then (``hold`` seconds after the CHALLENGE) INFO with
-    ``proof``; the replies are in ``.received``, and ``.info_sent`` says when INFO went."""
-    c = RawClient(target, source, timeout + hold)
-    c.send(wire.Hello(engine_id=claim, nonce=wire.make_nonce()))
-    if isinstance(c.recv(), wire.Challenge):
-        time.sleep(hold)
-        c.info_sent = time.monotonic()
-        c.send(fake_info(gid, proof))
-        if isinstance(c.recv(), wire.Accept):
-            c.send(wire.Ready())
-    return c
-
-
-def accepted(c: RawClient) -> bool:
-    return any(isinstance(m, wire.Accept) for m in c.received)
-
-
-def errors(c: RawClient) -> list[wire.Error]:
-    return [m for m in c.received if isinstance(m, wire.Error)]
 
 
 # --------------------------------------------------------------------------- a tampering proxy
