@@ -24,6 +24,7 @@ from hixl.core.kv import ContiguousKVLayout, PagedKVLayout, padded_stride
 from hixl.core.plan import DeviceLimits, Op, Plan, plan_transfer
 from hixl.engine import (
     Access,
+    Channel,
     Connection,
     ConnState,
     Diagnostics,
@@ -66,6 +67,7 @@ __all__ = [
     "AuthenticationError",
     "BlockListDesc",
     "BoundsError",
+    "Channel",
     "CompletionError",
     "ConnState",
     "Diagnostics",

@@ -306,18 +306,17 @@ def plot(data: dict[str, dict[str, Any]], path: Path) -> bool:
     ax.set_title("(a) bandwidth, hixl / perftest", fontsize=10)
     ax = axes[0][1]
     if tr:
-        pts = [
-            (r["size"], r["lat"]["ratio"])
-            for r in tr["summary"]
-            if r.get("lat", {}).get("ratio") is not None
-        ]
-        if pts:
-            ax.plot(
-                *zip(*pts, strict=True),
-                marker="o",
-                color="C3",
-                label="hixl ping-pong / ib_write_lat",
-            )
+        for kind, color, label in (
+            ("lat", "C3", "hixl ping-pong / ib_write_lat"),
+            ("chan", "C4", "hixl channel ping-pong / ib_write_lat"),
+        ):
+            pts = [
+                (r["size"], r[kind]["ratio"])
+                for r in tr["summary"]
+                if r.get(kind, {}).get("ratio") is not None
+            ]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", color=color, label=label)
         ax.axhline(1.0, color="grey", ls="--", lw=1)
         _size_axis(ax, [r["size"] for r in tr["summary"]])
         ax.set_ylabel("latency ratio (lower is better, log scale)")

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from hixl import Access, ContiguousDesc, Engine
+from hixl import Access, Channel, ContiguousDesc, Engine
 from hixl.testbed.net import free_tcp_port
 
 from .. import entry
@@ -78,9 +78,20 @@ from ..common import (
     write_json,
 )
 
-KINDS = ("write", "read", "lat")
-PERFTEST_TOOL = {"write": "ib_write_bw", "read": "ib_read_bw", "lat": "ib_write_lat"}
-HIXL_NAME = {"write": "hixl put", "read": "hixl get", "lat": "hixl ping-pong"}
+KINDS = ("write", "read", "lat", "chan")
+LAT_KINDS = ("lat", "chan")  # ping-pongs against ib_write_lat: Engine.put, Channel.put
+PERFTEST_TOOL = {
+    "write": "ib_write_bw",
+    "read": "ib_read_bw",
+    "lat": "ib_write_lat",
+    "chan": "ib_write_lat",
+}
+HIXL_NAME = {
+    "write": "hixl put",
+    "read": "hixl get",
+    "lat": "hixl ping-pong",
+    "chan": "hixl channel ping-pong",
+}
 BW_TARGET = 0.90
 BW_TARGET_FROM = 64 * KIB
 HIXL_RD_ATOMIC = 16  # what hixl's queue pairs ask for (hixl.verbs.adapter.QueuePair.connect)
@@ -110,6 +121,7 @@ def pong_child(max_size: int) -> int:
     dmv, smv = dst.data, src.data
     print("READY", eng.id, flush=True)
     peer = ""
+    ch = None
     try:
         for line in sys.stdin:
             cmd = line.split()
@@ -125,6 +137,9 @@ def pong_child(max_size: int) -> int:
                 print("OK", flush=True)
             elif cmd[0] == "RUN":
                 size, total = int(cmd[1]), int(cmd[2])
+                channel = len(cmd) > 3 and cmd[3] == "chan"
+                if channel and ch is None:
+                    ch = eng.channel(peer, r_src, "ping")
                 dmv[size - 1] = 0
                 smv[size - 1] = 0
                 desc = ContiguousDesc(offset=0, nbytes=size)
@@ -134,9 +149,14 @@ def pong_child(max_size: int) -> int:
                     v = i % 255 + 1
                     _spin(dmv, size - 1, v, deadline)
                     smv[size - 1] = v
-                    eng.put(peer, r_src, "ping", local_desc=desc, remote_desc=desc, timeout=60)
+                    if ch is not None and channel:
+                        ch.put(0, 0, size, timeout=60)
+                    else:
+                        eng.put(peer, r_src, "ping", local_desc=desc, remote_desc=desc, timeout=60)
                 print("DONE", flush=True)
     finally:
+        if ch is not None:
+            ch.close()
         eng.close()
     return 0
 
@@ -153,6 +173,7 @@ class PingPong:
             bufsize=1,
         )
         self.eng: Engine | None = None
+        self.ch: Channel | None = None
         try:
             child_id = self._expect("READY", 60)[1]
             self.eng = Engine("127.0.0.1:0")
@@ -182,10 +203,13 @@ class PingPong:
             raise BenchError(f"ping-pong child: wanted {word}, got {line.strip()!r}")
         return fields
 
-    def run(self, size: int, iters: int, warmup: int) -> tuple[list[float], list[float]]:
+    def run(
+        self, size: int, iters: int, warmup: int, channel: bool = False
+    ) -> tuple[list[float], list[float]]:
         """Half round trips, and this side's blocking ``put`` times, in microseconds.
 
-        ``iters`` of each, after ``warmup`` untimed round trips.
+        ``iters`` of each, after ``warmup`` untimed round trips.  With ``channel`` both
+        sides write with :meth:`hixl.Channel.put` instead of :meth:`hixl.Engine.put`.
         """
         assert self.eng is not None
         total = warmup + iters
@@ -193,17 +217,23 @@ class PingPong:
         smv[size - 1] = 0
         dmv[size - 1] = 0
         desc = ContiguousDesc(offset=0, nbytes=size)
-        self._send(f"RUN {size} {total}")
+        self._send(f"RUN {size} {total} {'chan' if channel else 'put'}")
         self._expect("GO", 60)
         deadline = time.monotonic() + 60 + total * size / 1e5
         samples, puts = [], []
         clock = time.perf_counter
         put = self.eng.put
+        if channel and self.ch is None:
+            self.ch = self.eng.channel(self.peer, self.r_src, "pong")
+        ch_put = self.ch.put if channel and self.ch is not None else None
         for i in range(total):
             v = i % 255 + 1
             smv[size - 1] = v
             t0 = clock()
-            put(self.peer, self.r_src, "pong", local_desc=desc, remote_desc=desc, timeout=60)
+            if ch_put is not None:
+                ch_put(0, 0, size, timeout=60)
+            else:
+                put(self.peer, self.r_src, "pong", local_desc=desc, remote_desc=desc, timeout=60)
             t1 = clock()
             _spin(dmv, size - 1, v, deadline)
             if i >= warmup:
@@ -213,6 +243,9 @@ class PingPong:
         return samples, puts
 
     def close(self) -> None:
+        if self.ch is not None:
+            self.ch.close()
+            self.ch = None
         if self.eng is not None:
             self.eng.close()
             self.eng = None
@@ -505,7 +538,7 @@ def build_steps(sizes: list[int], kinds: list[str], repeat: int) -> list[tuple[i
 
 
 def iters_for(kind: str, size: int, args: argparse.Namespace) -> int:
-    if kind == "lat":
+    if kind in LAT_KINDS:
         return iterations_for(size, args.lat_bytes, 5, args.max_lat_iters)
     return iterations_for(size, args.bytes, 5, args.max_iters)
 
@@ -573,12 +606,14 @@ def markdown(data: dict[str, Any]) -> str:
         "put / ib_write_bw",
         "get / ib_read_bw",
         "latency hixl / ib_write_lat",
+        "channel latency / ib_write_lat",
         "ib_write_bw",
         "hixl put",
         "ib_read_bw",
         "hixl get",
         "ib_write_lat",
         "hixl lat",
+        "hixl channel lat",
         "hixl blocking put",
         "µs/msg in put_async",
     ]
@@ -603,12 +638,14 @@ def markdown(data: dict[str, Any]) -> str:
                 rat("write"),
                 rat("read"),
                 rat("lat"),
+                rat("chan"),
                 fmt_rate(med("write", "perftest")),
                 fmt_rate(med("write", "hixl")),
                 fmt_rate(med("read", "perftest")),
                 fmt_rate(med("read", "hixl")),
                 fmt_us(med("lat", "perftest")),
                 fmt_us(med("lat", "hixl")),
+                fmt_us(med("chan", "hixl")),
                 fmt_us(r.get("lat", {}).get("put_us")),
                 "n/a" if post is None else f"{post:.0f}",
             ]
@@ -623,7 +660,10 @@ def markdown(data: dict[str, Any]) -> str:
         f"with `-t {p['depth']}` (both capped at the iteration count); reads: `-o "
         f"{HIXL_RD_ATOMIC}` = hixl's outstanding-read limit. Latency: both are write "
         'ping-pongs, half a round trip, median (perftest\'s t_typical); "hixl blocking put" '
-        "is the median time of one `put()` inside it (post to completion seen by the caller).",
+        "is the median time of one `put()` inside it (post to completion seen by the caller). "
+        "The channel ping-pong is the same with both sides writing through a `Channel` "
+        "(`Engine.channel`: one work request per call on the connection's direct lane), "
+        "paired with its own `ib_write_lat` run.",
         '"µs/msg in put_async": time the caller spends inside `put_async` per message: '
         "validation, planning, building and posting, plus rxe's own work, which sends (and, "
         "on loopback, delivers) packets inside `ibv_post_send`.",
@@ -636,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--sizes", default=None, help=f"message sizes (default {DEFAULT_SIZES})")
-    ap.add_argument("--kinds", default="write,read,lat", help="any of write,read,lat")
+    ap.add_argument("--kinds", default="write,read,lat,chan", help="any of write,read,lat,chan")
     ap.add_argument("--repeat", type=int, default=None, help="repeats per point (default 3)")
     ap.add_argument(
         "--bytes",
@@ -721,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     measurements: list[dict[str, Any]] = []
     progress.note("[transfer] opening the engines and starting the ping-pong peer process")
     pair = EnginePair(max(sizes))
-    pong = PingPong(max(sizes)) if "lat" in kinds else None
+    pong = PingPong(max(sizes)) if set(kinds) & set(LAT_KINDS) else None
     checked: set[tuple[str, int]] = set()
     try:
         for rep, size, kind, impl in steps:
@@ -756,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = summarize(measurements, sizes)
     for r in summary:  # Python time per put_async call, and per blocking put: medians
-        for kind, field in (("write", "post_us"), ("lat", "put_us")):
+        for kind, field in (("write", "post_us"), ("lat", "put_us"), ("chan", "put_us")):
             if kind in r:
                 r[kind][field] = median(
                     [
@@ -816,7 +856,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\nDiagnosis (back to back at one size):\n")
         print(diagnosis_markdown(diagnosis))
     t = data["targets"]["put_vs_ib_write_bw"]
-    verdict = "met" if t["met"] else f"NOT met at {[fmt_size(x['size']) for x in t['misses']]}"
+    if not t["checked"]:
+        verdict = "not measured in this run"
+    elif t["met"]:
+        verdict = "met"
+    else:
+        verdict = f"NOT met at {[fmt_size(x['size']) for x in t['misses']]}"
     print(
         f"\ntarget put >= {BW_TARGET:.0%} of ib_write_bw from {fmt_size(BW_TARGET_FROM)}: {verdict}"
     )
@@ -832,7 +877,7 @@ def run_perftest(
     tool = PERFTEST_TOOL[kind]
     # No --perform_warm_up: with rxe it hangs at 4 KiB (perftest 6.06, kernel 6.1).
     args = ["-s", str(size), "-n", str(iters)]
-    if kind == "lat":
+    if kind in LAT_KINDS:
         # Raw cycle counts: perftest's own cycles-per-µs calibration fails often under TCG
         # on a busy host; the kernel's TSC rate (cpu MHz) converts them instead.
         args.append("-C")
@@ -845,14 +890,14 @@ def run_perftest(
     def lat_check(run: PerftestRun) -> None:
         parse_lat(run.output)
 
-    if kind == "lat":
+    if kind in LAT_KINDS:
         if mhz is None:
             raise BenchError("no single cpu MHz in /proc/cpuinfo to convert perftest's cycles")
         run = perftest.run(tool, args, check=lat_check, in_cycles=True)
     else:
         run = perftest.run(tool, args, check=bw_wall_check(size, iters))
     out: dict[str, Any] = {"command": run.command, "wall_s": run.wall_s, "side": run.side}
-    if kind == "lat":
+    if kind in LAT_KINDS:
         assert mhz is not None  # checked above
         lat = parse_lat(run.output)  # in cycles (-C), whatever the header says
         out.update(value=lat.t_typical_us / mhz, unit="us", perftest_cycles=lat, cpu_mhz=mhz)
@@ -874,10 +919,10 @@ def run_hixl(
     checked: set[tuple[str, int]],
 ) -> dict[str, Any]:
     cmd = command_line()
-    if kind == "lat":
+    if kind in LAT_KINDS:
         assert pong is not None
         warm = (2 if size < MIB else 1) if args.warmup is None else args.warmup
-        samples, puts = pong.run(size, iters, warm)
+        samples, puts = pong.run(size, iters, warm, channel=kind == "chan")
         return {
             "value": median(samples),
             "unit": "us",

@@ -22,7 +22,8 @@ HELLO       ``engine_id``, ``nonce`` (16 bytes)
 CHALLENGE   ``engine_id``, ``nonce`` (16 bytes)
 INFO        ``proof``, ``qpn``, ``psn``, ``gid``, ``mtu``, ``max_sge``, ``recv_slots``,
             ``recv_slot_size``, ``regions`` (list of region objects), ``lanes``
-            (hex; 6 bytes per extra queue pair: QP number and PSN, 3 bytes each)
+            (hex; 6 bytes per extra queue pair: QP number and PSN, 3 bytes each),
+            ``direct`` (1: the last extra queue pair is the sender's direct lane)
 ACCEPT      same keys as INFO
 READY       none (``{}``)
 REGIONS     ``add``, ``remove`` (lists of region objects)
@@ -113,7 +114,8 @@ __all__ = [
 #: Version of the wire format this module speaks; a frame with another version is refused.
 #: 3: the handshake proofs are keyed with SHA-256 of the token (see hixl.core.handshake).
 #: 4: INFO and ACCEPT carry ``lanes``, the sender's extra queue pairs (see :class:`QpInfo`).
-PROTOCOL_VERSION = 4
+#: 5: INFO and ACCEPT carry ``direct``: whether the last extra queue pair is a direct lane.
+PROTOCOL_VERSION = 5
 #: Most queue pairs (lanes) one connection may have, the first included.
 MAX_LANES = 8
 #: Bytes one extra lane takes in ``QpInfo.lanes``: its QP number and its starting PSN,
@@ -438,9 +440,12 @@ class QpInfo:
     receive buffers (0..65536 each) and ``regions`` the exposed memory (at most 4096, no
     two with the same rkey and addr).  ``lanes`` lists the sender's extra queue pairs (at
     most ``MAX_LANES - 1``), :data:`LANE_BYTES` each: QP number (non-zero) and starting
-    PSN, 3 bytes each, big-endian (see :meth:`extra_lanes` and :func:`pack_lanes`).  Both
-    ends connect as many lanes as the shorter list allows; the receive buffers, and so
-    the notifications, are on the first QP (``qpn``).
+    PSN, 3 bytes each, big-endian (see :meth:`extra_lanes` and :func:`pack_lanes`).
+    ``direct`` is 1 when the last of them is the sender's *direct lane* (a queue pair for
+    a channel, see :mod:`hixl.engine.channel`), else 0.  Both ends connect as many
+    ordinary lanes as the shorter list allows, lane ``i`` to lane ``i``, and their direct
+    lanes to each other when both have one; the receive buffers, and so the
+    notifications, are on the first QP (``qpn``).
     """
 
     proof: bytes
@@ -453,6 +458,7 @@ class QpInfo:
     recv_slot_size: int
     regions: tuple[RemoteRegion, ...] = ()
     lanes: bytes = b""
+    direct: int = 0
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
@@ -481,6 +487,19 @@ class QpInfo:
             if not int.from_bytes(lanes[i : i + 3], "big"):
                 raise HandshakeError(f"{kind}.lanes[{i // LANE_BYTES}] has QP number 0")
         _set(self, "lanes", lanes)
+        direct = _int(f"{kind}.direct", self.direct, 0, 1)
+        if direct and not lanes:
+            raise HandshakeError(f"{kind}.direct=1 needs an extra queue pair in lanes")
+        _set(self, "direct", direct)
+
+    def ordinary_lanes(self) -> tuple[tuple[int, int], ...]:
+        """The sender's ordinary queue pairs as ``(qpn, psn)`` pairs, the first included."""
+        lanes = ((self.qpn, self.psn), *self.extra_lanes())
+        return lanes[:-1] if self.direct else lanes
+
+    def direct_lane(self) -> tuple[int, int] | None:
+        """The sender's direct lane as ``(qpn, psn)``, or None."""
+        return self.extra_lanes()[-1] if self.direct else None
 
     def extra_lanes(self) -> tuple[tuple[int, int], ...]:
         """The sender's extra queue pairs as ``(qpn, psn)`` pairs, in lane order."""

@@ -9,6 +9,7 @@ Modules
 ``datapath``    requests to work requests: checks, cached plans, notification buffers
 ``progress``    the progress thread: completions, control traffic, deadlines, listener
 ``handles``     :class:`TransferRequest`, :class:`TransferHandle`, :class:`TransferStatus`
+``channel``     :class:`Channel`: one thread's blocking puts/gets on a connection's direct lane
 
 Theory of operation
 -------------------
@@ -87,6 +88,7 @@ context).  It may be called twice; an engine collected while open warns with
 from hixl.core.notify import Notification
 from hixl.core.states import ConnState
 from hixl.core.wire import RemoteRegion
+from hixl.engine.channel import Channel
 from hixl.engine.connection import Connection
 from hixl.engine.engine import Diagnostics, Engine
 from hixl.engine.handles import TransferHandle, TransferRequest, TransferStatus
@@ -94,6 +96,7 @@ from hixl.engine.regions import Access, Region
 
 __all__ = [
     "Access",
+    "Channel",
     "Connection",
     "ConnState",
     "Diagnostics",

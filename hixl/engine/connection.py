@@ -11,6 +11,10 @@ except where a method says otherwise.  It keeps three things behind methods:
   order.  Lane 0 carries the notifications;
 * the *receive slots*: buffers posted on lane 0 for notifications, one
   :data:`notify.SLOT_BYTES` each;
+* its *direct lane*, when both ends made one more queue pair than their lanes: a queue
+  pair with a completion queue of its own, reserved for a :class:`~hixl.engine.channel.Channel`
+  (one caller thread posts one work request and polls that queue itself: no window, no
+  progress thread, no engine lock around the wait);
 * the *control channel*: the TCP socket the handshake ran on, its decoder, and an outbox
   of encoded control messages.  Messages are queued under the engine lock and written by
   the progress thread with non-blocking sends, so no caller ever blocks on a peer that
@@ -39,6 +43,8 @@ if TYPE_CHECKING:
 __all__ = ["Connection", "Lane", "MAX_OUTBOX", "RECV_SLOTS"]
 
 RECV_SLOTS = 64  # receive buffers per connection, for notifications
+DIRECT_SQ_DEPTH = 2  # send slots of the direct lane: a channel has one request out at a time
+DIRECT_CQ_DEPTH = 4  # its completion queue: that request's completion, or its flush
 MAX_OUTBOX = 1 << 20  # bytes of control messages a peer may leave unread before it fails
 
 _QI = TypeVar("_QI", wire.Info, wire.Accept)
@@ -82,7 +88,9 @@ class Connection:
     Transfers go through the :class:`Engine`.
     """
 
-    def __init__(self, engine: Engine, peer: str, outbound: bool, lanes: int = 1) -> None:
+    def __init__(
+        self, engine: Engine, peer: str, outbound: bool, lanes: int = 1, direct: bool = False
+    ) -> None:
         self.peer = peer
         self.outbound = outbound
         self.state = ConnState.CONNECTING
@@ -104,6 +112,15 @@ class Connection:
         self.lanes: tuple[Lane, ...] = ()
         self._next_lane = 0  # round robin over the lanes for single requests
         self.held = 0  # notifications waiting for the other lanes (see Engine._queue)
+        # The direct lane (see Channel): the QP made after the lanes, on a CQ of its own;
+        # connected only when the peer made as many QPs.  ``direct_busy``: a channel's
+        # request is out on it; ``direct_id``: that request's place in the engine's id
+        # order, so that notifications queued after it wait for it (see behind()).
+        self.direct: Lane | None = None
+        self.direct_cq: verbs.CompletionQueue | None = None
+        self.direct_busy = False
+        self.direct_id: int | None = None
+        self.channel: object | None = None  # the Channel holding the direct lane
         sq, max_sge = engine.sq_depth, self._dev.caps.max_sge
         for i in range(lanes):
             try:
@@ -115,6 +132,20 @@ class Connection:
                     lane.qp.close()
                 raise
             self._all.append(Lane(self, i, qp))
+        if direct:
+            try:
+                self.direct_cq = self._dev.create_cq(DIRECT_CQ_DEPTH)
+                qp = self._dev.create_rc_qp(
+                    self.direct_cq, engine.recv_cq, DIRECT_SQ_DEPTH, 1, 1, 1
+                )
+            except BaseException:
+                for lane in self._all:
+                    lane.qp.close()
+                if self.direct_cq is not None:
+                    self.direct_cq.close()
+                raise
+            self._all.append(Lane(self, lanes, qp))
+        self._made_direct = direct
         self.lanes = (self._all[0],)
         self._recv_buf = np.zeros(RECV_SLOTS * notify.SLOT_BYTES, dtype=np.uint8)
         self._recv_mr = self._dev.register(
@@ -241,18 +272,26 @@ class Connection:
             recv_slot_size=notify.SLOT_BYTES,
             regions=regions,
             lanes=wire.pack_lanes((lane.qpn, lane.psn) for lane in self._all[1:]),
+            direct=int(self._made_direct),
         )
 
     def establish(self, remote: wire.QpInfo) -> None:
         """Bring the lanes to RTS against the peer's half of the handshake.
 
-        As many lanes as both ends made are connected, each to the peer's of the same
-        index; the others stay unused.
+        As many ordinary lanes as both ends made are connected, each to the peer's of the
+        same index, and the two direct lanes to each other when both ends made one; the
+        other queue pairs stay unused.  So the direct lane never carries the
+        connection's ordinary work, on either side.
         """
         self.mtu = min(self._dev.active_mtu, remote.mtu)
-        theirs = ((remote.qpn, remote.psn), *remote.extra_lanes())
-        used = self._all[: min(len(self._all), len(theirs))]
-        for lane, (qpn, psn) in zip(used, theirs, strict=False):
+        ours = self._all[:-1] if self._made_direct else self._all
+        theirs = remote.ordinary_lanes()
+        k = min(len(ours), len(theirs))
+        pairs = list(zip(ours[:k], theirs[:k], strict=True))
+        their_direct = remote.direct_lane()
+        if self._made_direct and their_direct is not None:
+            pairs.append((self._all[-1], their_direct))
+        for lane, (qpn, psn) in pairs:
             lane.qp.connect(
                 qpn,
                 psn,
@@ -263,7 +302,9 @@ class Connection:
                 retry_cnt=7,  # rxe reads 7 as "retry until the transfer deadline"
                 rnr_retry=7,
             )
-        self.lanes = tuple(used)
+        if self._made_direct and their_direct is not None:
+            self.direct = self._all[-1]
+        self.lanes = tuple(ours[:k])
         self.set_remote_regions(remote.regions)
 
     def attach(self, sock: socket.socket, decoder: wire.Decoder) -> None:
@@ -311,8 +352,9 @@ class Connection:
     # -- send windows (hixl.core.window; engine lock) -----------------------------------
     @property
     def poster(self) -> bool:
-        """True while a batch of one of this connection's lanes is being posted."""
-        return any(lane.window.poster for lane in self.lanes)
+        """True while a batch of one of this connection's lanes, or a channel's request on
+        its direct lane, is being posted or waited for."""
+        return self.direct_busy or any(lane.window.poster for lane in self.lanes)
 
     def pick_lane(self) -> Lane:
         """The lane for the next single request: round robin."""
@@ -324,7 +366,11 @@ class Connection:
         return lanes[i]
 
     def behind(self, first_id: int) -> bool:
-        """True while a lane other than 0 has work queued before ``first_id`` unfinished."""
+        """True while a lane other than 0 (the direct lane included) has work queued
+        before ``first_id`` unfinished."""
+        direct_id = self.direct_id
+        if direct_id is not None and direct_id < first_id:
+            return True
         for lane in self.lanes[1:]:
             oldest = lane.window.oldest_id
             if oldest is not None and oldest < first_id:
@@ -358,7 +404,8 @@ class Connection:
         Raises the first lane's :class:`HixlError` after trying every lane.
         """
         first: HixlError | None = None
-        for lane in self.lanes:
+        lanes = self.lanes if self.direct is None else (*self.lanes, self.direct)
+        for lane in lanes:
             try:
                 lane.qp.to_error()
             except HixlError as exc:
@@ -369,6 +416,8 @@ class Connection:
     def destroy(self) -> None:
         for lane in self._all:
             lane.qp.close()
+        if self.direct_cq is not None:
+            self.direct_cq.close()  # after its queue pair
         self._recv_mr.close()
         if getattr(self, "sock", None) is not None:
             assert self.sock is not None

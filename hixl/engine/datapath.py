@@ -56,6 +56,7 @@ __all__ = [
     "Planner",
     "Template",
     "ranges_key",
+    "resolve_remote",
     "signal_interval",
 ]
 
@@ -137,7 +138,7 @@ class Planner:
         plan = self._plans.get(built.key[0]) if built.key is not None else None
         if plan is None or built.key is None:
             return None
-        remote = _resolve_remote(conn, req.remote, "")
+        remote = resolve_remote(conn, req.remote, "")
         return Template(
             conn=conn,
             remotes=conn.remote_regions,
@@ -208,7 +209,7 @@ class Planner:
             raise RegistrationError(
                 f"{where}: get needs a local region with LOCAL_WRITE access; {local!r}"
             )
-        remote = _resolve_remote(conn, req.remote, where)
+        remote = resolve_remote(conn, req.remote, where)
         need = wire.REMOTE_WRITE if op is Op.WRITE else wire.REMOTE_READ
         if not remote.access & need:
             verb = "writable" if op is Op.WRITE else "readable"
@@ -420,7 +421,7 @@ class Planner:
         return plan_transfer(ldesc, rdesc, op, self.limits)
 
 
-def _resolve_remote(conn: Connection, remote: RemoteRegion | str, where: str) -> RemoteRegion:
+def resolve_remote(conn: Connection, remote: RemoteRegion | str, where: str) -> RemoteRegion:
     if isinstance(remote, str):
         return conn.remote_region(remote)
     if isinstance(remote, RemoteRegion) and conn.exposes(remote):

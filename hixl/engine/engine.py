@@ -27,6 +27,7 @@ from hixl.core.plan import DeviceLimits
 from hixl.core.states import ConnEvent, ConnState
 from hixl.core.window import MAX_BATCHES, Batch, Chunk
 from hixl.core.wire import MAX_LANES, RemoteRegion
+from hixl.engine.channel import Channel, open_channel
 from hixl.engine.connection import RECV_SLOTS, Connection, Lane
 from hixl.engine.datapath import (
     Built,
@@ -34,6 +35,7 @@ from hixl.engine.datapath import (
     Planner,
     Template,
     ranges_key,
+    resolve_remote,
     signal_interval,
 )
 from hixl.engine.handles import SPIN_S, TransferHandle, TransferRequest
@@ -123,6 +125,9 @@ class Engine:
     peer that would pass either has its connection failed (it is told
     ERROR(OVERFLOW)).  ``completion_events=False`` makes the progress thread
     poll the CQs instead of sleeping on completion channels (a test hook).
+    ``lanes`` is how many queue pairs a connection sends its work over (as many as both
+    ends allow); ``direct_lane`` makes each connection one more, with a completion queue of
+    its own, for a :meth:`channel` (connected when the peer made as many queue pairs).
     ``gil_switch_interval`` (seconds) lowers the interpreter's GIL switch interval
     (:func:`sys.setswitchinterval`, 5 ms by default) for the whole process when it is
     longer, so the thread that posts and reaps gets the GIL back soon after a system
@@ -155,6 +160,7 @@ class Engine:
         alignment: int | None = 64,
         send_queue_depth: int = 512,
         lanes: int = 2,
+        direct_lane: bool = True,
         handshake_timeout: float = 10.0,
         qp_timeout: int = 14,
         max_peers: int = 64,
@@ -189,6 +195,8 @@ class Engine:
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
             raise ArgumentError(f"lanes must be an integer in [1, {MAX_LANES}], got {lanes!r}")
         self._lanes = lanes
+        # One more queue pair per connection for a Channel, while the wire has room for it.
+        self._direct_lane = bool(direct_lane) and lanes < MAX_LANES
         if gil_switch_interval is not None:
             if not 0 < gil_switch_interval <= 1:
                 raise ArgumentError(
@@ -630,7 +638,7 @@ class Engine:
                     f"engine {self.id} already has {self._peer_count()} peers "
                     f"(max_peers={self._max_peers})"
                 )
-            conn = Connection(self, peer, outbound, self._lanes)
+            conn = Connection(self, peer, outbound, self._lanes, self._direct_lane)
             for lane in conn.all_lanes:
                 self._by_qpn[lane.qpn] = lane
             return conn
@@ -665,7 +673,9 @@ class Engine:
             if old is not None:
                 self._drop(old, f"replaced by a new connection from {peer}", send_bye=False)
             try:
-                conn = Connection(self, peer, outbound=False, lanes=self._lanes)
+                conn = Connection(
+                    self, peer, outbound=False, lanes=self._lanes, direct=self._direct_lane
+                )
             except HixlError as exc:
                 return Admission(code=wire.ErrorCode.INTERNAL, message=f"no queue pair: {exc}")
             for lane in conn.all_lanes:
@@ -1354,6 +1364,50 @@ class Engine:
                 with lock:
                     self._release_poster()
             raise
+
+    def channel(self, peer: str, local: Region, remote: RemoteRegion | str) -> Channel:
+        """A :class:`~hixl.engine.channel.Channel` to ``peer``: blocking puts and gets of
+        one contiguous range per call between ``local`` and the peer's ``remote`` (a
+        :class:`RemoteRegion` or its name), at close to the device's latency.
+
+        The regions, their keys and the connection are checked here once; each call
+        then checks its offsets and length (bounds, alignment, message size) and that no
+        region was closed or withdrawn, posts one work request and polls for its
+        completion on the calling thread.  The channel holds the connection's direct
+        lane until it is closed: one channel per connection at a time.
+
+        Raises :class:`RegistrationError` for a local region not of this engine (or
+        closed) or a remote region the peer does not expose, :class:`ConnectionFailed` /
+        :class:`StateError` for a connection that is not ready, and :class:`StateError`
+        when the connection has no direct lane (the peer made fewer queue pairs, or
+        ``direct_lane=False``) or another channel holds it.
+        """
+        self._check_open()
+        conn = self.connection(peer)
+        if not isinstance(local, Region) or local.engine is not self or local.closed:
+            raise RegistrationError(
+                f"local memory is not a region registered with this engine: {local!r}"
+            )
+        rem = resolve_remote(conn, remote, "channel")
+        with self._lock:
+            self._check_open()
+            conn.check_ready()
+            if conn.direct is None:
+                raise StateError(
+                    f"connection to {peer} has no direct lane for a channel: "
+                    + (
+                        "this engine was made with direct_lane=False"
+                        if not self._direct_lane
+                        else "the peer made fewer queue pairs (a smaller lanes= or "
+                        "direct_lane=False)"
+                    )
+                )
+            if conn.channel is not None:
+                raise StateError(
+                    f"connection to {peer} already has an open channel {conn.channel!r}; "
+                    "close it first (one channel per connection)"
+                )
+            return open_channel(self, conn, local, rem)
 
     def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0) -> None:
         """Send a notification to ``peer`` alone (after everything posted before it)."""

@@ -573,6 +573,7 @@ class CompletionQueue:
         self._notify_fn = ops.req_notify_cq
         self._wc_mem: Any = None
         self._wc_view: npt.NDArray[Any] | None = None
+        self._wc_one = ffi.new("struct ibv_wc *")
         self._event_cq = ffi.new("struct ibv_cq **")
         self._event_ctx = ffi.new("void **")
         self._closed = False
@@ -622,6 +623,22 @@ class CompletionQueue:
             wc = mem[i]
             rows.append((wc.wr_id, wc.status, wc.vendor_err, wc.qp_num))
         return rows
+
+    def poll_one(self) -> tuple[int, int] | None:
+        """One completion's ``(status, vendor_err)``, or None when there is none.
+
+        One ``poll_cq`` call into a completion kept for it; never blocks.  For a queue
+        that only ever owes one completion (a :class:`~hixl.engine.channel.Channel`'s).
+        """
+        if self._closed:
+            raise StateError("completion queue is closed")
+        wc = self._wc_one
+        n = self._poll_fn(self._cq, 1, wc)
+        if n == 0:
+            return None
+        if n < 0:
+            raise _err("poll_cq", -n if n < -1 else None)
+        return wc.status, wc.vendor_err
 
     def poll(self, max_entries: int = 16) -> list[Completion]:
         """Return up to ``max_entries`` completions, possibly none.  Never blocks."""

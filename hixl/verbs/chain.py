@@ -130,6 +130,8 @@ class SendChain:
         "_flags_for",
         "_group_cache",
         "_head0",
+        "_rdma0",
+        "_sge0",
         "_sge_addr",
         "_sge_mem",
         "_sges",
@@ -158,6 +160,8 @@ class SendChain:
         self._sge_mem = ffi.new("struct ibv_sge[]", sge_capacity)
         self.head = ffi.cast("struct ibv_send_wr *", self._wr_mem)  # memory owned by _wr_mem
         self._head0 = self.head[0]
+        self._rdma0 = self._head0.wr.rdma
+        self._sge0 = ffi.cast("struct ibv_sge *", self._sge_mem)[0]
         self.wr_base = address(self._wr_mem)
         self.sge_base = address(self._sge_mem)
         self._wrs = np.frombuffer(ffi.buffer(self._wr_mem), WR_DTYPE)
@@ -357,6 +361,21 @@ class SendChain:
         w.wr_id = wr_id
         w.send_flags = SEND_SIGNALED
         self._flags_for = None
+
+    def place_one(self, local_addr: int, nbytes: int, remote_addr: int) -> None:
+        """Point a filled chain of one WR and one SGE at new addresses and a new length.
+
+        Three stores into the C structs (no numpy): the hot path of a
+        :class:`~hixl.engine.channel.Channel`, whose caller has checked the values.
+        """
+        if self.num_wrs != 1 or self.num_sges != 1:
+            raise ArgumentError(
+                f"place_one on a chain of {self.num_wrs} WRs and {self.num_sges} SGEs"
+            )
+        sge = self._sge0
+        sge.addr = local_addr
+        sge.length = nbytes
+        self._rdma0.remote_addr = remote_addr
 
     def unsignal(self, index: int) -> None:
         """Post WR ``index`` unsignaled: a later signaled WR's completion stands for it.

@@ -65,15 +65,17 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "lanes": st.lists(st.tuples(st.integers(1, (1 << 24) - 1), u24), max_size=7).map(
         wire.pack_lanes
     ),
+    "direct": st.integers(0, 1),  # 1 only with an extra lane (see qp_drafts, tampers)
 }
 
 
 def qp_drafts(cls: type[wire.Info] | type[wire.Accept]) -> st.SearchStrategy[Any]:
+    skip = ("engine_id", "nonce", "proof", "direct")
     return st.builds(
         cls,
         proof=st.just(b""),
-        **{k: v for k, v in FIELD_VALUES.items() if k not in ("engine_id", "nonce", "proof")},
-    )
+        **{k: v for k, v in FIELD_VALUES.items() if k not in skip},
+    ).map(lambda m: dataclasses.replace(m, direct=int(bool(m.lanes) and m.qpn % 2)))
 
 
 Tamper = Callable[[wire.Message], wire.Message]
@@ -153,7 +155,13 @@ def tampers(draw: st.DrawFn) -> tuple[type[Any], str, Tamper]:
     value = draw(FIELD_VALUES[name])
 
     def change(msg: wire.Message) -> wire.Message:
-        return dataclasses.replace(msg, **{name: value})
+        fields: dict[str, Any] = {name: value}
+        if isinstance(msg, wire.QpInfo):
+            if name == "direct" and not msg.lanes:
+                return msg  # a direct lane needs an extra queue pair: nothing to change
+            if name == "lanes" and not value and msg.direct:
+                fields["direct"] = 0  # (the drawn lanes are empty: no direct lane left)
+        return dataclasses.replace(msg, **fields)
 
     return kind, name, change
 

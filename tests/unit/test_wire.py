@@ -122,7 +122,13 @@ def qp_info(cls: type[Info] | type[Accept]) -> st.SearchStrategy[Info | Accept]:
         recv_slot_size=st.integers(0, 65536),
         regions=region_tuples,
         lanes=lane_lists,
-    )
+    ).map(_some_direct)
+
+
+def _some_direct(m: wire.QpInfo) -> Info | Accept:
+    """Half of the messages with extra lanes name the last one a direct lane."""
+    assert isinstance(m, Info | Accept)
+    return dataclasses.replace(m, direct=int(bool(m.lanes) and m.psn % 2))
 
 
 texts = st.text(printable_chars | st.sampled_from("\t\n"), max_size=64)
@@ -348,6 +354,9 @@ def _info(**changes: object) -> dict[str, Any]:
         (dict(lanes=bytes(6)), r"Info.lanes\[0\] has QP number 0"),
         (dict(lanes=b"\0\0\1\0\0\0" * 8), r"Info.lanes has 48 bytes, at most 42"),
         (dict(lanes="00"), r"Info.lanes must be bytes, got str"),
+        (dict(direct=1), r"Info.direct=1 needs an extra queue pair"),
+        (dict(direct=2, lanes=b"\0\0\1\0\0\0"), r"Info.direct=2 out of range \[0, 1\]"),
+        (dict(direct=True, lanes=b"\0\0\1\0\0\0"), r"Info.direct must be an integer, got bool"),
     ],
 )
 def test_info_rejects(changes: dict[str, object], match: str) -> None:
@@ -362,6 +371,24 @@ def test_lanes_round_trip(pairs: list[tuple[int, int]]) -> None:
     info = Info(**_info(lanes=wire.pack_lanes(pairs)))
     got = wire.decode(wire.encode(info))
     assert isinstance(got, Info) and got.extra_lanes() == tuple(pairs)
+    assert got.ordinary_lanes() == ((info.qpn, info.psn), *pairs) and got.direct_lane() is None
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(1, (1 << 24) - 1), st.integers(0, (1 << 24) - 1)),
+        min_size=1,
+        max_size=7,
+    )
+)
+def test_a_direct_lane_is_the_last_extra_one_and_not_an_ordinary_lane(
+    pairs: list[tuple[int, int]],
+) -> None:
+    info = Info(**_info(lanes=wire.pack_lanes(pairs), direct=1))
+    got = wire.decode(wire.encode(info))
+    assert isinstance(got, Info) and got.direct == 1
+    assert got.direct_lane() == pairs[-1]
+    assert got.ordinary_lanes() == ((info.qpn, info.psn), *pairs[:-1])
 
 
 def test_regions_limits() -> None:
@@ -529,7 +556,10 @@ def test_bad_magic_fails_on_the_first_byte() -> None:
 
 def test_version_mismatch_names_both_versions() -> None:
     decoder = Decoder()
-    with pytest.raises(HandshakeError, match=r"unsupported protocol version 7: .*speaks version 4"):
+    ours = wire.PROTOCOL_VERSION
+    with pytest.raises(
+        HandshakeError, match=rf"unsupported protocol version 7: .*speaks version {ours}"
+    ):
         decoder.feed(frame(MsgType.HELLO, b"{}", version=7)[:6])
     assert decoder.error_code is ErrorCode.VERSION
     with pytest.raises(HandshakeError, match="earlier error.*version 7"):

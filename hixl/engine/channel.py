@@ -1,0 +1,360 @@
+"""Channels: one thread's blocking puts and gets between two fixed regions, at verbs pace.
+
+A :class:`Channel` holds a connection's *direct lane* (see
+:mod:`hixl.engine.connection`): a queue pair with a completion queue of its own.  Its
+regions, keys, access and the peer's region tuple are checked once, when it is opened;
+a call checks only its three integers and that nothing was closed or withdrawn since,
+then points a one-WR chain (one per direction, built once) at the new addresses, posts
+it with one ``post_send`` and polls the channel's own queue for its completion.  No
+handle, no send window, no progress thread; the engine lock is taken twice per call,
+each time for a few field updates (to count the call as a poster, so that ``close``
+waits for it, and to order notifications queued meanwhile after it).
+
+Why it exists: on a blocking ``Engine.put`` of one range most of the time is the
+engine's general bookkeeping, not the device (docs/benchmarks.md).  A channel is the
+shape of ``ib_write_lat``'s loop, kept safe: bounds, alignment, access and region
+lifetimes are still checked on every call before anything is posted.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from typing import TYPE_CHECKING, Any, SupportsIndex
+
+import numpy as np
+
+from hixl.core import wire
+from hixl.core.descriptors import ContiguousDesc
+from hixl.core.plan import check_alignment, check_bounds
+from hixl.core.states import ConnState
+from hixl.core.wire import RemoteRegion
+from hixl.engine.handles import SPIN_S
+from hixl.engine.regions import Access, Region
+from hixl.errors import (
+    ArgumentError,
+    CompletionError,
+    ConnectionFailed,
+    HixlError,
+    RegistrationError,
+    StateError,
+    TransferTimeout,
+)
+from hixl.verbs import adapter as verbs
+from hixl.verbs.chain import SendChain
+
+if TYPE_CHECKING:
+    from hixl.engine.connection import Connection, Lane
+    from hixl.engine.engine import Engine
+
+__all__ = ["Channel"]
+
+_NAP_MAX = 0.001  # longest sleep between polls once the spin is over (seconds)
+
+
+class Channel:
+    """Blocking puts and gets of one contiguous range at a time between ``local`` (a
+    region of this engine) and ``remote`` (a region the peer exposes).
+
+    Made by :meth:`hixl.Engine.channel`; holds the connection's direct lane until
+    :meth:`close` (also a context manager).  One call at a time: a call made while
+    another thread's call is running raises :class:`StateError` (use one channel per
+    thread, or :meth:`Engine.put` from the others).
+
+    Read-only: ``peer``, ``local``, ``remote``, ``closed``.
+    """
+
+    def __init__(
+        self, engine: Engine, conn: Connection, local: Region, remote: RemoteRegion
+    ) -> None:
+        assert conn.direct is not None and conn.direct_cq is not None
+        self.peer = conn.peer
+        self.local = local
+        self.remote = remote
+        self._engine = engine
+        self._conn = conn
+        self._lane: Lane = conn.direct
+        self._cq = conn.direct_cq
+        self._remotes = conn.remote_regions  # the tuple ``remote`` was found in
+        self._llen = local.length
+        self._rlen = remote.length
+        self._lbase = local.addr
+        self._rbase = remote.addr
+        self._max = engine.limits.max_msg_sz
+        self._align = engine.alignment or 0
+        self._closed = False
+        self._write = self._chain(verbs.WR_RDMA_WRITE, local, remote)
+        self._read = self._chain(verbs.WR_RDMA_READ, local, remote)
+        self._last: SendChain | None = None  # the chain placed last, and where
+        self._last_at = (0, 0, 0)
+        self._can_write = bool(remote.access & wire.REMOTE_WRITE)
+        self._can_read = bool(remote.access & wire.REMOTE_READ) and bool(
+            local.access & Access.LOCAL_WRITE
+        )
+
+    @staticmethod
+    def _chain(opcode: int, local: Region, remote: RemoteRegion) -> SendChain:
+        chain = SendChain(1, 1)
+        chain.fill(
+            opcode=opcode,
+            remote_addr=np.array([remote.addr], np.uint64),
+            rkey=remote.rkey,
+            sge_start=np.array([0, 1], np.int64),
+            sge_addr=np.array([local.addr], np.uint64),
+            sge_length=np.array([0], np.int64),
+            lkey=local.lkey,
+            regions=(local,),
+        )
+        chain.signal_one(1)
+        return chain
+
+    # -- what users call -----------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def put(
+        self,
+        local_offset: SupportsIndex,
+        remote_offset: SupportsIndex,
+        nbytes: SupportsIndex,
+        *,
+        timeout: float = 30.0,
+    ) -> None:
+        """RDMA WRITE ``nbytes`` at ``local_offset`` of the local region to
+        ``remote_offset`` of the remote one; return once they have landed.
+
+        Raises before posting: :class:`BoundsError`, :class:`AlignmentError`,
+        :class:`DescriptorError` (not an integer, negative), :class:`ArgumentError`
+        (``nbytes`` of 0 or over the device's message size, ``timeout`` not > 0),
+        :class:`RegistrationError` (the remote region is not writable, or a region was
+        closed or withdrawn), :class:`StateError` (the channel or engine is closed, or
+        another thread's call is running), :class:`ConnectionFailed`.  After posting:
+        :class:`CompletionError` with the work request's status, or
+        :class:`TransferTimeout` after ``timeout`` seconds; either fails the connection,
+        as for :meth:`Engine.put`.
+        """
+        if not self._can_write:
+            raise RegistrationError(
+                f"peer region {self.remote.name or hex(self.remote.addr)} of {self.peer} "
+                "is not remotely writable"
+            )
+        self._run(self._write, local_offset, remote_offset, nbytes, timeout, "put")
+
+    def get(
+        self,
+        local_offset: SupportsIndex,
+        remote_offset: SupportsIndex,
+        nbytes: SupportsIndex,
+        *,
+        timeout: float = 30.0,
+    ) -> None:
+        """RDMA READ ``nbytes`` at ``remote_offset`` of the remote region into
+        ``local_offset`` of the local one; return once they are there.
+
+        Errors as for :meth:`put`; the remote region must be remotely readable and the
+        local one have ``Access.LOCAL_WRITE``.
+        """
+        if not self._can_read:
+            raise RegistrationError(
+                f"get needs a remotely readable peer region and a local region with "
+                f"LOCAL_WRITE access: {self.remote!r}, {self.local!r}"
+            )
+        self._run(self._read, local_offset, remote_offset, nbytes, timeout, "get")
+
+    def close(self) -> None:
+        """Give the direct lane back to the connection.  Idempotent; waits for nothing
+        (a call still running on another thread finishes normally)."""
+        if self._closed:
+            return
+        with self._engine._lock:
+            self._closed = True
+            if self._conn.channel is self:
+                self._conn.channel = None
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<Channel to {self.peer} {self.local!r} -> {self.remote!r} {state}>"
+
+    # -- the hot path ----------------------------------------------------------------------
+    def _run(self, chain: SendChain, lo: Any, ro: Any, n: Any, timeout: float, what: str) -> None:
+        # Checks first, nothing posted until they all pass; the fast test is exact for
+        # plain ints and anything else is checked (and its error named) the slow way.
+        if not (
+            type(lo) is int
+            and type(ro) is int
+            and type(n) is int
+            and 0 < n <= self._max
+            and 0 <= lo <= self._llen - n
+            and 0 <= ro <= self._rlen - n
+            and not (self._align and (lo % self._align or ro % self._align))
+        ):
+            lo, ro, n = self._checked(lo, ro, n)
+        if not timeout > 0:
+            raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
+        conn = self._conn
+        if conn.remote_regions is not self._remotes:
+            self._recheck_remote()
+        if self.local.closed:
+            if self._closed or self._engine.closed:
+                with self._engine._lock:
+                    self._refuse()
+            raise RegistrationError(f"local region {self.local!r} was deregistered")
+        at = (lo, ro, n)
+        if chain is not self._last or at != self._last_at:  # a loop repeats its offsets
+            chain.place_one(self._lbase + lo, n, self._rbase + ro)
+            self._last, self._last_at = chain, at
+        eng = self._engine
+        lock = eng._lock
+        with lock:
+            if self._closed or eng._closed or conn.state is not ConnState.READY or conn.direct_busy:
+                self._refuse()
+            conn.direct_busy = True
+            conn.direct_id = eng._next_wr
+            eng._next_wr += 1
+            eng._posters += 1
+        try:
+            self._lane.qp.post_whole(chain)
+        except HixlError as exc:
+            self._finish(exc, f"post_send failed: {exc}")
+            raise
+        except BaseException:
+            self._finish(None, "a channel's post was interrupted")
+            raise
+        got = self._cq.poll_one()
+        if got is None:
+            got = self._wait(timeout, n, what)
+        status = got[0]
+        if status == 0:
+            self._finish(None, "")
+            return
+        if conn.state is not ConnState.READY:  # flushed: the connection failed meanwhile
+            self._finish(None, "")
+            why = conn.failure or f"it was {conn.state.name.lower()}"
+            raise ConnectionFailed(f"connection to {self.peer} failed: {why}")
+        name = verbs.WC_STATUS_NAMES.get(status, f"IBV_WC_STATUS_{status}")
+        err = CompletionError(f"channel {what} to {self.peer}", status, name, 1, got[1])
+        self._finish(err, f"completion error {name}")
+        raise err
+
+    def _wait(self, timeout: float, n: int, what: str) -> tuple[int, int]:
+        """Poll the channel's queue until its completion comes: a spin of
+        :data:`SPIN_S`, then sleeps of up to 1 ms.  Past ``timeout`` seconds (or on an
+        interrupt) the connection fails, as for any transfer that cannot be recalled."""
+        cq, conn = self._cq, self._conn
+        start = time.monotonic()
+        deadline = start + timeout
+        spin_until = start + SPIN_S
+        nap = 0.00005
+        try:
+            while True:
+                got = cq.poll_one()
+                if got is not None:
+                    return got
+                now = time.monotonic()
+                if now >= deadline:
+                    err = TransferTimeout(
+                        f"channel {what} of {n} bytes to {self.peer} did not complete within "
+                        f"its deadline; the connection is marked failed because its requests "
+                        f"cannot be recalled"
+                    )
+                    self._finish(err, "a transfer timed out")
+                    raise err
+                if now >= spin_until:
+                    if conn.state is not ConnState.READY:
+                        # Failed elsewhere: its queue pair is in ERR, the flush is coming.
+                        nap = min(nap, 0.0002)
+                    time.sleep(nap)
+                    nap = min(nap * 2, _NAP_MAX)
+        except TransferTimeout:
+            raise
+        except BaseException:
+            self._finish(None, "a channel's wait was interrupted")
+            raise
+
+    def _finish(self, error: HixlError | None, reason: str) -> None:
+        """End a call (engine lock): with ``reason``, fail the connection first (``error``
+        is why); then free the lane, release notifications held behind it and stop
+        counting as a poster.  A request still out when the connection fails ends with
+        the failure's flush, which nobody needs to wait for."""
+        eng, conn = self._engine, self._conn
+        with eng._lock:
+            if reason:
+                eng._fail(conn, reason, error)
+            conn.direct_busy = False
+            conn.direct_id = None
+            if conn.held and conn.release_held() and not conn.lanes[0].window.poster:
+                eng._want_post(conn.lanes[0])
+            if conn.state is ConnState.CLOSED:
+                eng._wake_due = True  # its queue pairs can be freed now
+            eng._posters -= 1  # Engine._release_poster, inline: once per call
+            if eng._closed and not eng._posters:
+                eng._post_cv.notify_all()
+        if eng._wake_due:
+            eng._wake()
+
+    # -- the slow path of errors -----------------------------------------------------------
+    def _checked(self, lo: Any, ro: Any, n: Any) -> tuple[int, int, int]:
+        """The three integers of a call that failed the fast test, checked one by one:
+        returns them as ints when they are fine after all (numpy integers, say), or
+        raises what is wrong, with the engine's usual errors and messages."""
+        if isinstance(lo, bool) or isinstance(ro, bool) or isinstance(n, bool):
+            raise ArgumentError("offsets and nbytes must be integers, not bools")
+        try:
+            lo, ro, n = operator.index(lo), operator.index(ro), operator.index(n)
+        except TypeError as exc:
+            raise ArgumentError(f"offsets and nbytes must be integers: {exc}") from None
+        if n <= 0:
+            raise ArgumentError(f"nbytes must be > 0, got {n}")
+        if n > self._max:
+            raise ArgumentError(
+                f"nbytes={n} is over the device's message size {self._max}: a channel "
+                "moves one work request per call (use Engine.put for more)"
+            )
+        ldesc = ContiguousDesc(offset=lo, nbytes=n, alignment=None)
+        rdesc = ContiguousDesc(offset=ro, nbytes=n, alignment=None)
+        check_bounds(ldesc, self._llen, what="local")
+        check_bounds(rdesc, self._rlen, what="remote")
+        if self._align:
+            check_alignment(ldesc, 0, self._align, what="local")
+            check_alignment(rdesc, 0, self._align, what="remote")
+        return lo, ro, n
+
+    def _recheck_remote(self) -> None:
+        """The peer changed its announced regions: go on only if ours is still there."""
+        conn = self._conn
+        remotes = conn.remote_regions
+        if not conn.exposes(self.remote):
+            raise RegistrationError(
+                f"peer {self.peer} no longer exposes region "
+                f"{self.remote.name or hex(self.remote.addr)}; open a new channel"
+            )
+        self._remotes = remotes
+
+    def _refuse(self) -> None:
+        """Why a call cannot start (engine lock held)."""
+        if self._closed:
+            raise StateError(f"channel to {self.peer} is closed")
+        self._engine._check_open()
+        conn = self._conn
+        if conn.state is not ConnState.READY:
+            conn.check_ready()
+            raise StateError(f"connection to {self.peer} is {conn.state.name}")
+        raise StateError(
+            f"channel to {self.peer} is in use by another thread's call: one call at a time "
+            "per channel"
+        )
+
+
+def open_channel(engine: Engine, conn: Connection, local: Region, remote: RemoteRegion) -> Channel:
+    """Make a :class:`Channel` on ``conn``'s direct lane (engine lock held by the caller,
+    checks done there)."""
+    ch = Channel(engine, conn, local, remote)
+    conn.channel = ch
+    return ch

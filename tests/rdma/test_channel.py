@@ -1,0 +1,356 @@
+"""Channels: one thread's blocking puts and gets on a connection's direct lane.
+
+A :class:`hixl.Channel` posts one work request per call on a queue pair with a
+completion queue of its own and polls it on the caller's thread.  These tests check
+that it moves exactly the bytes asked for, refuses bad input before posting anything,
+fails with the work request's own status, follows the regions' and the connection's
+lifetimes, and shares the connection with ordinary transfers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hixl import (
+    Access,
+    AlignmentError,
+    ArgumentError,
+    BoundsError,
+    Channel,
+    CompletionError,
+    ConnectionFailed,
+    ConnState,
+    ContiguousDesc,
+    Engine,
+    HixlError,
+    RegistrationError,
+    StateError,
+    TransferTimeout,
+)
+from hixl.testbed.net import free_tcp_port
+
+from .peerproc import PeerProcess
+
+RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
+KIB = 1024
+
+
+def pattern(n: int, seed: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_puts_and_gets_move_exactly_their_bytes(pair: tuple[Engine, Engine]) -> None:
+    client, server = pair
+    remote = pattern(256 * KIB, 1)
+    server.register(remote, access=RW, name="dst")
+    local = pattern(256 * KIB, 2)
+    r_local = client.register(local, access=Access.LOCAL_WRITE)
+    client.connect(server.id, timeout=30.0)
+    rng = np.random.default_rng(3)
+    with client.channel(server.id, r_local, "dst") as ch:
+        assert isinstance(ch, Channel) and not ch.closed
+        for i in range(60):
+            n = int(rng.choice([64, 4 * KIB, 64 * KIB, 192, 1 * KIB]))
+            lo = int(rng.integers(0, (256 * KIB - n) // 64 + 1)) * 64
+            ro = int(rng.integers(0, (256 * KIB - n) // 64 + 1)) * 64
+            if i % 2:
+                local[lo : lo + n] = pattern(n, 100 + i)
+                before = remote.copy()
+                ch.put(lo, ro, n, timeout=30)
+                assert np.array_equal(remote[ro : ro + n], local[lo : lo + n]), f"put {i}"
+                before[ro : ro + n] = local[lo : lo + n]
+                assert np.array_equal(remote, before), f"put {i} wrote outside its range"
+            else:
+                remote[ro : ro + n] = pattern(n, 200 + i)
+                before = local.copy()
+                ch.get(lo, ro, n, timeout=30)
+                assert np.array_equal(local[lo : lo + n], remote[ro : ro + n]), f"get {i}"
+                before[lo : lo + n] = remote[ro : ro + n]
+                assert np.array_equal(local, before), f"get {i} wrote outside its range"
+    assert ch.closed
+    assert client.diagnostics().pending_transfers == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "words"),
+    [
+        ((0, 60 * KIB, 8 * KIB), BoundsError, "remote out of bounds"),
+        ((60 * KIB, 0, 8 * KIB), BoundsError, "local out of bounds"),
+        ((0, 0, 0), ArgumentError, "nbytes must be > 0"),
+        ((0, -64, 64), HixlError, "offset"),
+        ((32, 0, 64), AlignmentError, "local"),
+        ((0, 32, 64), AlignmentError, "remote"),
+        ((0.0, 0, 64), ArgumentError, "integers"),
+        ((0, 0, True), ArgumentError, "bools"),
+        ((0, 0, "64"), ArgumentError, "integers"),
+    ],
+)
+def test_bad_calls_are_refused_before_anything_is_posted(
+    pair: tuple[Engine, Engine], args: tuple[Any, ...], error: type[Exception], words: str
+) -> None:
+    client, server = pair
+    remote = np.zeros(64 * KIB, np.uint8)
+    server.register(remote, access=RW, name="dst")
+    local = pattern(64 * KIB, 4)
+    r_local = client.register(local, access=RW)
+    client.connect(server.id, timeout=30.0)
+    with client.channel(server.id, r_local, "dst") as ch:
+        for call in (ch.put, ch.get):
+            with pytest.raises(error) as info:
+                call(*args, timeout=5)
+            assert words in str(info.value), str(info.value)
+        assert not remote.any(), "a refused put wrote to the peer"
+        assert np.array_equal(local, pattern(64 * KIB, 4)), "a refused get wrote locally"
+        ch.put(0, 0, 4 * KIB, timeout=30)  # the channel still works afterwards
+        assert np.array_equal(remote[: 4 * KIB], local[: 4 * KIB])
+        ch.put(np.int64(64), np.uint32(128), np.int32(64), timeout=30)  # numpy ints are fine
+        assert np.array_equal(remote[128:192], local[64:128])
+
+
+def test_over_the_message_size_and_bad_timeouts_are_refused(
+    pair: tuple[Engine, Engine],
+) -> None:
+    client, server = pair
+    big = client.limits.max_msg_sz
+    remote = np.zeros(big + 64 * KIB, np.uint8)
+    server.register(remote, access=RW, name="dst")
+    r_local = client.register(np.ones(big + 64 * KIB, np.uint8), access=RW)
+    client.connect(server.id, timeout=30.0)
+    with client.channel(server.id, r_local, "dst") as ch:
+        with pytest.raises(ArgumentError, match="message size"):
+            ch.put(0, 0, big + 64, timeout=5)
+        for timeout in (0, -1.0):
+            with pytest.raises(ArgumentError, match="timeout"):
+                ch.put(0, 0, 64, timeout=timeout)
+        assert not remote.any()
+
+
+def test_access_is_checked_per_direction(pair: tuple[Engine, Engine]) -> None:
+    client, server = pair
+    server.register(np.zeros(8 * KIB, np.uint8), access=Access.REMOTE_WRITE, name="wo")
+    server.register(np.zeros(8 * KIB, np.uint8), access=Access.REMOTE_READ, name="ro")
+    r_nolw = client.register(np.ones(8 * KIB, np.uint8), access=Access.NONE)
+    client.connect(server.id, timeout=30.0)
+    with client.channel(server.id, r_nolw, "wo") as ch:
+        ch.put(0, 0, 64)
+        with pytest.raises(RegistrationError, match="LOCAL_WRITE"):
+            ch.get(0, 0, 64)
+    with (
+        client.channel(server.id, r_nolw, "ro") as ch,
+        pytest.raises(RegistrationError, match="not remotely writable"),
+    ):
+        ch.put(0, 0, 64)
+
+
+def test_opening_checks_regions_and_allows_one_channel_per_connection(
+    pair: tuple[Engine, Engine],
+) -> None:
+    client, server = pair
+    server.register(np.zeros(8 * KIB, np.uint8), access=RW, name="dst")
+    r_local = client.register(np.ones(8 * KIB, np.uint8), access=RW)
+    client.connect(server.id, timeout=30.0)
+    with pytest.raises(RegistrationError, match="no region named"):
+        client.channel(server.id, r_local, "nope")
+    foreign = server.register(np.ones(64, np.uint8), access=RW)
+    with pytest.raises(RegistrationError, match="registered with this engine"):
+        client.channel(server.id, foreign, "dst")
+    ch = client.channel(server.id, r_local, "dst")
+    with pytest.raises(StateError, match="already has an open channel"):
+        client.channel(server.id, r_local, "dst")
+    ch.close()
+    ch.close()  # idempotent
+    with pytest.raises(StateError, match="closed"):
+        ch.put(0, 0, 64)
+    with client.channel(server.id, r_local, "dst") as again:
+        again.put(0, 0, 64)
+
+
+@pytest.mark.parametrize("which", ["server", "client"])
+def test_no_direct_lane_is_a_clear_error_and_puts_still_work(which: str) -> None:
+    server = Engine(f"127.0.0.1:{free_tcp_port()}", direct_lane=which != "server")
+    client = Engine("127.0.0.1:0", direct_lane=which != "client")
+    try:
+        remote = np.zeros(8 * KIB, np.uint8)
+        server.register(remote, access=RW, name="dst")
+        r_local = client.register(pattern(8 * KIB, 5), access=RW)
+        conn = client.connect(server.id, timeout=30.0)
+        why = "peer made fewer queue pairs" if which == "server" else "direct_lane=False"
+        with pytest.raises(StateError, match=why):
+            client.channel(server.id, r_local, "dst")
+        assert len(conn.lanes) == 2
+        client.put(server.id, r_local, "dst", timeout=30)
+        assert np.array_equal(remote, pattern(8 * KIB, 5))
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_put_refused_by_the_target_fails_with_its_own_status(
+    pair: tuple[Engine, Engine],
+) -> None:
+    """The client believes the peer's 8 KiB region is 1 MiB (test hook): a put past the
+    real end passes the channel's checks and the target refuses it with
+    IBV_WC_REM_ACCESS_ERR; the connection is FAILED and later calls are refused."""
+    client, server = pair
+    remote = np.zeros(8 * KIB, np.uint8)
+    server.register(remote, access=RW, name="dst")
+    r_local = client.register(pattern(64 * KIB, 6), access=RW)
+    conn = client.connect(server.id, timeout=30.0)
+    good = conn.remote_region("dst")
+    conn.set_remote_regions((replace(good, length=1 << 20),))
+    ch = client.channel(server.id, r_local, "dst")
+    ch.put(0, 0, 4 * KIB, timeout=30)
+    with pytest.raises(CompletionError) as info:
+        ch.put(0, 32 * KIB, 4 * KIB, timeout=30)
+    assert info.value.status_name == "IBV_WC_REM_ACCESS_ERR", str(info.value)
+    assert conn.state is ConnState.FAILED
+    with pytest.raises(ConnectionFailed, match="completion error"):
+        ch.put(0, 0, 64, timeout=30)
+    with pytest.raises(ConnectionFailed):
+        client.put(server.id, r_local, "dst", timeout=30)
+    ch.close()
+
+
+def test_withdrawn_or_closed_regions_are_refused(pair: tuple[Engine, Engine]) -> None:
+    client, server = pair
+    remote = np.zeros(8 * KIB, np.uint8)
+    r_remote = server.register(remote, access=RW, name="dst")
+    r_local = client.register(pattern(8 * KIB, 7), access=RW)
+    r_other = client.register(pattern(8 * KIB, 8), access=RW)
+    conn = client.connect(server.id, timeout=30.0)
+    with client.channel(server.id, r_other, "dst") as ch:
+        ch.put(0, 0, 64)
+        client.deregister(r_other)
+        with pytest.raises(RegistrationError, match="deregistered"):
+            ch.put(0, 0, 64)
+    with client.channel(server.id, r_local, "dst") as ch:
+        ch.put(0, 0, 8 * KIB)
+        assert np.array_equal(remote, pattern(8 * KIB, 7))
+        before = conn.remote_regions
+        server.deregister(r_remote)
+        deadline = time.monotonic() + 10
+        while conn.remote_regions is before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert conn.remote_regions is not before, "the peer's REGIONS change never came"
+        with pytest.raises(RegistrationError, match="no longer exposes"):
+            ch.put(0, 0, 64)
+
+
+def test_channel_calls_beside_a_put_async_stream_on_the_same_connection(
+    pair: tuple[Engine, Engine],
+) -> None:
+    """Another thread streams put_async to the same peer while channel puts and gets run:
+    every byte of both lands where it should."""
+    client, server = pair
+    a = np.zeros(256 * KIB, np.uint8)
+    b = np.zeros(256 * KIB, np.uint8)
+    server.register(a, access=RW, name="a")
+    server.register(b, access=RW, name="b")
+    src_a = pattern(256 * KIB, 9)
+    src_b = pattern(256 * KIB, 10)
+    r_a = client.register(src_a, access=Access.NONE)
+    r_b = client.register(src_b, access=RW)
+    client.connect(server.id, timeout=30.0)
+    failures: list[BaseException] = []
+
+    def stream() -> None:
+        try:
+            hs = []
+            for i in range(64):
+                d = ContiguousDesc(offset=i * 4 * KIB, nbytes=4 * KIB)
+                hs.append(client.put_async(server.id, r_a, "a", local_desc=d, remote_desc=d))
+            for h in hs:
+                h.wait(60)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            failures.append(exc)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    rng = np.random.default_rng(12)
+    try:
+        with client.channel(server.id, r_b, "b") as ch:
+            for i in range(40):
+                lo, ro = (int(x) * 4 * KIB for x in rng.integers(0, 64, 2))
+                ch.put(lo, ro, 4 * KIB, timeout=60)
+                assert np.array_equal(b[ro : ro + 4 * KIB], src_b[lo : lo + 4 * KIB]), i
+                b[ro : ro + 4 * KIB] = pattern(4 * KIB, 300 + i)
+                back = int(rng.integers(0, 64)) * 4 * KIB
+                ch.get(back, ro, 4 * KIB, timeout=60)
+                assert np.array_equal(src_b[back : back + 4 * KIB], b[ro : ro + 4 * KIB]), i
+    finally:
+        t.join(60)
+    assert not failures, failures
+    assert np.array_equal(a, src_a)
+
+
+def test_a_peer_killed_under_channel_puts_ends_them_in_time() -> None:
+    """The peer process is killed while another thread loops on channel puts of 8 MiB:
+    the put under way (or the next) ends with an error naming the peer, within its
+    timeout and a margin, and the connection is FAILED."""
+    victim = PeerProcess(f"127.0.0.1:{free_tcp_port()}", 8 << 20)
+    try:
+        victim.wait_ready()
+        with Engine("127.0.0.1:0") as client:
+            r = client.register(np.ones(8 << 20, np.uint8), access=Access.NONE)
+            conn = client.connect(victim.id, timeout=30)
+            ch = client.channel(victim.id, r, "buf")
+            outcome: list[BaseException] = []
+            started = threading.Event()
+
+            def loop() -> None:
+                try:
+                    while True:
+                        ch.put(0, 0, 8 << 20, timeout=3)
+                        started.set()
+                except BaseException as exc:  # noqa: BLE001 - checked by the main thread
+                    outcome.append(exc)
+
+            t = threading.Thread(target=loop)
+            t.start()
+            assert started.wait(30), "no channel put finished"
+            victim.kill()
+            t0 = time.monotonic()
+            t.join(30)
+            assert not t.is_alive(), "a channel put to a dead peer never ended"
+            assert time.monotonic() - t0 < 10
+            assert len(outcome) == 1, outcome
+            assert isinstance(outcome[0], ConnectionFailed | TransferTimeout), outcome
+            assert victim.id in str(outcome[0])
+            assert conn.state is ConnState.FAILED
+    finally:
+        victim.close()
+
+
+def test_closing_the_engine_ends_a_channel_put_under_way(pair: tuple[Engine, Engine]) -> None:
+    client, server = pair
+    size = 8 << 20
+    server.register(np.zeros(size, np.uint8), access=RW, name="dst")
+    r_src = client.register(pattern(size, 11), access=Access.NONE)
+    client.connect(server.id, timeout=30.0)
+    ch = client.channel(server.id, r_src, "dst")
+    outcome: list[BaseException] = []
+    started = threading.Event()
+
+    def loop() -> None:
+        try:
+            while True:
+                ch.put(0, 0, size, timeout=60)
+                started.set()
+        except BaseException as exc:  # noqa: BLE001 - checked by the main thread
+            outcome.append(exc)
+
+    t = threading.Thread(target=loop)
+    t.start()
+    assert started.wait(30)
+    client.close()
+    t.join(30)
+    assert not t.is_alive(), "a channel put outlived its engine's close()"
+    assert len(outcome) == 1 and isinstance(outcome[0], HixlError), outcome
+    with pytest.raises(StateError):
+        ch.put(0, 0, 64)
