@@ -6,9 +6,12 @@ regions, keys, access and the peer's region tuple are checked once, when it is o
 a call checks only its three integers and that nothing was closed or withdrawn since,
 then points a one-WR chain (one per direction, built once) at the new addresses, posts
 it with one ``post_send`` and polls the channel's own queue for its completion.  No
-handle, no send window, no progress thread; the engine lock is taken twice per call,
-each time for a few field updates (to count the call as a poster, so that ``close``
-waits for it, and to order notifications queued meanwhile after it).
+handle, no send window, no progress thread, and no engine lock on the way: a call owns
+the channel by popping its one token, and marks the lane busy before it reads the
+engine's and the connection's state, which ``close``/``disconnect`` change under the
+lock before they wait for (or skip) a busy lane.  The lock is taken only to fail the
+connection, or to release a notification that was queued while the call was out and
+held behind it (see :meth:`Channel._end` and ``Engine._queue``).
 
 Why it exists: on a blocking ``Engine.put`` of one range most of the time is the
 engine's general bookkeeping, not the device (docs/benchmarks.md).  A channel is the
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 import operator
 import time
-from typing import TYPE_CHECKING, Any, SupportsIndex
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 
 import numpy as np
 
@@ -50,6 +54,9 @@ if TYPE_CHECKING:
 __all__ = ["Channel"]
 
 _NAP_MAX = 0.001  # longest sleep between polls once the spin is over (seconds)
+#: Bare polls right after the post, before the timed wait (about 0.1 ms natively, a few
+#: ms under emulation): a small request's completion comes within them.
+SPIN_POLLS = 512
 
 
 class Channel:
@@ -85,12 +92,24 @@ class Channel:
         self._closed = False
         self._write = self._chain(verbs.WR_RDMA_WRITE, local, remote)
         self._read = self._chain(verbs.WR_RDMA_READ, local, remote)
-        self._last: SendChain | None = None  # the chain placed last, and where
-        self._last_at = (0, 0, 0)
-        self._can_write = bool(remote.access & wire.REMOTE_WRITE)
-        self._can_read = bool(remote.access & wire.REMOTE_READ) and bool(
-            local.access & Access.LOCAL_WRITE
+        self._token: list[None] = [None]  # popped by the call under way (atomic)
+        no_write = (
+            None
+            if remote.access & wire.REMOTE_WRITE
+            else f"peer region {remote.name or hex(remote.addr)} of {self.peer} "
+            "is not remotely writable"
         )
+        no_read = (
+            None
+            if remote.access & wire.REMOTE_READ and local.access & Access.LOCAL_WRITE
+            else "get needs a remotely readable peer region and a local region with "
+            f"LOCAL_WRITE access: {remote!r}, {local!r}"
+        )
+        self._put = self._hot_path(self._write, "put", no_write)
+        self._get = self._hot_path(self._read, "get", no_read)
+        # The instance's own put and get are the fast versions themselves: no extra call.
+        self.put = self._put  # type: ignore[method-assign]
+        self.get = self._get  # type: ignore[method-assign]
 
     @staticmethod
     def _chain(opcode: int, local: Region, remote: RemoteRegion) -> SendChain:
@@ -134,12 +153,8 @@ class Channel:
         :class:`TransferTimeout` after ``timeout`` seconds; either fails the connection,
         as for :meth:`Engine.put`.
         """
-        if not self._can_write:
-            raise RegistrationError(
-                f"peer region {self.remote.name or hex(self.remote.addr)} of {self.peer} "
-                "is not remotely writable"
-            )
-        self._run(self._write, local_offset, remote_offset, nbytes, timeout, "put")
+        # Each instance replaces this with its own fast version (see _hot_path).
+        self._put(local_offset, remote_offset, nbytes, timeout=timeout)
 
     def get(
         self,
@@ -155,12 +170,7 @@ class Channel:
         Errors as for :meth:`put`; the remote region must be remotely readable and the
         local one have ``Access.LOCAL_WRITE``.
         """
-        if not self._can_read:
-            raise RegistrationError(
-                f"get needs a remotely readable peer region and a local region with "
-                f"LOCAL_WRITE access: {self.remote!r}, {self.local!r}"
-            )
-        self._run(self._read, local_offset, remote_offset, nbytes, timeout, "get")
+        self._get(local_offset, remote_offset, nbytes, timeout=timeout)
 
     def close(self) -> None:
         """Give the direct lane back to the connection.  Idempotent; waits for nothing
@@ -183,65 +193,109 @@ class Channel:
         return f"<Channel to {self.peer} {self.local!r} -> {self.remote!r} {state}>"
 
     # -- the hot path ----------------------------------------------------------------------
-    def _run(self, chain: SendChain, lo: Any, ro: Any, n: Any, timeout: float, what: str) -> None:
-        # Checks first, nothing posted until they all pass; the fast test is exact for
-        # plain ints and anything else is checked (and its error named) the slow way.
-        if not (
-            type(lo) is int
-            and type(ro) is int
-            and type(n) is int
-            and 0 < n <= self._max
-            and 0 <= lo <= self._llen - n
-            and 0 <= ro <= self._rlen - n
-            and not (self._align and (lo % self._align or ro % self._align))
-        ):
-            lo, ro, n = self._checked(lo, ro, n)
-        if not timeout > 0:
-            raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
-        conn = self._conn
-        if conn.remote_regions is not self._remotes:
-            self._recheck_remote()
-        if self.local.closed:
-            if self._closed or self._engine.closed:
-                with self._engine._lock:
-                    self._refuse()
-            raise RegistrationError(f"local region {self.local!r} was deregistered")
-        at = (lo, ro, n)
-        if chain is not self._last or at != self._last_at:  # a loop repeats its offsets
-            chain.place_one(self._lbase + lo, n, self._rbase + ro)
-            self._last, self._last_at = chain, at
-        eng = self._engine
-        lock = eng._lock
-        with lock:
-            if self._closed or eng._closed or conn.state is not ConnState.READY or conn.direct_busy:
-                self._refuse()
+    def _hot_path(self, chain: SendChain, what: str, refused: str | None) -> Callable[..., None]:
+        """The put (or get) of this channel as a closure over what never changes, so a
+        call reads locals instead of attributes.  ``refused``: why this direction is not
+        allowed (checked on each call, after its arguments), None when it is."""
+        llen, rlen, biggest = self._llen, self._rlen, self._max
+        mask = self._align - 1 if self._align else 0  # a power of two: a bit test
+        lbase, rbase = self._lbase, self._rbase
+        conn, eng, token, local = self._conn, self._engine, self._token, self.local
+        post = self._lane.qp.post_and_poll(chain, self._cq)  # pointers bound once
+        place = chain.place_one
+        ready = ConnState.READY
+        at_lo = at_ro = at_n = -1  # where the chain points now
+
+        def call(lo: Any, ro: Any, n: Any, *, timeout: float = 30.0) -> None:
+            nonlocal at_lo, at_ro, at_n
+            # Checks first, nothing posted until they all pass; the fast test is exact for
+            # plain ints, anything else is checked (and its error named) the slow way.
+            if not (
+                type(lo) is int
+                and type(ro) is int
+                and type(n) is int
+                and 0 < n <= biggest
+                and 0 <= lo <= llen - n
+                and 0 <= ro <= rlen - n
+                and not (lo | ro) & mask
+            ):
+                lo, ro, n = self._checked(lo, ro, n)
+            if not timeout > 0:
+                raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
+            if refused is not None:
+                raise RegistrationError(refused)
+            if conn.remote_regions is not self._remotes:
+                self._recheck_remote()
+            if local.closed:
+                self._local_closed()
+            if lo != at_lo or ro != at_ro or n != at_n:  # a loop repeats its offsets
+                place(lbase + lo, n, rbase + ro)
+                at_lo, at_ro, at_n = lo, ro, n
+            # Claim the channel (an atomic pop: one call at a time), then mark the lane
+            # busy *before* reading the engine's and the connection's state: close() and
+            # _drop() change those under the engine lock and then wait for, or skip, a
+            # busy lane (Connection.poster), so whichever comes second sees the other.
+            try:
+                token.pop()
+            except IndexError:
+                raise StateError(
+                    f"channel to {self.peer} is in use by another thread's call: one call "
+                    "at a time per channel"
+                ) from None
             conn.direct_busy = True
-            conn.direct_id = eng._next_wr
-            eng._next_wr += 1
-            eng._posters += 1
-        try:
-            self._lane.qp.post_whole(chain)
-        except HixlError as exc:
-            self._finish(exc, f"post_send failed: {exc}")
-            raise
-        except BaseException:
-            self._finish(None, "a channel's post was interrupted")
-            raise
-        got = self._cq.poll_one()
-        if got is None:
-            got = self._wait(timeout, n, what)
+            if self._closed or eng._closed or conn.state is not ready:
+                self._end()
+                with eng._lock:
+                    self._refuse()
+            try:
+                got = post(SPIN_POLLS)
+            except HixlError as exc:
+                self._post_refused(exc)
+                raise
+            except BaseException:
+                self._end(None, "a channel's post was interrupted")
+                raise
+            if got is None:
+                got = self._wait(timeout, n, what)
+            if got[0] == 0:
+                conn.direct_busy = False
+                token.append(None)
+                if conn.held or conn.state is not ready:
+                    self._after()
+                return
+            self._failed(got, what)
+
+        return call
+
+    def _failed(self, got: tuple[int, int], what: str) -> NoReturn:
+        """End a call whose completion carries an error status, and raise it."""
+        conn = self._conn
         status = got[0]
-        if status == 0:
-            self._finish(None, "")
-            return
         if conn.state is not ConnState.READY:  # flushed: the connection failed meanwhile
-            self._finish(None, "")
+            self._end()
             why = conn.failure or f"it was {conn.state.name.lower()}"
             raise ConnectionFailed(f"connection to {self.peer} failed: {why}")
         name = verbs.WC_STATUS_NAMES.get(status, f"IBV_WC_STATUS_{status}")
         err = CompletionError(f"channel {what} to {self.peer}", status, name, 1, got[1])
-        self._finish(err, f"completion error {name}")
+        self._end(err, f"completion error {name}")
         raise err
+
+    def _post_refused(self, exc: HixlError) -> None:
+        """End a call whose post the provider refused; raises ConnectionFailed when the
+        connection failed or closed under it (its queue pair was in ERR), else returns
+        for the caller to raise ``exc`` (the connection is failed)."""
+        conn = self._conn
+        if conn.state is not ConnState.READY:
+            self._end()
+            why = conn.failure or f"it was {conn.state.name.lower()}"
+            raise ConnectionFailed(f"connection to {self.peer} failed: {why}") from exc
+        self._end(exc, f"post_send failed: {exc}")
+
+    def _local_closed(self) -> NoReturn:
+        if self._closed or self._engine.closed:
+            with self._engine._lock:
+                self._refuse()
+        raise RegistrationError(f"local region {self.local!r} was deregistered")
 
     def _wait(self, timeout: float, n: int, what: str) -> tuple[int, int]:
         """Poll the channel's queue until its completion comes: a spin of
@@ -264,7 +318,7 @@ class Channel:
                         f"its deadline; the connection is marked failed because its requests "
                         f"cannot be recalled"
                     )
-                    self._finish(err, "a transfer timed out")
+                    self._end(err, "a transfer timed out")
                     raise err
                 if now >= spin_until:
                     if conn.state is not ConnState.READY:
@@ -275,28 +329,35 @@ class Channel:
         except TransferTimeout:
             raise
         except BaseException:
-            self._finish(None, "a channel's wait was interrupted")
+            self._end(None, "a channel's wait was interrupted")
             raise
 
-    def _finish(self, error: HixlError | None, reason: str) -> None:
-        """End a call (engine lock): with ``reason``, fail the connection first (``error``
-        is why); then free the lane, release notifications held behind it and stop
-        counting as a poster.  A request still out when the connection fails ends with
-        the failure's flush, which nobody needs to wait for."""
+    def _end(self, error: HixlError | None = None, reason: str = "") -> None:
+        """End a call: with ``reason``, fail the connection first (engine lock; ``error``
+        is why).  Then free the direct lane and the channel, and :meth:`_after`.  A
+        request still out when the connection fails ends with the failure's flush, which
+        nobody needs to wait for."""
         eng, conn = self._engine, self._conn
-        with eng._lock:
-            if reason:
+        if reason:
+            with eng._lock:
                 eng._fail(conn, reason, error)
-            conn.direct_busy = False
-            conn.direct_id = None
-            if conn.held and conn.release_held() and not conn.lanes[0].window.poster:
-                eng._want_post(conn.lanes[0])
-            if conn.state is ConnState.CLOSED:
-                eng._wake_due = True  # its queue pairs can be freed now
-            eng._posters -= 1  # Engine._release_poster, inline: once per call
-            if eng._closed and not eng._posters:
-                eng._post_cv.notify_all()
-        if eng._wake_due:
+        conn.direct_busy = False
+        self._token.append(None)
+        self._after()
+
+    def _after(self) -> None:
+        """After the lane was freed: release a notification held behind the call (engine
+        lock; the queueing side looks at the lane again after holding, so one of the two
+        always sees the other, see ``Engine._queue``), and have the progress thread free
+        a connection that was dropped meanwhile."""
+        eng, conn = self._engine, self._conn
+        if conn.held:
+            with eng._lock:
+                if conn.release_held() and not conn.lanes[0].window.poster:
+                    eng._want_post(conn.lanes[0])
+            if eng._wake_due:
+                eng._wake()
+        if conn.state is ConnState.CLOSED:
             eng._wake()
 
     # -- the slow path of errors -----------------------------------------------------------
@@ -346,10 +407,7 @@ class Channel:
         if conn.state is not ConnState.READY:
             conn.check_ready()
             raise StateError(f"connection to {self.peer} is {conn.state.name}")
-        raise StateError(
-            f"channel to {self.peer} is in use by another thread's call: one call at a time "
-            "per channel"
-        )
+        raise StateError(f"channel to {self.peer} cannot start a call")
 
 
 def open_channel(engine: Engine, conn: Connection, local: Region, remote: RemoteRegion) -> Channel:

@@ -113,13 +113,13 @@ class Connection:
         self._next_lane = 0  # round robin over the lanes for single requests
         self.held = 0  # notifications waiting for the other lanes (see Engine._queue)
         # The direct lane (see Channel): the QP made after the lanes, on a CQ of its own;
-        # connected only when the peer made as many QPs.  ``direct_busy``: a channel's
-        # request is out on it; ``direct_id``: that request's place in the engine's id
-        # order, so that notifications queued after it wait for it (see behind()).
+        # connected when the peer made one too.  ``direct_busy``: a channel's call is
+        # under way on it (written by that call without the engine lock; read under it:
+        # notifications queued meanwhile wait for the call, see behind(), and the
+        # connection's queue pairs are not freed under it, see poster).
         self.direct: Lane | None = None
         self.direct_cq: verbs.CompletionQueue | None = None
         self.direct_busy = False
-        self.direct_id: int | None = None
         self.channel: object | None = None  # the Channel holding the direct lane
         sq, max_sge = engine.sq_depth, self._dev.caps.max_sge
         for i in range(lanes):
@@ -366,10 +366,10 @@ class Connection:
         return lanes[i]
 
     def behind(self, first_id: int) -> bool:
-        """True while a lane other than 0 (the direct lane included) has work queued
-        before ``first_id`` unfinished."""
-        direct_id = self.direct_id
-        if direct_id is not None and direct_id < first_id:
+        """True while a lane other than 0 has work queued before ``first_id`` unfinished,
+        or a channel's call is under way on the direct lane (it started before whatever
+        asks)."""
+        if self.direct_busy:
             return True
         for lane in self.lanes[1:]:
             oldest = lane.window.oldest_id

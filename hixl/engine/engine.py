@@ -398,8 +398,10 @@ class Engine:
         self._progress.stop()
         with self._lock:  # a thread still posting a batch to a queue pair about to go
             until = time.monotonic() + 10.0
-            while self._posters and time.monotonic() < until:
-                self._post_cv.wait(0.1)
+            while (self._posters or any(c.direct_busy for c in self._dead)) and (
+                time.monotonic() < until
+            ):
+                self._post_cv.wait(0.1)  # (a channel call ends without notifying: polled)
         if self._incoming is not None:
             self._incoming.close()  # the progress thread is gone: nobody else touches it
         if self._listener is not None:
@@ -1199,6 +1201,12 @@ class Engine:
                 if conn.behind(chunk.first_id):
                     chunk.held = True
                     conn.held += 1
+                    # A channel call ends without the lock: it clears its busy mark, then
+                    # looks at ``held``.  Looking at the lanes again after counting the
+                    # hold means one of the two sides sees the other (see Channel._end).
+                    if not conn.behind(chunk.first_id):
+                        chunk.held = False
+                        conn.held -= 1
                 chunk.groups = chunk.chain.set_signals(self._next_wr, 1, slot, slot + 1)
                 # After READs the SEND is fenced: it starts only once they have completed,
                 # so the peer is told "done" after its memory was read, not before.

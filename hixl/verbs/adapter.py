@@ -35,7 +35,7 @@ import select
 import socket
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -917,6 +917,40 @@ class QueuePair:
         rc = self._post_send_fn(self._qp, chain.head, self._bad_send)
         if rc:
             self._post_failed(((chain, 0, chain.num_wrs),), rc)
+
+    def post_and_poll(
+        self, chain: SendChain, cq: CompletionQueue
+    ) -> Callable[[int], tuple[int, int] | None]:
+        """A function that posts ``chain`` whole with one ``post_send`` and then polls
+        ``cq`` up to ``polls`` times back to back for one completion, returning its
+        ``(status, vendor_err)``, or None when none came: a channel's request in one
+        Python call, with every pointer bound once (the polls are bare ``poll_cq`` calls
+        in a tight loop, no clock, so a completion that comes a little after the post is
+        seen within one poll's time).
+
+        The caller checks, before each call, that the chain's regions are open (the
+        function does not: it is the hot path of :class:`~hixl.engine.channel.Channel`,
+        which checks its one region itself) and that the queue pair and the queue are
+        not closed (the engine frees them only once no call is under way).  A refused
+        post raises :class:`VerbsError`, a failed poll too.
+        """
+        post_fn, qp, head, bad = self._post_send_fn, self._qp, chain.head, self._bad_send
+        poll_fn, c, wc = cq._poll_fn, cq._cq, cq._wc_one
+        span = ((chain, 0, 1),)
+
+        def post_and_poll(polls: int) -> tuple[int, int] | None:
+            rc = post_fn(qp, head, bad)
+            if rc:
+                self._post_failed(span, rc)
+            for _ in range(polls):
+                n = poll_fn(c, 1, wc)
+                if n:
+                    if n < 0:
+                        raise _err("poll_cq", -n if n < -1 else None)
+                    return wc.status, wc.vendor_err
+            return None
+
+        return post_and_poll
 
     def post_pieces(self, pieces: Sequence[tuple[SendChain, int, int]]) -> None:
         """Post several ranges ``(chain, start, stop)`` of chains as one ``post_send``.

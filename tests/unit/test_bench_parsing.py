@@ -206,6 +206,29 @@ def test_transfer_summary_ratios_and_target() -> None:
     assert not t["met"] and t["misses"][0]["size"] == 65536
 
 
+def test_channel_ping_pong_is_paired_with_its_own_ib_write_lat_and_reported() -> None:
+    ms = [
+        {"repeat": r, "size": 4096, "kind": k, "impl": i, "iters": 100, "value": v}
+        for r in range(3)
+        for k, i, v in (
+            ("lat", "perftest", 200.0 + r),
+            ("lat", "hixl", 500.0),
+            ("chan", "perftest", 210.0),
+            ("chan", "hixl", 300.0 + 10 * r),
+        )
+    ]
+    rows = bt.summarize(ms, [4096])
+    assert rows[0]["lat"]["ratio"] == pytest.approx(500.0 / 201.0)
+    assert rows[0]["chan"]["ratio"] == pytest.approx(310.0 / 210.0)
+    data = {
+        "params": {"repeat": 3, "depth": 128},
+        "summary": rows,
+    }
+    md = bt.markdown(data)
+    assert "channel latency / ib_write_lat" in md and "1.48×" in md and "2.49×" in md
+    assert bt.check_targets(rows)["put_vs_ib_write_bw"]["checked"] == 0
+
+
 def test_transfer_steps_alternate_the_order() -> None:
     steps = bt.build_steps([4096, 65536], ["write", "lat"], 2)
     assert len(steps) == 2 * 2 * 2 * 2
