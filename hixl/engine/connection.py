@@ -84,7 +84,9 @@ class Connection:
     """RC queue pairs (lanes) to one peer, plus the TCP control socket.
 
     Read-only for users: ``peer``, ``state``, ``mtu``, ``remote_regions``, ``failure``,
-    ``lanes`` (the connected queue pairs: as many as both engines' ``lanes`` allow).
+    ``lanes`` (the connected queue pairs: as many as both engines' ``lanes`` allow),
+    ``direct`` (the direct lane for a :class:`~hixl.engine.channel.Channel`, or None) and
+    ``direct_busy`` (True while a channel call is under way on it).
     Transfers go through the :class:`Engine`.
     """
 

@@ -354,3 +354,66 @@ def test_closing_the_engine_ends_a_channel_put_under_way(pair: tuple[Engine, Eng
     assert len(outcome) == 1 and isinstance(outcome[0], HixlError), outcome
     with pytest.raises(StateError):
         ch.put(0, 0, 64)
+
+
+def _wait_busy(conn: Any, t: threading.Thread) -> bool:
+    """Until the channel call on ``t`` is under way (``Connection.direct_busy``); False
+    if ``t`` ended first."""
+    deadline = time.monotonic() + 10
+    while not conn.direct_busy:
+        if not t.is_alive() or time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    return True
+
+
+def test_a_notification_waits_for_a_channel_call_under_way(pair: tuple[Engine, Engine]) -> None:
+    """A notification sent while another thread's 8 MiB channel put is out arrives only
+    once every byte of that put has landed (it is held behind the direct lane)."""
+    client, server = pair
+    size = 8 << 20
+    dst = np.zeros(size, np.uint8)
+    server.register(dst, access=RW, name="dst")
+    src = np.zeros(size, np.uint8)
+    r = client.register(src, access=Access.NONE)
+    conn = client.connect(server.id, timeout=30.0)
+    checked = 0
+    with client.channel(server.id, r, "dst") as ch:
+        for k in range(4):
+            src[:] = k + 1
+            t = threading.Thread(target=ch.put, args=(0, 0, size), kwargs={"timeout": 60})
+            t.start()
+            under_way = _wait_busy(conn, t)
+            client.notify(server.id, f"n{k}", timeout=60)
+            server.wait_notification(f"n{k}", timeout=60)
+            landed = int(np.count_nonzero(dst == k + 1))
+            t.join(60)
+            assert landed == size, f"round {k}: {size - landed} bytes not there at the notification"
+            checked += under_way
+    assert checked, "no round caught the put under way"
+
+
+def test_a_second_thread_on_a_busy_channel_is_refused(pair: tuple[Engine, Engine]) -> None:
+    client, server = pair
+    size = 8 << 20
+    dst = np.zeros(size, np.uint8)
+    server.register(dst, access=RW, name="dst")
+    r = client.register(pattern(size, 13), access=RW)
+    conn = client.connect(server.id, timeout=30.0)
+    refused = 0
+    with client.channel(server.id, r, "dst") as ch:
+        for _ in range(3):
+            t = threading.Thread(target=ch.put, args=(0, 0, size), kwargs={"timeout": 60})
+            t.start()
+            if _wait_busy(conn, t):
+                try:
+                    ch.get(0, 0, 64)
+                except StateError as exc:
+                    assert "in use by another thread" in str(exc)
+                    refused += 1
+            t.join(60)
+            if refused:
+                break
+        ch.get(0, 0, 64)  # free again afterwards
+    assert refused, "a call on a busy channel was never refused"
+    assert np.array_equal(dst, pattern(size, 13))
