@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -29,13 +30,13 @@ from hixl import (
     ContiguousDesc,
     Engine,
     HixlError,
+    Region,
     RegistrationError,
     StateError,
-    TransferTimeout,
 )
 from hixl.testbed.net import free_tcp_port
 
-from .peerproc import PeerProcess
+from .loops import UntilError, killing_the_peer_ends_the_loop
 
 RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 KIB = 1024
@@ -293,38 +294,12 @@ def test_a_peer_killed_under_channel_puts_ends_them_in_time() -> None:
     """The peer process is killed while another thread loops on channel puts of 8 MiB:
     the put under way (or the next) ends with an error naming the peer, within its
     timeout and a margin, and the connection is FAILED."""
-    victim = PeerProcess(f"127.0.0.1:{free_tcp_port()}", 8 << 20)
-    try:
-        victim.wait_ready()
-        with Engine("127.0.0.1:0") as client:
-            r = client.register(np.ones(8 << 20, np.uint8), access=Access.NONE)
-            conn = client.connect(victim.id, timeout=30)
-            ch = client.channel(victim.id, r, "buf")
-            outcome: list[BaseException] = []
-            started = threading.Event()
 
-            def loop() -> None:
-                try:
-                    while True:
-                        ch.put(0, 0, 8 << 20, timeout=3)
-                        started.set()
-                except BaseException as exc:  # noqa: BLE001 - checked by the main thread
-                    outcome.append(exc)
+    def start(client: Engine, peer: str, r: Region) -> Callable[[], None]:
+        ch = client.channel(peer, r, "buf")
+        return lambda: ch.put(0, 0, 8 << 20, timeout=3)
 
-            t = threading.Thread(target=loop)
-            t.start()
-            assert started.wait(30), "no channel put finished"
-            victim.kill()
-            t0 = time.monotonic()
-            t.join(30)
-            assert not t.is_alive(), "a channel put to a dead peer never ended"
-            assert time.monotonic() - t0 < 10
-            assert len(outcome) == 1, outcome
-            assert isinstance(outcome[0], ConnectionFailed | TransferTimeout), outcome
-            assert victim.id in str(outcome[0])
-            assert conn.state is ConnState.FAILED
-    finally:
-        victim.close()
+    killing_the_peer_ends_the_loop(start)
 
 
 def test_closing_the_engine_ends_a_channel_put_under_way(pair: tuple[Engine, Engine]) -> None:
@@ -334,24 +309,12 @@ def test_closing_the_engine_ends_a_channel_put_under_way(pair: tuple[Engine, Eng
     r_src = client.register(pattern(size, 11), access=Access.NONE)
     client.connect(server.id, timeout=30.0)
     ch = client.channel(server.id, r_src, "dst")
-    outcome: list[BaseException] = []
-    started = threading.Event()
-
-    def loop() -> None:
-        try:
-            while True:
-                ch.put(0, 0, size, timeout=60)
-                started.set()
-        except BaseException as exc:  # noqa: BLE001 - checked by the main thread
-            outcome.append(exc)
-
-    t = threading.Thread(target=loop)
-    t.start()
-    assert started.wait(30)
+    loop = UntilError(lambda: ch.put(0, 0, size, timeout=60))
+    assert loop.wait_first(30), loop.errors
     client.close()
-    t.join(30)
-    assert not t.is_alive(), "a channel put outlived its engine's close()"
-    assert len(outcome) == 1 and isinstance(outcome[0], HixlError), outcome
+    loop.join(30)
+    assert not loop.thread.is_alive(), "a channel put outlived its engine's close()"
+    assert len(loop.errors) == 1 and isinstance(loop.errors[0], HixlError), loop.errors
     with pytest.raises(StateError):
         ch.put(0, 0, 64)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -19,11 +20,10 @@ import pytest
 
 from hixl.core.descriptors import ContiguousDesc
 from hixl.core.states import ConnState
-from hixl.engine import Access, Engine
-from hixl.errors import CompletionError, ConnectionFailed, HixlError, TransferTimeout
-from hixl.testbed.net import free_tcp_port
+from hixl.engine import Access, Engine, Region
+from hixl.errors import CompletionError, ConnectionFailed, HixlError
 
-from .peerproc import PeerProcess
+from .loops import killing_the_peer_ends_the_loop
 
 RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 KIB = 1024
@@ -221,34 +221,12 @@ def test_a_peer_killed_under_direct_puts_ends_them_in_time() -> None:
     """A peer process is killed while another thread loops on blocking 8 MiB puts to it:
     the put under way (or the next) ends with an error naming the peer, within its
     timeout and a margin, and the connection is FAILED."""
-    victim = PeerProcess(f"127.0.0.1:{free_tcp_port()}", 8 << 20)
-    try:
-        victim.wait_ready()
-        with Engine("127.0.0.1:0") as client:
-            r = client.register(np.ones(8 << 20, np.uint8), access=Access.NONE)
-            conn = client.connect(victim.id, timeout=30)
-            client.put(victim.id, r, "buf", timeout=30)  # checked and planned: the template
-            outcome: list[BaseException] = []
 
-            def loop() -> None:
-                try:
-                    while True:
-                        client.put(victim.id, r, "buf", timeout=3)
-                except BaseException as exc:  # noqa: BLE001 - checked by the main thread
-                    outcome.append(exc)
+    def start(client: Engine, peer: str, r: Region) -> Callable[[], None]:
+        client.put(peer, r, "buf", timeout=30)  # checked and planned: the template
+        return lambda: client.put(peer, r, "buf", timeout=3)
 
-            t = threading.Thread(target=loop)
-            t.start()
-            time.sleep(0.5)
-            assert client.diagnostics().direct_posts >= 1
-            victim.kill()
-            t0 = time.monotonic()
-            t.join(30)
-            assert not t.is_alive(), "a direct put to a dead peer never ended"
-            assert time.monotonic() - t0 < 10
-            assert len(outcome) == 1, outcome
-            assert isinstance(outcome[0], (ConnectionFailed, TransferTimeout)), outcome
-            assert victim.id in str(outcome[0])
-            assert conn.state is ConnState.FAILED
-    finally:
-        victim.close()
+    def check(client: Engine) -> None:
+        assert client.diagnostics().direct_posts >= 1
+
+    killing_the_peer_ends_the_loop(start, check)
