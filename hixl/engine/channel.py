@@ -228,11 +228,9 @@ class Channel:
                 self._recheck_remote()
             if local.closed:
                 self._local_closed()
-            if lo != at_lo or ro != at_ro or n != at_n:  # a loop repeats its offsets
-                place(lbase + lo, n, rbase + ro)
-                at_lo, at_ro, at_n = lo, ro, n
-            # Claim the channel (an atomic pop: one call at a time), then mark the lane
-            # busy *before* reading the engine's and the connection's state: close() and
+            # Claim the channel (an atomic pop: one call at a time) before touching its
+            # chain, which another thread's call may be posting; then mark the lane busy
+            # *before* reading the engine's and the connection's state: close() and
             # _drop() change those under the engine lock and then wait for, or skip, a
             # busy lane (Connection.poster), so whichever comes second sees the other.
             try:
@@ -242,6 +240,9 @@ class Channel:
                     f"channel to {self.peer} is in use by another thread's call: one call "
                     "at a time per channel"
                 ) from None
+            if lo != at_lo or ro != at_ro or n != at_n:  # a loop repeats its offsets
+                place(lbase + lo, n, rbase + ro)
+                at_lo, at_ro, at_n = lo, ro, n
             conn.direct_busy = True
             if self._closed or eng._closed or conn.state is not ready:
                 self._end()
