@@ -273,9 +273,7 @@ class Channel:
         conn = self._conn
         status = got[0]
         if conn.state is not ConnState.READY:  # flushed: the connection failed meanwhile
-            self._end()
-            why = conn.failure or f"it was {conn.state.name.lower()}"
-            raise ConnectionFailed(f"connection to {self.peer} failed: {why}")
+            raise self._gone()
         name = verbs.WC_STATUS_NAMES.get(status, f"IBV_WC_STATUS_{status}")
         err = CompletionError(f"channel {what} to {self.peer}", status, name, 1, got[1])
         self._end(err, f"completion error {name}")
@@ -287,10 +285,15 @@ class Channel:
         for the caller to raise ``exc`` (the connection is failed)."""
         conn = self._conn
         if conn.state is not ConnState.READY:
-            self._end()
-            why = conn.failure or f"it was {conn.state.name.lower()}"
-            raise ConnectionFailed(f"connection to {self.peer} failed: {why}") from exc
+            raise self._gone() from exc
         self._end(exc, f"post_send failed: {exc}")
+
+    def _gone(self) -> ConnectionFailed:
+        """End a call whose connection failed or closed under it; the error to raise."""
+        self._end()
+        conn = self._conn
+        why = conn.failure or f"it was {conn.state.name.lower()}"
+        return ConnectionFailed(f"connection to {self.peer} failed: {why}")
 
     def _local_closed(self) -> NoReturn:
         if self._closed or self._engine.closed:
@@ -409,11 +412,3 @@ class Channel:
             conn.check_ready()
             raise StateError(f"connection to {self.peer} is {conn.state.name}")
         raise StateError(f"channel to {self.peer} cannot start a call")
-
-
-def open_channel(engine: Engine, conn: Connection, local: Region, remote: RemoteRegion) -> Channel:
-    """Make a :class:`Channel` on ``conn``'s direct lane (engine lock held by the caller,
-    checks done there)."""
-    ch = Channel(engine, conn, local, remote)
-    conn.channel = ch
-    return ch

@@ -27,7 +27,7 @@ from hixl.core.plan import DeviceLimits
 from hixl.core.states import ConnEvent, ConnState
 from hixl.core.window import MAX_BATCHES, Batch, Chunk
 from hixl.core.wire import MAX_LANES, RemoteRegion
-from hixl.engine.channel import Channel, open_channel
+from hixl.engine.channel import Channel
 from hixl.engine.connection import RECV_SLOTS, Connection, Lane
 from hixl.engine.datapath import (
     Built,
@@ -1415,7 +1415,9 @@ class Engine:
                     f"connection to {peer} already has an open channel {conn.channel!r}; "
                     "close it first (one channel per connection)"
                 )
-            return open_channel(self, conn, local, rem)
+            ch = Channel(self, conn, local, rem)
+            conn.channel = ch
+            return ch
 
     def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0) -> None:
         """Send a notification to ``peer`` alone (after everything posted before it)."""
