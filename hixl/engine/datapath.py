@@ -113,6 +113,9 @@ class Template:
     rkey: int
     nbytes: int
     num_wrs: int
+    # A plan of one WR of one SGE: (local offset, bytes, remote offset) from the bases,
+    # for building its chain through cffi alone (:meth:`SendChain.single`); else None.
+    single: tuple[int, int, int] | None = None
 
 
 class Planner:
@@ -139,6 +142,13 @@ class Planner:
         if plan is None or built.key is None:
             return None
         remote = resolve_remote(conn, req.remote, "")
+        single = None
+        if plan.num_wrs == 1 and plan.num_sges == 1:
+            single = (
+                int(plan.sge_local_offset[0]),
+                int(plan.sge_length[0]),
+                int(plan.wr_remote_offset[0]),
+            )
         return Template(
             conn=conn,
             remotes=conn.remote_regions,
@@ -152,6 +162,7 @@ class Planner:
             rkey=remote.rkey,
             nbytes=built.nbytes,
             num_wrs=built.chain.num_wrs,
+            single=single,
         )
 
     def at_offsets(
@@ -183,6 +194,18 @@ class Planner:
                 return idle  # the very same request again
             idle.chain.shift(local_addr - la, remote_addr - ra)
             return Built(idle.chain, t.nbytes, t.key, (local_addr, remote_addr))
+        one = t.single
+        if one is not None:  # a twelfth of for_plan's cost: no numpy
+            chain = SendChain.single(
+                opcode=t.opcode,
+                local_addr=local_addr + one[0],
+                nbytes=one[1],
+                lkey=t.local.lkey,
+                remote_addr=remote_addr + one[2],
+                rkey=t.rkey,
+                regions=(t.local,),
+            )
+            return Built(chain, t.nbytes, t.key, (local_addr, remote_addr))
         chain = SendChain.for_plan(
             t.plan,
             opcode=t.opcode,

@@ -164,19 +164,67 @@ class SendChain:
         self._sge0 = ffi.cast("struct ibv_sge *", self._sge_mem)[0]
         self.wr_base = address(self._wr_mem)
         self.sge_base = address(self._sge_mem)
-        self._wrs = np.frombuffer(ffi.buffer(self._wr_mem), WR_DTYPE)
-        self._sges = np.frombuffer(ffi.buffer(self._sge_mem), SGE_DTYPE)
-        self._sge_addr = self._sges["addr"]
-        self._wr_raddr = self._wrs["remote_addr"]
-        # Every WR links to the next once and for all; only the terminator moves.
-        links = self._wrs["next"]
-        links[:] = self.wr_base + _WR_SIZE * np.arange(1, capacity + 1, dtype=np.uint64)
-        links[-1] = 0
+        # The numpy views are made on first use (:meth:`_views`): a chain of one WR
+        # filled through cffi (:meth:`single`) never needs them.
+        self._wrs: npt.NDArray[Any] | None = None
+        self._sges: npt.NDArray[Any] | None = None
+        self._sge_addr: npt.NDArray[Any] | None = None
+        self._wr_raddr: npt.NDArray[Any] | None = None
+        if capacity > 1:
+            # Every WR links to the next once and for all; only the terminator moves.
+            links = self._views()[0]["next"]
+            links[:] = self.wr_base + _WR_SIZE * np.arange(1, capacity + 1, dtype=np.uint64)
+            links[-1] = 0
         self.num_wrs = 0
         self.num_sges = 0
         self.regions: tuple[Any, ...] = ()
         self._group_cache: tuple[int, int, npt.NDArray[np.uint64]] | None = None
         self._flags_for: tuple[int, int, int] | None = None  # (start, stop, every) flags hold
+
+    @classmethod
+    def single(
+        cls,
+        *,
+        opcode: int,
+        local_addr: int,
+        nbytes: int,
+        lkey: int,
+        remote_addr: int,
+        rkey: int,
+        regions: tuple[Any, ...] = (),
+    ) -> SendChain:
+        """A chain of one RDMA WR of one SGE, written through cffi (no numpy): what a
+        contiguous put or get of up to one message is.  Unsignaled, ``wr_id`` 0, as
+        :meth:`fill` leaves a chain.  The caller checks the values (the planner's
+        template did); cffi still refuses one that does not fit its C field."""
+        chain = cls(1, 1)
+        sge = chain._sge0
+        sge.addr = local_addr
+        sge.length = nbytes
+        sge.lkey = lkey
+        w = chain._head0
+        w.sg_list = chain._sge_mem
+        w.num_sge = 1
+        w.opcode = opcode
+        rdma = chain._rdma0
+        rdma.remote_addr = remote_addr
+        rdma.rkey = rkey
+        chain.num_wrs = chain.num_sges = 1
+        chain.regions = regions
+        return chain
+
+    def _views(
+        self,
+    ) -> tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]:
+        """The numpy views of the C memory: WRs, SGEs, SGE addresses, remote addresses."""
+        wrs, sges = self._wrs, self._sges
+        if wrs is None or sges is None:
+            wrs = self._wrs = np.frombuffer(ffi.buffer(self._wr_mem), WR_DTYPE)
+            sges = self._sges = np.frombuffer(ffi.buffer(self._sge_mem), SGE_DTYPE)
+            self._sge_addr = sges["addr"]
+            self._wr_raddr = wrs["remote_addr"]
+        assert self._sge_addr is not None and self._wr_raddr is not None
+        return wrs, sges, self._sge_addr, self._wr_raddr
 
     def __repr__(self) -> str:
         return (
@@ -187,12 +235,12 @@ class SendChain:
     @property
     def wrs(self) -> npt.NDArray[Any]:
         """The filled WRs as a structured array (a view of the C memory)."""
-        return self._wrs[: self.num_wrs]
+        return self._views()[0][: self.num_wrs]
 
     @property
     def sges(self) -> npt.NDArray[Any]:
         """The filled SGEs as a structured array (a view of the C memory)."""
-        return self._sges[: self.num_sges]
+        return self._views()[1][: self.num_sges]
 
     def wr_address(self, index: int) -> int:
         """Address of WR ``index`` (what ``bad_wr`` points to when posting stops there)."""
@@ -243,12 +291,13 @@ class SendChain:
             )
         if not (0 <= rkey <= 0xFFFF_FFFF and 0 <= lkey <= 0xFFFF_FFFF):
             raise DescriptorError(f"keys must be 32-bit: rkey={rkey:#x} lkey={lkey:#x}")
+        wrs, sges, _, _ = self._views()
         old = self.num_wrs
         if old and old != n:
-            self._wrs["next"][old - 1] = self.wr_address(old) if old < self.capacity else 0
+            wrs["next"][old - 1] = self.wr_address(old) if old < self.capacity else 0
         self.num_wrs = self.num_sges = 0  # half-written: not postable until the end
         self._flags_for = None
-        w = self._wrs[:n]
+        w = wrs[:n]
         w["wr_id"] = 0
         w["send_flags"] = 0
         w["opcode"] = opcode
@@ -258,11 +307,11 @@ class SendChain:
         np.multiply(start[:-1], _SGE_SIZE, out=sg, casting="unsafe")
         sg += np.uint64(self.sge_base)
         np.subtract(start[1:], start[:-1], out=w["num_sge"], casting="unsafe")
-        s = self._sges[:m]
+        s = sges[:m]
         s["addr"] = saddr
         s["length"] = slen
         s["lkey"] = lkey
-        self._wrs["next"][n - 1] = 0
+        wrs["next"][n - 1] = 0
         self.num_wrs, self.num_sges = n, m
         self.regions = regions
 
@@ -306,14 +355,14 @@ class SendChain:
                 sge = self._sge_mem[0]
                 sge.addr = (sge.addr + local_by) & _U64
             else:
-                addr = self._sge_addr[: self.num_sges]
+                addr = self._views()[2][: self.num_sges]
                 np.add(addr, np.uint64(local_by & _U64), out=addr)
         if remote_by:
             if self.num_wrs == 1:
                 rdma = self._wr_mem[0].wr.rdma
                 rdma.remote_addr = (rdma.remote_addr + remote_by) & _U64
             else:
-                raddr = self._wr_raddr[: self.num_wrs]
+                raddr = self._views()[3][: self.num_wrs]
                 np.add(raddr, np.uint64(remote_by & _U64), out=raddr)
 
     def set_signals(
@@ -343,7 +392,7 @@ class SendChain:
         if cache is None or cache[0] != m or cache[1] != every:
             cache = (m, every, np.arange(m, dtype=np.uint64) // np.uint64(every))
             self._group_cache = cache
-        w = self._wrs[start:stop]
+        w = self._views()[0][start:stop]
         np.add(cache[2], np.uint64(first_id), out=w["wr_id"])
         if self._flags_for != (start, stop, every):  # a reused chain keeps its flags
             flags = w["send_flags"]

@@ -111,6 +111,41 @@ def test_filled_chain_equals_the_plan(plan: Plan, lkey: int, rkey: int, opcode: 
 
 
 @PROPS
+@given(
+    local=st.integers(0, 2**47),
+    remote=st.integers(0, 2**47),
+    nbytes=st.integers(0, 2**31),
+    lkey=st.integers(0, 2**32 - 1),
+    rkey=st.integers(0, 2**32 - 1),
+    opcode=st.sampled_from([0, 4]),
+)
+def test_a_single_chain_equals_the_filled_chain_of_its_one_range(
+    local: int, remote: int, nbytes: int, lkey: int, rkey: int, opcode: int
+) -> None:
+    """``SendChain.single`` (cffi stores only) writes what ``fill`` writes for one range."""
+    one = SendChain.single(
+        opcode=opcode, local_addr=local, nbytes=nbytes, lkey=lkey, remote_addr=remote, rkey=rkey
+    )
+    ref = SendChain(1, 1)
+    ref.fill(
+        opcode=opcode,
+        remote_addr=[remote],
+        rkey=rkey,
+        sge_start=[0, 1],
+        sge_addr=[local],
+        sge_length=[nbytes],
+        lkey=lkey,
+    )
+    assert walk(one) == walk(ref)
+    assert one.num_wrs == one.num_sges == 1
+    assert int(ffi.cast("uintptr_t", one.head[0].sg_list)) == one.sge_base
+    # Its numpy views, made on first use, read the same C memory.
+    assert one.wrs.tobytes() != b"" and int(one.sges["addr"][0]) == local
+    one.shift(8, 16)
+    assert walk(one)[0]["remote"] == remote + 16 and walk(one)[0]["sges"][0][0] == local + 8
+
+
+@PROPS
 @given(plan=plans(), every=st.integers(1, 70), first=st.integers(0, 2**40))
 def test_signals_one_per_group_and_ids_name_the_group(plan: Plan, every: int, first: int) -> None:
     chain = SendChain.for_plan(plan, opcode=0, local_addr=LADDR, lkey=1, remote_addr=RADDR, rkey=2)
