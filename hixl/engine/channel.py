@@ -51,12 +51,16 @@ if TYPE_CHECKING:
     from hixl.engine.connection import Connection, Lane
     from hixl.engine.engine import Engine
 
-__all__ = ["Channel"]
+__all__ = ["Channel", "LaneBusy"]
 
 _NAP_MAX = 0.001  # longest sleep between polls once the spin is over (seconds)
 #: Bare polls right after the post, before the timed wait (about 0.1 ms natively, a few
 #: ms under emulation): a small request's completion comes within them.
 SPIN_POLLS = 512
+
+
+class LaneBusy(StateError):
+    """The direct lane is taken by another call (raised before anything is posted)."""
 
 
 class Channel:
@@ -72,8 +76,17 @@ class Channel:
     """
 
     def __init__(
-        self, engine: Engine, conn: Connection, local: Region, remote: RemoteRegion
+        self,
+        engine: Engine,
+        conn: Connection,
+        local: Region,
+        remote: RemoteRegion,
+        *,
+        lent: bool = False,
     ) -> None:
+        """``lent``: the engine's own use of the lane for a blocking single put or get
+        while no channel is open (its calls back off with :class:`LaneBusy` once a
+        channel is opened, see :meth:`Engine.channel`); a user's channel is not lent."""
         assert conn.direct is not None and conn.direct_cq is not None
         self.peer = conn.peer
         self.local = local
@@ -92,7 +105,8 @@ class Channel:
         self._closed = False
         self._write = self._chain(verbs.WR_RDMA_WRITE, local, remote)
         self._read = self._chain(verbs.WR_RDMA_READ, local, remote)
-        self._token: list[None] = [None]  # popped by the call under way (atomic)
+        self._lent = lent
+        self._token = conn.direct_token  # popped by the call under way (atomic)
         no_write = (
             None
             if remote.access & wire.REMOTE_WRITE
@@ -105,8 +119,9 @@ class Channel:
             else "get needs a remotely readable peer region and a local region with "
             f"LOCAL_WRITE access: {remote!r}, {local!r}"
         )
-        self._put = self._hot_path(self._write, "put", no_write)
-        self._get = self._hot_path(self._read, "get", no_read)
+        label = "" if lent else "channel "
+        self._put = self._hot_path(self._write, label + "put", no_write)
+        self._get = self._hot_path(self._read, label + "get", no_read)
         # The instance's own put and get are the fast versions themselves: no extra call.
         self.put = self._put  # type: ignore[method-assign]
         self.get = self._get  # type: ignore[method-assign]
@@ -201,6 +216,7 @@ class Channel:
         mask = self._align - 1 if self._align else 0  # a power of two: a bit test
         lbase, rbase = self._lbase, self._rbase
         conn, eng, token, local = self._conn, self._engine, self._token, self.local
+        lent = self._lent
         post = self._lane.qp.post_and_poll(chain, self._cq)  # pointers bound once
         place = chain.place_one
         ready = ConnState.READY
@@ -236,10 +252,13 @@ class Channel:
             try:
                 token.pop()
             except IndexError:
-                raise StateError(
+                raise LaneBusy(
                     f"channel to {self.peer} is in use by another thread's call: one call "
                     "at a time per channel"
                 ) from None
+            if lent and conn.channel is not None:  # a channel was opened: it has the lane
+                token.append(None)
+                raise LaneBusy(f"the direct lane to {self.peer} belongs to a channel now")
             if lo != at_lo or ro != at_ro or n != at_n:  # a loop repeats its offsets
                 place(lbase + lo, n, rbase + ro)
                 at_lo, at_ro, at_n = lo, ro, n
@@ -275,7 +294,7 @@ class Channel:
         if conn.state is not ConnState.READY:  # flushed: the connection failed meanwhile
             raise self._gone()
         name = verbs.WC_STATUS_NAMES.get(status, f"IBV_WC_STATUS_{status}")
-        err = CompletionError(f"channel {what} to {self.peer}", status, name, 1, got[1])
+        err = CompletionError(f"{what} to {self.peer}", status, name, 1, got[1])
         self._end(err, f"completion error {name}")
         raise err
 
@@ -318,7 +337,7 @@ class Channel:
                 now = time.monotonic()
                 if now >= deadline:
                     err = TransferTimeout(
-                        f"channel {what} of {n} bytes to {self.peer} did not complete within "
+                        f"{what} of {n} bytes to {self.peer} did not complete within "
                         f"its deadline; the connection is marked failed because its requests "
                         f"cannot be recalled"
                     )

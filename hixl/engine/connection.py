@@ -123,6 +123,10 @@ class Connection:
         self.direct_cq: verbs.CompletionQueue | None = None
         self.direct_busy = False
         self.channel: object | None = None  # the Channel holding the direct lane
+        # One call at a time on the direct lane: a channel's call, or a blocking single
+        # put/get of the engine's while no channel is open, pops this (atomic) for its
+        # duration and appends it back (see Channel).
+        self.direct_token: list[None] = [None]
         sq, max_sge = engine.sq_depth, self._dev.caps.max_sge
         for i in range(lanes):
             try:

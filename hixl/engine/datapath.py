@@ -20,7 +20,7 @@ not by the thread that also does rxe's sending.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -116,6 +116,9 @@ class Template:
     # A plan of one WR of one SGE: (local offset, bytes, remote offset) from the bases,
     # for building its chain through cffi alone (:meth:`SendChain.single`); else None.
     single: tuple[int, int, int] | None = None
+    # The engine's lent channel for repeating it blocking on the direct lane (made on
+    # first use by Engine._on_lane; a holder, since the template is frozen).
+    lane: list[Any] = field(default_factory=list)
 
 
 class Planner:

@@ -27,7 +27,7 @@ from hixl.core.plan import DeviceLimits
 from hixl.core.states import ConnEvent, ConnState
 from hixl.core.window import MAX_BATCHES, Batch, Chunk
 from hixl.core.wire import MAX_LANES, RemoteRegion
-from hixl.engine.channel import Channel
+from hixl.engine.channel import Channel, LaneBusy
 from hixl.engine.connection import RECV_SLOTS, Connection, Lane
 from hixl.engine.datapath import (
     Built,
@@ -66,6 +66,8 @@ log = logging.getLogger("hixl.engine")
 
 SEND_NOTIFY_SLOTS = 256  # notifications in flight per engine
 TEMPLATES = 1024  # single requests kept checked and planned (see Engine._one)
+#: Longest :meth:`Engine.channel` waits for a blocking put or get on the direct lane.
+CHANNEL_WAIT_S = 60.0
 #: A request of a few WRs but at least this many bytes is signalled in smaller groups,
 #: so that it is cut over the lanes like a long one (see _spread).
 SPREAD_BYTES = 128 * 1024
@@ -87,7 +89,8 @@ class Diagnostics:
     ``posted_wrs`` the work requests they carried: many ``put_async`` calls issued
     while earlier ones are out go in one post (see :meth:`Engine.transfer_async`).
     ``direct_posts`` counts the blocking single requests among them that were posted
-    and completed on the caller's thread (see :meth:`Engine.put`).
+    and completed on the caller's thread (see :meth:`Engine.put`), and ``lane_posts``
+    those of them that ran on a connection's direct lane.
     """
 
     progress_thread_id: int | None
@@ -102,6 +105,7 @@ class Diagnostics:
     send_posts: int = 0
     posted_wrs: int = 0
     direct_posts: int = 0
+    lane_posts: int = 0
 
 
 class Engine:
@@ -289,6 +293,7 @@ class Engine:
         self._send_posts = 0  # post_send calls for transfers, and the WRs they carried
         self._posted_wrs = 0
         self._direct_posts = 0  # of them, blocking single requests posted by their caller
+        self._lane_posts = 0  # of those, the ones on a direct lane (see _on_lane)
         self._post_cv = threading.Condition(self._lock)
         self._outgoing: set[Connection] = set()  # connections with control output queued
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
@@ -374,6 +379,7 @@ class Engine:
                 send_posts=self._send_posts + self._direct_posts,
                 posted_wrs=self._posted_wrs + self._direct_posts,
                 direct_posts=self._direct_posts,
+                lane_posts=self._lane_posts,
             )
 
     def close(self) -> None:
@@ -916,11 +922,12 @@ class Engine:
         :class:`CompletionError`, :class:`ConnectionFailed` or
         :class:`TransferTimeout` (after ``timeout`` seconds) after it.
 
-        A repeated put of one work request (a contiguous range, say) to a connection
-        with an idle queue pair is posted by this thread, which then polls for its
-        completion itself: no hand-over to the progress thread, no handle
-        (``Diagnostics.direct_posts`` counts them).  Otherwise it is queued like
-        :meth:`put_async` and waited for.
+        A repeated put of one work request (a contiguous range, say) is posted by this
+        thread, which then polls for its completion itself: no hand-over to the progress
+        thread, no handle (``Diagnostics.direct_posts`` counts them).  It goes on the
+        connection's direct lane as a :class:`Channel` call would, while no channel is
+        open and no other call is on that lane, else on an idle queue pair.  Otherwise
+        it is queued like :meth:`put_async` and waited for.
         """
         handle = self._one(
             "write",
@@ -1099,6 +1106,13 @@ class Engine:
             ):
                 if notify is None:
                     if now and t.num_wrs == 1:
+                        if (
+                            conn.channel is None
+                            and conn.direct is not None
+                            and t.single is not None
+                            and self._on_lane(t, la, ra, timeout, op)
+                        ):
+                            return None
                         return self._solo(t, la, ra, timeout)
                     return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, now)
                 payload = _notify.encode(notify, notify_message)
@@ -1318,6 +1332,33 @@ class Engine:
             raise handle.error
         return None
 
+    def _on_lane(self, t: Template, la: int, ra: int, timeout: float, op: str) -> bool:
+        """A blocking request of one WR and one SGE (``t`` placed at ``la``/``ra``) run on
+        the connection's direct lane while no channel holds it: the path of a
+        :class:`Channel` call, through a channel the engine keeps for the template (its
+        regions and access were checked when the template was made; the call checks the
+        offsets again, and the regions' lifetimes).  True once it completed (its error
+        raised); False, with nothing posted, when another call has the lane."""
+        held = t.lane
+        if held:
+            ch = held[0]
+        else:
+            ch = Channel(self, t.conn, t.local, t.remote, lent=True)
+            held.append(ch)
+        lo, n, ro = t.single  # type: ignore[misc]
+        call = ch._put if op == "write" else ch._get
+        # Counted as it starts, as a direct post is (without the lock: approximate when
+        # several threads put at once); taken back if the lane was not free.
+        self._direct_posts += 1
+        self._lane_posts += 1
+        try:
+            call(la + lo - t.local.addr, ra + ro - t.remote.addr, n, timeout=timeout)
+        except LaneBusy:
+            self._direct_posts -= 1
+            self._lane_posts -= 1
+            return False
+        return True
+
     def _await_solo(
         self, lane: Lane, err: HixlError | None, handle: TransferHandle, start: float
     ) -> None:
@@ -1417,7 +1458,23 @@ class Engine:
                 )
             ch = Channel(self, conn, local, rem)
             conn.channel = ch
-            return ch
+        # A blocking put or get of this engine's may be finishing on the lane (see
+        # _on_lane); from here on none starts there.  Wait for it, without the lock.
+        deadline = time.monotonic() + CHANNEL_WAIT_S
+        nap = 0.00005
+        while not conn.direct_token:
+            if time.monotonic() >= deadline or conn.state is not ConnState.READY:
+                with self._lock:
+                    if conn.channel is ch:
+                        conn.channel = None
+                conn.check_ready()
+                raise StateError(
+                    f"the direct lane to {peer} stayed busy for {CHANNEL_WAIT_S} s "
+                    "(a blocking put or get on it did not end)"
+                )
+            time.sleep(nap)
+            nap = min(nap * 2, 0.001)
+        return ch
 
     def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0) -> None:
         """Send a notification to ``peer`` alone (after everything posted before it)."""

@@ -380,3 +380,132 @@ def test_a_second_thread_on_a_busy_channel_is_refused(pair: tuple[Engine, Engine
         ch.get(0, 0, 64)  # free again afterwards
     assert refused, "a call on a busy channel was never refused"
     assert np.array_equal(dst, pattern(size, 13))
+
+
+# -- the engine's own blocking puts on the direct lane ------------------------------------
+
+
+def test_blocking_puts_use_the_direct_lane_until_a_channel_is_opened(
+    pair: tuple[Engine, Engine],
+) -> None:
+    """Repeated blocking single puts and gets run on the direct lane (``lane_posts``);
+    while a channel is open they take an ordinary lane, and the bytes are right on both."""
+    client, server = pair
+    dst = np.zeros(256 * KIB, np.uint8)
+    server.register(dst, access=RW, name="dst")
+    src = pattern(256 * KIB, 40)
+    r = client.register(src, access=RW)
+    client.connect(server.id, timeout=30.0)
+    rng = np.random.default_rng(41)
+
+    def rounds(n: int, seed: int) -> None:
+        for i in range(n):
+            lo, ro = (int(x) * 4 * KIB for x in rng.integers(0, 64, 2))
+            ld, rd = (
+                ContiguousDesc(offset=lo, nbytes=4 * KIB),
+                ContiguousDesc(offset=ro, nbytes=4 * KIB),
+            )
+            client.put(server.id, r, "dst", local_desc=ld, remote_desc=rd, timeout=60)
+            assert np.array_equal(dst[ro : ro + 4 * KIB], src[lo : lo + 4 * KIB]), i
+            dst[ro : ro + 4 * KIB] = pattern(4 * KIB, seed + i)
+            client.get(server.id, r, "dst", local_desc=ld, remote_desc=rd, timeout=60)
+            assert np.array_equal(src[lo : lo + 4 * KIB], dst[ro : ro + 4 * KIB]), i
+
+    rounds(1, 500)  # plans the two templates
+    d0 = client.diagnostics()
+    rounds(20, 600)
+    d1 = client.diagnostics()
+    assert d1.lane_posts - d0.lane_posts == 40
+    assert d1.direct_posts - d0.direct_posts == 40
+    with client.channel(server.id, r, "dst") as ch:
+        rounds(20, 700)
+        d2 = client.diagnostics()
+        assert d2.lane_posts == d1.lane_posts  # the channel has the lane
+        assert d2.direct_posts - d1.direct_posts == 40  # on an idle ordinary lane instead
+        ch.put(0, 0, 4 * KIB)
+        assert np.array_equal(dst[: 4 * KIB], src[: 4 * KIB])
+    rounds(5, 800)
+    assert client.diagnostics().lane_posts - d2.lane_posts == 10
+    assert client.diagnostics().pending_transfers == 0
+
+
+def test_channels_opened_while_other_threads_put_never_meet_their_calls(
+    pair: tuple[Engine, Engine],
+) -> None:
+    """Two threads repeat blocking 1 MiB puts (on the direct lane while no channel is
+    open) while the main thread opens, uses and closes a channel again and again: the
+    channel's calls never find the lane taken, and every byte of both lands."""
+    client, server = pair
+    size = 1 << 20
+    dst = np.zeros(4 * size, np.uint8)
+    server.register(dst, access=RW, name="dst")
+    src = pattern(4 * size, 42)
+    r = client.register(src, access=RW)
+    client.connect(server.id, timeout=30.0)
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    puts = [0, 0]
+
+    def putter(k: int) -> None:
+        d = ContiguousDesc(offset=k * size, nbytes=size)
+        try:
+            while not stop.is_set():
+                client.put(server.id, r, "dst", local_desc=d, remote_desc=d, timeout=60)
+                puts[k] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=putter, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        lane_before = client.diagnostics().lane_posts
+        for i in range(12):
+            with client.channel(server.id, r, "dst") as ch:
+                for j in range(4):
+                    lo = 2 * size + ((i * 4 + j) % 16) * 4 * KIB
+                    ro = 3 * size + j * 4 * KIB
+                    ch.put(lo, ro, 4 * KIB, timeout=60)
+                    assert np.array_equal(dst[ro : ro + 4 * KIB], src[lo : lo + 4 * KIB])
+            time.sleep(0.02)  # let the putters back onto the lane
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not failures, failures
+    assert min(puts) > 0
+    assert client.diagnostics().lane_posts > lane_before, "no put ran on the direct lane"
+    assert np.array_equal(dst[: 2 * size], src[: 2 * size])
+
+
+def test_a_notification_waits_for_a_blocking_put_on_the_direct_lane(
+    pair: tuple[Engine, Engine],
+) -> None:
+    """As for a channel call: a notification sent while another thread's 8 MiB blocking
+    put is out on the direct lane arrives only once every byte of it has landed."""
+    client, server = pair
+    size = 8 << 20
+    dst = np.zeros(size, np.uint8)
+    server.register(dst, access=RW, name="dst")
+    src = np.zeros(size, np.uint8)
+    r = client.register(src, access=Access.NONE)
+    conn = client.connect(server.id, timeout=30.0)
+    d = ContiguousDesc(offset=0, nbytes=size)
+    client.put(server.id, r, "dst", local_desc=d, remote_desc=d, timeout=60)  # the template
+    checked = 0
+    for k in range(4):
+        src[:] = k + 1
+        t = threading.Thread(
+            target=client.put,
+            args=(server.id, r, "dst"),
+            kwargs={"local_desc": d, "remote_desc": d, "timeout": 60},
+        )
+        t.start()
+        under_way = _wait_busy(conn, t)
+        client.notify(server.id, f"n{k}", timeout=60)
+        server.wait_notification(f"n{k}", timeout=60)
+        landed = int(np.count_nonzero(dst == k + 1))
+        t.join(60)
+        assert landed == size, f"round {k}: {size - landed} bytes not there at the notification"
+        checked += under_way
+    assert checked, "no round caught the put under way"
