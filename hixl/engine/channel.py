@@ -86,7 +86,8 @@ class Channel:
     ) -> None:
         """``lent``: the engine's own use of the lane for a blocking single put or get
         while no channel is open (its calls back off with :class:`LaneBusy` once a
-        channel is opened, see :meth:`Engine.channel`); a user's channel is not lent."""
+        channel is opened, see :meth:`Engine.channel`, and skip the per-call checks,
+        which the engine has just made); a user's channel is not lent."""
         assert conn.direct is not None and conn.direct_cq is not None
         self.peer = conn.peer
         self.local = local
@@ -225,25 +226,28 @@ class Channel:
         def call(lo: Any, ro: Any, n: Any, *, timeout: float = 30.0) -> None:
             nonlocal at_lo, at_ro, at_n
             # Checks first, nothing posted until they all pass; the fast test is exact for
-            # plain ints, anything else is checked (and its error named) the slow way.
-            if not (
-                type(lo) is int
-                and type(ro) is int
-                and type(n) is int
-                and 0 < n <= biggest
-                and 0 <= lo <= llen - n
-                and 0 <= ro <= rlen - n
-                and not (lo | ro) & mask
-            ):
-                lo, ro, n = self._checked(lo, ro, n)
-            if not timeout > 0:
-                raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
-            if refused is not None:
-                raise RegistrationError(refused)
-            if conn.remote_regions is not self._remotes:
-                self._recheck_remote()
-            if local.closed:
-                self._local_closed()
+            # plain ints, anything else is checked (and its error named) the slow way.  A
+            # lent call's engine has made every one of these checks just before (its
+            # template's bounds, access, timeout, region lifetimes and tuple).
+            if not lent:
+                if not (
+                    type(lo) is int
+                    and type(ro) is int
+                    and type(n) is int
+                    and 0 < n <= biggest
+                    and 0 <= lo <= llen - n
+                    and 0 <= ro <= rlen - n
+                    and not (lo | ro) & mask
+                ):
+                    lo, ro, n = self._checked(lo, ro, n)
+                if not timeout > 0:
+                    raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
+                if refused is not None:
+                    raise RegistrationError(refused)
+                if conn.remote_regions is not self._remotes:
+                    self._recheck_remote()
+                if local.closed:
+                    self._local_closed()
             # Claim the channel (an atomic pop: one call at a time) before touching its
             # chain, which another thread's call may be posting; then mark the lane busy
             # *before* reading the engine's and the connection's state: close() and

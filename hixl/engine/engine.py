@@ -293,7 +293,7 @@ class Engine:
         self._send_posts = 0  # post_send calls for transfers, and the WRs they carried
         self._posted_wrs = 0
         self._direct_posts = 0  # of them, blocking single requests posted by their caller
-        self._lane_posts = 0  # of those, the ones on a direct lane (see _on_lane)
+        self._lane_posts = 0  # and on a direct lane (see _on_lane; not in _direct_posts)
         self._post_cv = threading.Condition(self._lock)
         self._outgoing: set[Connection] = set()  # connections with control output queued
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
@@ -376,9 +376,9 @@ class Engine:
                 handshakes=self._incoming.pending if self._incoming is not None else 0,
                 refused_busy=self._incoming.refused_busy if self._incoming is not None else 0,
                 notifications=len(self._notes),
-                send_posts=self._send_posts + self._direct_posts,
-                posted_wrs=self._posted_wrs + self._direct_posts,
-                direct_posts=self._direct_posts,
+                send_posts=self._send_posts + self._direct_posts + self._lane_posts,
+                posted_wrs=self._posted_wrs + self._direct_posts + self._lane_posts,
+                direct_posts=self._direct_posts + self._lane_posts,
                 lane_posts=self._lane_posts,
             )
 
@@ -1107,10 +1107,10 @@ class Engine:
                 if notify is None:
                     if now and t.num_wrs == 1:
                         if (
-                            conn.channel is None
+                            t.single is not None
+                            and conn.channel is None
                             and conn.direct is not None
-                            and t.single is not None
-                            and self._on_lane(t, la, ra, timeout, op)
+                            and self._on_lane(t, la, ra, timeout)
                         ):
                             return None
                         return self._solo(t, la, ra, timeout)
@@ -1332,7 +1332,7 @@ class Engine:
             raise handle.error
         return None
 
-    def _on_lane(self, t: Template, la: int, ra: int, timeout: float, op: str) -> bool:
+    def _on_lane(self, t: Template, la: int, ra: int, timeout: float) -> bool:
         """A blocking request of one WR and one SGE (``t`` placed at ``la``/``ra``) run on
         the connection's direct lane while no channel holds it: the path of a
         :class:`Channel` call, through a channel the engine keeps for the template (its
@@ -1340,21 +1340,18 @@ class Engine:
         offsets again, and the regions' lifetimes).  True once it completed (its error
         raised); False, with nothing posted, when another call has the lane."""
         held = t.lane
-        if held:
-            ch = held[0]
-        else:
+        if not held:
             ch = Channel(self, t.conn, t.local, t.remote, lent=True)
-            held.append(ch)
-        lo, n, ro = t.single  # type: ignore[misc]
-        call = ch._put if op == "write" else ch._get
+            lo, n, ro = t.single  # type: ignore[misc]
+            call = ch._put if t.opcode == verbs.WR_RDMA_WRITE else ch._get
+            held.append((call, lo - t.local.addr, ro - t.remote.addr, n))
+        call, dlo, dro, n = held[0]
         # Counted as it starts, as a direct post is (without the lock: approximate when
         # several threads put at once); taken back if the lane was not free.
-        self._direct_posts += 1
         self._lane_posts += 1
         try:
-            call(la + lo - t.local.addr, ra + ro - t.remote.addr, n, timeout=timeout)
+            call(la + dlo, ra + dro, n, timeout=timeout)
         except LaneBusy:
-            self._direct_posts -= 1
             self._lane_posts -= 1
             return False
         return True
