@@ -9,6 +9,7 @@ lifetimes, and shares the connection with ordinary transfers.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -330,9 +331,13 @@ def _wait_busy(conn: Any, t: threading.Thread) -> bool:
     return True
 
 
-def test_a_notification_waits_for_a_channel_call_under_way(pair: tuple[Engine, Engine]) -> None:
-    """A notification sent while another thread's 8 MiB channel put is out arrives only
-    once every byte of that put has landed (it is held behind the direct lane)."""
+@pytest.mark.parametrize("how", ["channel", "put"])
+def test_a_notification_waits_for_a_call_under_way_on_the_direct_lane(
+    pair: tuple[Engine, Engine], how: str
+) -> None:
+    """A notification sent while another thread's 8 MiB call is out on the direct lane (a
+    channel put, or a blocking ``Engine.put`` while no channel is open) arrives only once
+    every byte of it has landed: it is held behind the lane."""
     client, server = pair
     size = 8 << 20
     dst = np.zeros(size, np.uint8)
@@ -340,11 +345,23 @@ def test_a_notification_waits_for_a_channel_call_under_way(pair: tuple[Engine, E
     src = np.zeros(size, np.uint8)
     r = client.register(src, access=Access.NONE)
     conn = client.connect(server.id, timeout=30.0)
-    checked = 0
-    with client.channel(server.id, r, "dst") as ch:
+    d = ContiguousDesc(offset=0, nbytes=size)
+    with contextlib.ExitStack() as stack:
+        if how == "channel":
+            ch = stack.enter_context(client.channel(server.id, r, "dst"))
+
+            def call() -> None:
+                ch.put(0, 0, size, timeout=60)
+        else:
+            client.put(server.id, r, "dst", local_desc=d, remote_desc=d, timeout=60)
+
+            def call() -> None:  # repeats the template just made: on the lane
+                client.put(server.id, r, "dst", local_desc=d, remote_desc=d, timeout=60)
+
+        checked = 0
         for k in range(4):
             src[:] = k + 1
-            t = threading.Thread(target=ch.put, args=(0, 0, size), kwargs={"timeout": 60})
+            t = threading.Thread(target=call)
             t.start()
             under_way = _wait_busy(conn, t)
             client.notify(server.id, f"n{k}", timeout=60)
@@ -353,7 +370,7 @@ def test_a_notification_waits_for_a_channel_call_under_way(pair: tuple[Engine, E
             t.join(60)
             assert landed == size, f"round {k}: {size - landed} bytes not there at the notification"
             checked += under_way
-    assert checked, "no round caught the put under way"
+    assert checked, "no round caught the call under way"
 
 
 def test_a_second_thread_on_a_busy_channel_is_refused(pair: tuple[Engine, Engine]) -> None:
@@ -476,36 +493,3 @@ def test_channels_opened_while_other_threads_put_never_meet_their_calls(
     assert min(puts) > 0
     assert client.diagnostics().lane_posts > lane_before, "no put ran on the direct lane"
     assert np.array_equal(dst[: 2 * size], src[: 2 * size])
-
-
-def test_a_notification_waits_for_a_blocking_put_on_the_direct_lane(
-    pair: tuple[Engine, Engine],
-) -> None:
-    """As for a channel call: a notification sent while another thread's 8 MiB blocking
-    put is out on the direct lane arrives only once every byte of it has landed."""
-    client, server = pair
-    size = 8 << 20
-    dst = np.zeros(size, np.uint8)
-    server.register(dst, access=RW, name="dst")
-    src = np.zeros(size, np.uint8)
-    r = client.register(src, access=Access.NONE)
-    conn = client.connect(server.id, timeout=30.0)
-    d = ContiguousDesc(offset=0, nbytes=size)
-    client.put(server.id, r, "dst", local_desc=d, remote_desc=d, timeout=60)  # the template
-    checked = 0
-    for k in range(4):
-        src[:] = k + 1
-        t = threading.Thread(
-            target=client.put,
-            args=(server.id, r, "dst"),
-            kwargs={"local_desc": d, "remote_desc": d, "timeout": 60},
-        )
-        t.start()
-        under_way = _wait_busy(conn, t)
-        client.notify(server.id, f"n{k}", timeout=60)
-        server.wait_notification(f"n{k}", timeout=60)
-        landed = int(np.count_nonzero(dst == k + 1))
-        t.join(60)
-        assert landed == size, f"round {k}: {size - landed} bytes not there at the notification"
-        checked += under_way
-    assert checked, "no round caught the put under way"
