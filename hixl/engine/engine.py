@@ -1880,8 +1880,12 @@ class Engine:
             if msg.nonce == conn.probe_nonce:
                 conn.pong_at = time.monotonic()
         elif isinstance(msg, wire.Bye):
-            # Notifications the peer sent before its goodbye come first.
+            # Notifications the peer sent before its goodbye come first, and so do the
+            # completions of our own sends that are already in the queue: a peer that
+            # closes once it has our last notification says goodbye right after that
+            # send completed here, maybe before this thread reaped it (same select round).
             self._reap_recv(self.recv_cq.poll(64))
+            self._reap_send(self.send_cq.poll_rows(POLL_BATCH))
             self._progress.unwatch(conn)
             self._fail(conn, f"peer said goodbye: {msg.reason}", expected=True)
         elif isinstance(msg, wire.Error):
