@@ -138,8 +138,10 @@ def pong_child(max_size: int) -> int:
             elif cmd[0] == "RUN":
                 size, total = int(cmd[1]), int(cmd[2])
                 channel = len(cmd) > 3 and cmd[3] == "chan"
-                if channel and ch is None:
-                    ch = eng.channel(peer, r_src, "ping")
+                # A channel lives for one run: while one is open the engine's blocking
+                # put leaves it the direct lane, so a kept channel would move later
+                # Engine.put runs off their own path.
+                ch = eng.channel(peer, r_src, "ping") if channel else None
                 dmv[size - 1] = 0
                 smv[size - 1] = 0
                 desc = ContiguousDesc(offset=0, nbytes=size)
@@ -149,10 +151,13 @@ def pong_child(max_size: int) -> int:
                     v = i % 255 + 1
                     _spin(dmv, size - 1, v, deadline)
                     smv[size - 1] = v
-                    if ch is not None and channel:
+                    if ch is not None:
                         ch.put(0, 0, size, timeout=60)
                     else:
                         eng.put(peer, r_src, "ping", local_desc=desc, remote_desc=desc, timeout=60)
+                if ch is not None:
+                    ch.close()
+                    ch = None
                 print("DONE", flush=True)
     finally:
         if ch is not None:
@@ -205,8 +210,9 @@ class PingPong:
 
     def run(
         self, size: int, iters: int, warmup: int, channel: bool = False
-    ) -> tuple[list[float], list[float]]:
-        """Half round trips, and this side's blocking ``put`` times, in microseconds.
+    ) -> tuple[list[float], list[float], int]:
+        """Half round trips and this side's blocking ``put`` times, in microseconds, and
+        how many of this side's :meth:`hixl.Engine.put` calls ran on the direct lane.
 
         ``iters`` of each, after ``warmup`` untimed round trips.  With ``channel`` both
         sides write with :meth:`hixl.Channel.put` instead of :meth:`hixl.Engine.put`.
@@ -223,9 +229,11 @@ class PingPong:
         samples, puts = [], []
         clock = time.perf_counter
         put = self.eng.put
-        if channel and self.ch is None:
-            self.ch = self.eng.channel(self.peer, self.r_src, "pong")
-        ch_put = self.ch.put if channel and self.ch is not None else None
+        lane0 = self.eng.diagnostics().lane_posts
+        # One channel per run, closed after it (see pong_child): Engine.put runs on the
+        # direct lane only while no channel holds it.
+        self.ch = self.eng.channel(self.peer, self.r_src, "pong") if channel else None
+        ch_put = self.ch.put if self.ch is not None else None
         for i in range(total):
             v = i % 255 + 1
             smv[size - 1] = v
@@ -239,8 +247,11 @@ class PingPong:
             if i >= warmup:
                 samples.append((clock() - t0) / 2 * 1e6)
                 puts.append((t1 - t0) * 1e6)
+        if self.ch is not None:
+            self.ch.close()
+            self.ch = None
         self._expect("DONE", 60)
-        return samples, puts
+        return samples, puts, self.eng.diagnostics().lane_posts - lane0
 
     def close(self) -> None:
         if self.ch is not None:
@@ -922,11 +933,12 @@ def run_hixl(
     if kind in LAT_KINDS:
         assert pong is not None
         warm = (2 if size < MIB else 1) if args.warmup is None else args.warmup
-        samples, puts = pong.run(size, iters, warm, channel=kind == "chan")
+        samples, puts, on_lane = pong.run(size, iters, warm, channel=kind == "chan")
         return {
             "value": median(samples),
             "unit": "us",
             "put_us": median(puts),
+            "lane_puts": on_lane,
             "samples_min_us": min(samples),
             "samples_max_us": max(samples),
             "warmup": warm,
