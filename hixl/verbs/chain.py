@@ -36,7 +36,7 @@ knows the layouts), so chains can be built and checked on any machine.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -121,12 +121,6 @@ WC_DTYPE = _dtype(
 
 _WR_SIZE = WR_DTYPE.itemsize
 _SGE_SIZE = SGE_DTYPE.itemsize
-
-
-def _closed_region(region: Any) -> NoReturn:
-    raise RegistrationError(
-        f"work request chain refers to a closed memory region {region!r}; it cannot be posted"
-    )
 
 
 class SendChain:
@@ -464,7 +458,10 @@ class SendChain:
         """Raise :class:`RegistrationError` when a region the chain uses was closed."""
         for region in self.regions:
             if region.closed:
-                _closed_region(region)
+                raise RegistrationError(
+                    f"work request chain refers to a closed memory region {region!r}; "
+                    "it cannot be posted"
+                )
 
     def link_end(self, stop: int) -> Any:
         """The ``struct ibv_send_wr`` of WR ``stop - 1``, whose ``next`` ends a post of
@@ -535,7 +532,10 @@ class ChainRun:
         """Raise :class:`RegistrationError` when a region of one of the chains was closed."""
         for region in self.regions:
             if region.closed:
-                _closed_region(region)
+                raise RegistrationError(
+                    f"work request chain refers to a closed memory region {region!r}; "
+                    "it cannot be posted"
+                )
 
     def unsignal(self, index: int) -> None:
         """Post WR ``index`` unsignaled (see :meth:`SendChain.unsignal`)."""
