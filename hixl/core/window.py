@@ -69,9 +69,7 @@ class Chunk:
     it, is not posted until its owner clears the flag (the engine holds a notification
     until work queued before it on other queue pairs has completed).  ``handle``,
     ``notify_slot`` and ``built`` belong to the engine (the transfer, a notification
-    buffer, the pooled chain), and so do ``handles`` and ``builts``: the transfers and
-    chains of a run (:class:`hixl.verbs.chain.ChainRun`), a chunk of one signal group
-    that grows at the end of the backlog until it is posted.
+    buffer, the pooled chain).
     """
 
     chain: Any
@@ -86,8 +84,6 @@ class Chunk:
     notify_slot: int | None = None
     built: Any = None
     held: bool = False
-    handles: list[Any] | None = None
-    builts: list[Any] | None = None
 
     @property
     def size(self) -> int:
@@ -126,15 +122,6 @@ class SendWindow:
     def head(self) -> Chunk | None:
         """The chunk the next batch starts with."""
         return self._backlog[0] if self._backlog else None
-
-    @property
-    def tail(self) -> Chunk | None:
-        """The chunk queued last and not posted at all, or None (a run grows there)."""
-        if self._backlog:
-            chunk = self._backlog[-1]
-            if not chunk.posted:
-                return chunk
-        return None
 
     def waiting(self) -> Iterator[Chunk]:
         """The backlog's chunks, oldest first."""

@@ -349,13 +349,6 @@ class Planner:
             except IndexError:  # another thread took the last one
                 return
             for chunk in chunks:
-                builts = chunk.builts
-                if builts is not None:  # a run's chains: each ends its own list again
-                    chunk.builts = None
-                    chunk.chain.unlink()
-                    for b in builts:
-                        self.give_back(b)
-                    continue
                 built = chunk.built
                 if built is not None:
                     chunk.built = None

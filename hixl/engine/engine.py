@@ -56,7 +56,6 @@ from hixl.errors import (
 )
 from hixl.verbs import adapter as verbs
 from hixl.verbs.adapter import gid_to_str
-from hixl.verbs.chain import RUN_ID_MASK, RUN_TAG_SHIFT, ChainRun
 
 if TYPE_CHECKING:
     from hixl.registry import Registry, Watch
@@ -91,10 +90,7 @@ class Diagnostics:
     while earlier ones are out go in one post (see :meth:`Engine.transfer_async`).
     ``direct_posts`` counts the blocking single requests among them that were posted
     and completed on the caller's thread (see :meth:`Engine.put`), and ``lane_posts``
-    those of them that ran on a connection's direct lane.  ``coalesced`` counts the
-    ``put_async``/``get_async`` requests of one work request that were queued into the
-    run of an earlier one still waiting to be posted (posted and completed with it,
-    see :class:`~hixl.verbs.chain.ChainRun`).
+    those of them that ran on a connection's direct lane.
     """
 
     progress_thread_id: int | None
@@ -110,7 +106,6 @@ class Diagnostics:
     posted_wrs: int = 0
     direct_posts: int = 0
     lane_posts: int = 0
-    coalesced: int = 0
 
 
 class Engine:
@@ -299,7 +294,6 @@ class Engine:
         self._posted_wrs = 0
         self._direct_posts = 0  # of them, blocking single requests posted by their caller
         self._lane_posts = 0  # and on a direct lane (see _on_lane; not in _direct_posts)
-        self._coalesced = 0  # requests appended to a run (under the lock)
         self._post_cv = threading.Condition(self._lock)
         self._outgoing: set[Connection] = set()  # connections with control output queued
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
@@ -386,7 +380,6 @@ class Engine:
                 posted_wrs=self._posted_wrs + self._direct_posts + self._lane_posts,
                 direct_posts=self._direct_posts + self._lane_posts,
                 lane_posts=self._lane_posts,
-                coalesced=self._coalesced,
             )
 
     def close(self) -> None:
@@ -867,15 +860,10 @@ class Engine:
         conn.held = 0
         for chunk in chunks:
             self._release_notify(chunk)
-        handles = set()
-        for c in chunks:
-            if c.handles is not None:
-                handles.update(c.handles)
-            elif c.handle is not None:
-                handles.add(c.handle)
-        for h in handles:
-            h.finish(error)
-            self._handles.discard(h)
+        for h in {c.handle for c in chunks}:
+            if h is not None:
+                h.finish(error)
+                self._handles.discard(h)
 
     def _drop(self, conn: Connection, reason: str, *, send_bye: bool) -> None:
         """Close ``conn`` for good and forget it (caller holds the lock).
@@ -1259,8 +1247,6 @@ class Engine:
         n = chain.num_wrs
         handle = TransferHandle(conn.peer, b.nbytes, n, now_s + timeout, self._reap_inline)
         handle.chunks_left = 1
-        if n == 1 and not now:
-            return self._queue_run(conn, b, handle)
         chunk = Chunk(chain, 0, n, handle, self._every)
         chunk.built = b
         with self._lock:  # ids are taken in queue order: completions rely on it
@@ -1295,45 +1281,6 @@ class Engine:
                     self._want_post(lane)
                     batch = None
         self._post_or_wake(lane, batch)
-        return handle
-
-    def _queue_run(self, conn: Connection, b: Built, handle: TransferHandle) -> TransferHandle:
-        """:meth:`_queue1` of a request of one WR that nobody waits for yet: appended to
-        the run (:class:`~hixl.verbs.chain.ChainRun`) at the end of its lane's backlog
-        while that run is not posted and holds fewer than a signal group's WRs, else
-        queued as a new run.  A stream of small puts queued while a batch is posted thus
-        goes out as a few runs: one range to post, one completion and one pass of the
-        window for each run, not for each put.
-        """
-        chain = b.chain
-        with self._lock:  # ids are taken in queue order: completions rely on it
-            if self._closed or conn.state is not ConnState.READY:
-                self._planner.give_back(b)
-                self._check_open()
-                conn.check_ready()
-            self._handles.add(handle)
-            lane = conn.pick_lane()
-            window = lane.window
-            tail = window.tail
-            if tail is not None and tail.handles is not None and tail.stop < self._every:
-                # Whoever posts the backlog posts the run with it: nothing to hand over.
-                tail.chain.append(chain)
-                tail.stop = tail.every = tail.stop + 1
-                tail.handles.append(handle)
-                tail.builts.append(b)  # type: ignore[union-attr]
-                self._coalesced += 1
-                return handle
-            first = self._next_wr
-            self._next_wr = first + 1
-            chunk = Chunk(ChainRun(chain, first), 0, 1, handle, 1, first, 1)
-            chunk.handles = [handle]
-            chunk.builts = [b]
-            window.queue1(chunk)
-            if window.poster:
-                return handle  # the batch being posted takes it next
-            self._want_post(lane)  # hand it to the progress thread (see _start_post)
-        if self._wake_due:
-            self._wake()
         return handle
 
     def _solo(self, t: Template, la: int, ra: int, timeout: float) -> TransferHandle | None:
@@ -1792,9 +1739,6 @@ class Engine:
             if lane is None:
                 continue
             conn = lane.conn
-            tag = 0  # a run's WR other than its last fails under a tagged id (ChainRun)
-            if status != 0 and wr_id > RUN_ID_MASK:
-                tag, wr_id = wr_id >> RUN_TAG_SHIFT, wr_id & RUN_ID_MASK
             got = lane.window.completed(wr_id)
             if not got:
                 continue  # completion of a chunk that was already failed
@@ -1808,20 +1752,7 @@ class Engine:
                 err = CompletionError(f"{op} to {conn.peer}", status, name, wr_id, vendor_err)
                 for other in conn.all_lanes:
                     pump.pop(other.qpn, None)
-                reason = f"completion error {name}"
-                culprit, after = chunk.handle, []
-                if chunk.handles is not None:  # a run: the requests before the failed one
-                    hs = chunk.handles  # completed, those after it were flushed
-                    at = tag - 1 if 0 < tag < len(hs) else len(hs) - 1  # no tag: the last
-                    for h in hs[:at]:
-                        h.finish(None)
-                        self._handles.discard(h)
-                    culprit, after = hs[at], hs[at + 1 :]
-                self._fail(conn, reason, err, culprit=culprit)
-                flushed = ConnectionFailed(f"connection to {conn.peer} failed: {reason}")
-                for h in after:
-                    h.finish(flushed)
-                    self._handles.discard(h)
+                self._fail(conn, f"completion error {name}", err, culprit=chunk.handle)
                 continue
             pump[qpn] = lane
             for chunk, finished in got:
@@ -1840,13 +1771,6 @@ class Engine:
     def _chunk_done(self, chunk: Chunk) -> None:
         if chunk.notify_slot is not None:
             self._release_notify(chunk)
-        handles = chunk.handles
-        if handles is not None:  # a run: one request (one chunk) per handle
-            discard = self._handles.discard
-            for h in handles:
-                h.finish(None)
-                discard(h)
-            return
         handle = chunk.handle
         if handle is not None:
             left = handle.chunks_left - 1

@@ -243,12 +243,6 @@ class Progress:
                 # wakes this thread (posting is handed over) or is waited on by a caller
                 # that reaps its own completion and wakes this thread before it sleeps.
                 continue
-            if cq is send and engine._to_post:
-                # This round posts a backlog next and comes straight back (the select
-                # does not sleep while lanes wait): arming now would only cost a system
-                # call and a spurious event to read.  The round after the post arms.
-                busy = True  # that round comes at once, whatever the post leaves queued
-                continue
             if cq is send and time.monotonic() - engine._driven_at < DRIVEN_S:
                 # A waiter is reaping on its own thread: no event for this thread; look
                 # again in DRIVEN_S.  A waiter about to sleep clears _driven_at and wakes

@@ -44,7 +44,7 @@ import numpy.typing as npt
 
 from hixl.errors import ArgumentError, DeviceError, StateError, VerbsError
 from hixl.verbs._ffi import address, ffi, lib
-from hixl.verbs.chain import SEND_SIGNALED, WC_DTYPE, ChainRun, SendChain
+from hixl.verbs.chain import SEND_SIGNALED, WC_DTYPE, SendChain
 
 __all__ = [
     "ACCESS_LOCAL_WRITE",
@@ -952,10 +952,8 @@ class QueuePair:
 
         return post_and_poll
 
-    def post_pieces(self, pieces: Sequence[tuple[SendChain | ChainRun, int, int]]) -> None:
+    def post_pieces(self, pieces: Sequence[tuple[SendChain, int, int]]) -> None:
         """Post several ranges ``(chain, start, stop)`` of chains as one ``post_send``.
-
-        A :class:`~hixl.verbs.chain.ChainRun` is a range of its own, posted whole.
 
         The last WR of each range is linked to the first of the next for the duration
         of the call, then every link is restored, so the chains are as they were.  The
@@ -985,7 +983,7 @@ class QueuePair:
         try:
             nxt = ffi.NULL
             for chain, start, stop in reversed(pieces):
-                last = chain.link_end(stop)
+                last = chain.head[stop - 1]
                 saved.append((last, last.next))
                 last.next = nxt
                 nxt = chain.head + start
@@ -997,14 +995,12 @@ class QueuePair:
             return
         self._post_failed(pieces, rc)
 
-    def _post_failed(
-        self, pieces: Sequence[tuple[SendChain | ChainRun, int, int]], rc: int
-    ) -> NoReturn:
+    def _post_failed(self, pieces: Sequence[tuple[SendChain, int, int]], rc: int) -> NoReturn:
         where = "an unknown WR"
         bad = address(self._bad_send[0])
         for i, (chain, start, stop) in enumerate(pieces):
-            k = chain.index_of(bad)
-            if k is not None and start <= k < stop:
+            k = (bad - chain.wr_base) // _WR_SIZE
+            if chain.wr_base <= bad and start <= k < stop:
                 where = f"WR {k} of range {i} ({start}..{stop - 1})"
                 break
         raise VerbsError("post_send", f"{os.strerror(rc)} at {where} of {len(pieces)} ranges", rc)

@@ -50,7 +50,6 @@ __all__ = [
     "SGE_DTYPE",
     "WC_DTYPE",
     "WR_DTYPE",
-    "ChainRun",
     "SendChain",
 ]
 
@@ -61,12 +60,6 @@ SEND_FENCE = 1
 #: ``ibv_sge.length`` is 32 bits.
 _MAX_SGE_LEN = 0xFFFF_FFFF
 _U64 = 0xFFFF_FFFF_FFFF_FFFF
-#: A WR of a :class:`ChainRun` other than its last carries ``wr_id = first_id |
-#: (index + 1) << RUN_TAG_SHIFT``: unsignaled, it raises a completion only when it fails,
-#: and then its tag names the request (the last WR carries ``first_id`` alone, so no tag
-#: is 0).  Ids stay below ``2**RUN_TAG_SHIFT``.
-RUN_TAG_SHIFT = 48
-RUN_ID_MASK = (1 << RUN_TAG_SHIFT) - 1
 
 
 def _dtype(cname: str, fields: Sequence[tuple[str, str, tuple[str, ...]]]) -> np.dtype[Any]:
@@ -462,101 +455,3 @@ class SendChain:
                     f"work request chain refers to a closed memory region {region!r}; "
                     "it cannot be posted"
                 )
-
-    def link_end(self, stop: int) -> Any:
-        """The ``struct ibv_send_wr`` of WR ``stop - 1``, whose ``next`` ends a post of
-        WRs up to ``stop`` (:meth:`hixl.verbs.adapter.QueuePair.post_pieces`)."""
-        return self.head[stop - 1]
-
-    def index_of(self, wr_addr: int) -> int | None:
-        """The index of the WR at C address ``wr_addr``, or None when it is not one of
-        this chain's (naming the WR a provider refused)."""
-        k, rem = divmod(wr_addr - self.wr_base, _WR_SIZE)
-        return k if not rem and 0 <= k < self.num_wrs else None
-
-
-class ChainRun:
-    """Single-WR chains queued one after the other on a send queue, linked into one list
-    of WRs so they are posted as one range and complete as one.
-
-    The engine coalesces contiguous puts and gets queued while the queue's previous batch
-    is posted: :meth:`append` links the run's last WR to the new chain's, makes the old
-    last WR unsignaled, and tags its ``wr_id`` with its index plus one (see
-    :data:`RUN_TAG_SHIFT`).  The run's last WR stays signaled under ``first_id``, so a
-    run costs the poster and the reaper what one request costs, whatever its length.
-    It presents what :class:`~hixl.core.window.SendWindow` and
-    :meth:`~hixl.verbs.adapter.QueuePair.post_pieces` use of a :class:`SendChain`:
-    ``head``, ``num_wrs``, ``regions``, :meth:`check_regions`, :meth:`unsignal`,
-    :meth:`link_end` and :meth:`index_of`.  A run is posted whole.  :meth:`unlink`
-    gives the chains back their own ends once the run is posted.
-    """
-
-    __slots__ = ("_last", "chains", "first_id", "head", "num_wrs", "regions")
-
-    def __init__(self, chain: SendChain, first_id: int) -> None:
-        """A run of one chain (of one WR), signaled under ``first_id``."""
-        if chain.num_wrs != 1:
-            raise ArgumentError(f"a run is made of chains of one WR, not {chain.num_wrs}")
-        chain.signal_one(first_id)
-        self.chains = [chain]
-        self.first_id = first_id
-        self.head = chain.head
-        self._last = chain._head0
-        self.num_wrs = 1
-        self.regions: tuple[Any, ...] = chain.regions
-
-    def append(self, chain: SendChain) -> None:
-        """Add a chain of one WR at the end (the run must not be posted yet)."""
-        if chain.num_wrs != 1:
-            raise ArgumentError(f"a run is made of chains of one WR, not {chain.num_wrs}")
-        w = chain._head0
-        w.wr_id = self.first_id
-        w.send_flags = SEND_SIGNALED
-        w.next = ffi.NULL
-        chain._flags_for = None
-        last = self._last
-        last.wr_id = self.first_id | self.num_wrs << RUN_TAG_SHIFT  # index + 1
-        last.send_flags = 0
-        last.next = chain.head
-        self.chains[-1]._flags_for = None  # its flags are not set_signals' any more
-        self._last = w
-        self.chains.append(chain)
-        self.num_wrs += 1
-        have = self.regions
-        if chain.regions is not have:  # each region once, by identity
-            extra = tuple(r for r in chain.regions if not any(r is h for h in have))
-            if extra:
-                self.regions = have + extra
-
-    def check_regions(self) -> None:
-        """Raise :class:`RegistrationError` when a region of one of the chains was closed."""
-        for region in self.regions:
-            if region.closed:
-                raise RegistrationError(
-                    f"work request chain refers to a closed memory region {region!r}; "
-                    "it cannot be posted"
-                )
-
-    def unsignal(self, index: int) -> None:
-        """Post WR ``index`` unsignaled (see :meth:`SendChain.unsignal`)."""
-        if not 0 <= index < self.num_wrs:
-            raise ArgumentError(f"unsignal: WR {index} outside the run's 0..{self.num_wrs}")
-        self.chains[index].unsignal(0)
-
-    def link_end(self, stop: int) -> Any:
-        """The WR whose ``next`` ends a post up to ``stop``: a run is posted whole."""
-        if stop != self.num_wrs:
-            raise ArgumentError(f"a run of {self.num_wrs} WRs is posted whole, not up to {stop}")
-        return self._last
-
-    def index_of(self, wr_addr: int) -> int | None:
-        """The index of the WR at C address ``wr_addr`` in the run, or None."""
-        for i, chain in enumerate(self.chains):
-            if chain.wr_base == wr_addr:
-                return i
-        return None
-
-    def unlink(self) -> None:
-        """End each chain's list at its own WR again (after the run was posted)."""
-        for chain in self.chains[:-1]:
-            chain._head0.next = ffi.NULL
