@@ -80,13 +80,15 @@ def reference_plan(local: Segments, remote: Segments, op: Op, limits: DeviceLimi
         if used_r == rem[j][1]:
             j, used_r = j + 1, 0
 
-    pieces.sort(key=lambda p: p[1])
-    if op is Op.WRITE:
-        reach = -1
-        for _, r, n in pieces:
-            if r < reach:
-                raise DescriptorError("remote (the WRITE destination) overlaps itself")
-            reach = max(reach, r + n)
+    by_remote = sorted(pieces, key=lambda p: p[1])
+    reach, overlaps = -1, False
+    for _, r, n in by_remote:
+        overlaps = overlaps or r < reach
+        reach = max(reach, r + n)
+    if overlaps and op is Op.WRITE:
+        raise DescriptorError("remote (the WRITE destination) overlaps itself")
+    if not overlaps:  # a READ source that repeats bytes keeps stream order
+        pieces = by_remote
 
     # Remote runs, each a list of fused local pieces [offset, length].
     runs: list[tuple[int, list[list[int]]]] = []

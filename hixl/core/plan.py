@@ -18,8 +18,9 @@ Planning, all vectorized with numpy (no Python loop per segment):
 2. Cut the stream at every local and every remote segment boundary: each *piece* is
    contiguous on both sides.
 3. Order the pieces by remote offset (stable). The plan depends only on the byte mapping,
-   not on how the stream was enumerated or cut. On the way, check that the destination
-   (remote for WRITE, local for READ) never receives a byte twice.
+   not on how the stream was enumerated or cut (except for a READ whose remote source
+   repeats bytes, which keeps stream order: see below). On the way, check that the
+   destination (remote for WRITE, local for READ) never receives a byte twice.
 4. Fuse pieces that continue each other on both sides. A *remote run* is a maximal chain of
    pieces, each starting where the previous one ends in remote memory; within a run, the
    fused pieces are the *local pieces*.
@@ -33,8 +34,12 @@ is feasible (fewer bytes, no more local pieces). So the greedy cut is never behi
 other valid plan after each WR, and it uses the fewest WRs: ``num_wrs`` is the minimum
 over all valid plans. When the remote side does not overlap itself (always for WRITE,
 whose destination is remote) the runs are exactly the maximal contiguous ranges of
-remote memory the transfer touches, and no plan at all can use fewer WRs. Merging never
-increases the count: an unmerged plan is a valid plan of the merged runs.
+remote memory the transfer touches, and no plan at all can use fewer WRs. When it does
+overlap itself (a READ whose source repeats bytes), sorting would put one remote
+segment's pieces on both sides of another's and cut its run in two, so the pieces keep
+their stream order instead and a run is a stretch of the stream that is contiguous in
+remote memory. Either way merging never increases the count: an unmerged plan is a
+valid plan of the merged runs.
 
 Where both limits bind in one run (some ``S`` consecutive local pieces exceed
 ``max_msg_sz``: pieces of hundreds of KiB), step 5 walks that run in Python, once per WR
@@ -480,14 +485,21 @@ def plan_transfer(
         loc0.check_disjoint("local (the READ destination)")
 
     l_off, r_off, length, r_idx = _pieces(loc, rem, want_index=not merge)
+    gap = r_off[1:] - (r_off[:-1] + length[:-1])
     if length.size > 1 and not bool((r_off[1:] >= r_off[:-1]).all()):
         order = np.argsort(r_off, kind="stable")
-        l_off, r_off, length = l_off[order], r_off[order], length[order]
-        r_idx = None if r_idx is None else r_idx[order]
-    # Sorted by start, a range overlaps an earlier one iff it starts before its
-    # predecessor ends.
-    gap = r_off[1:] - (r_off[:-1] + length[:-1])
-    if op is Op.WRITE and bool((gap < 0).any()):
+        s_l, s_r, s_len = l_off[order], r_off[order], length[order]
+        # Sorted by start, a range overlaps an earlier one iff it starts before its
+        # predecessor ends.
+        s_gap = s_r[1:] - (s_r[:-1] + s_len[:-1])
+        if not bool((s_gap < 0).any()):
+            l_off, r_off, length, gap = s_l, s_r, s_len, s_gap
+            r_idx = None if r_idx is None else r_idx[order]
+        elif op is Op.WRITE:
+            rem0.check_disjoint("remote (the WRITE destination)")
+        # else a READ whose source repeats bytes: the pieces stay in stream order (see
+        # the module docstring), where a remote segment's pieces follow each other.
+    elif op is Op.WRITE and bool((gap < 0).any()):
         rem0.check_disjoint("remote (the WRITE destination)")
 
     # Fuse pieces that continue each other on both sides; mark where remote runs start.

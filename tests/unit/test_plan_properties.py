@@ -432,3 +432,24 @@ def test_block_batches_plan_as_the_reference_does(
     ro, ln = remote.offsets[order], remote.lengths[order]
     if bool((ro[1:] > ro[:-1] + ln[:-1]).all()) and int(ln.max()) <= limits.max_msg_sz:
         assert plan.num_wrs == local.count
+
+
+def test_a_read_of_an_overlapping_source_keeps_each_remote_run_whole() -> None:
+    """Found by test_merging_never_increases_wrs: remote segments (0, 4) and (1, 7)
+    overlap, and sorting the pieces by remote offset put the second segment's piece
+    between the two pieces of the first, cutting its run in two (7 WRs merged against 6
+    unmerged)."""
+    local = Segments(
+        offsets=np.array([0, 1, 2, 4, 5, 7, 8, 9, 10, 11]),
+        lengths=np.array([1, 1, 1, 1, 2, 1, 1, 1, 1, 1]),
+    )
+    remote = Segments(offsets=np.array([0, 1]), lengths=np.array([4, 7]))
+    limits = DeviceLimits(max_sge=1, max_sge_rd=2, max_msg_sz=2)
+    merged = plan_transfer(local, remote, Op.READ, limits)
+    assert merged.num_wrs == 6  # 2 for the 4 bytes of (0, 4), 4 for the 7 of (1, 7)
+    assert merged.num_wrs <= plan_transfer(local, remote, Op.READ, limits, merge=False).num_wrs
+    l1, r1 = bytearray(range(256)), bytearray(range(255, -1, -1))
+    l2, r2 = bytearray(l1), bytearray(r1)
+    apply_plan(merged, l1, r1)
+    direct_copy(bytes(r2), remote, l2, local)
+    assert l1 == l2
