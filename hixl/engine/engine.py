@@ -270,6 +270,10 @@ class Engine:
         self._planner = Planner(self.limits, alignment or None)
         self._templates: dict[tuple[Any, ...], Template] = {}
         self._last_template: tuple[tuple[Any, ...], Template] | None = None
+        # The last blocking put and get that ran on a direct lane, as (arguments, run):
+        # the same call again goes straight to ``run`` (see _lane_runner).
+        self._repeat_put: tuple[tuple[Any, ...], Callable[[float], bool]] | None = None
+        self._repeat_get: tuple[tuple[Any, ...], Callable[[float], bool]] | None = None
         self._regions: dict[tuple[int, int], Region] = {}
         self._conns: dict[str, Connection] = {}
         self._by_qpn: dict[int, Lane] = {}  # every lane made, connected or not
@@ -417,6 +421,7 @@ class Engine:
         self._regions.clear()
         self._templates.clear()
         self._last_template = None
+        self._repeat_put = self._repeat_get = None
         self._dev.close()
         log.debug("engine %s closed", self.id)
 
@@ -929,6 +934,14 @@ class Engine:
         open and no other call is on that lane, else on an idle queue pair.  Otherwise
         it is queued like :meth:`put_async` and waited for.
         """
+        again = self._repeat_put  # the same call as the last one on the lane: no lookup
+        if (
+            again is not None
+            and notify is None
+            and again[0] == (peer, local, remote, local_desc, remote_desc)
+            and again[1](timeout)
+        ):
+            return
         handle = self._one(
             "write",
             peer,
@@ -959,6 +972,13 @@ class Engine:
         Errors, and the direct post of a repeated single work request, as for
         :meth:`put`.  ``local`` needs ``Access.LOCAL_WRITE``.
         """
+        again = self._repeat_get
+        if (
+            again is not None
+            and again[0] == (peer, local, remote, local_desc, remote_desc)
+            and again[1](timeout)
+        ):
+            return
         handle = self._one(
             "read", peer, local, remote, local_desc, remote_desc, None, b"", timeout, now=True
         )
@@ -1112,6 +1132,8 @@ class Engine:
                             and conn.direct is not None
                             and self._on_lane(t, la, ra, timeout)
                         ):
+                            if tkey is not None and (la, ra) == (t.local_addr, t.remote_addr):
+                                self._remember_repeat(t, tkey)
                             return None
                         return self._solo(t, la, ra, timeout)
                     return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, now)
@@ -1331,6 +1353,53 @@ class Engine:
         if handle.error is not None:
             raise handle.error
         return None
+
+    def _remember_repeat(self, t: Template, tkey: tuple[Any, ...]) -> None:
+        """Keep the blocking call ``tkey`` (peer, op, local, remote and the two
+        descriptors), which just ran on the direct lane at its template's own offsets, so
+        that :meth:`put` or :meth:`get` with the same arguments runs it again at once."""
+        held = t.lane
+        if len(held) < 2:
+            held.append(self._lane_runner(t, held[0]))
+        entry = (tkey[:1] + tkey[2:], held[1])
+        if t.opcode == verbs.WR_RDMA_WRITE:
+            self._repeat_put = entry
+        else:
+            self._repeat_get = entry
+
+    def _lane_runner(self, t: Template, lent: tuple[Any, ...]) -> Callable[[float], bool]:
+        """``t`` at its own offsets on the direct lane, as one function of the timeout:
+        True once it completed (its error raised); False, with nothing posted, when it
+        cannot run there now (the template is stale, a channel or another call has the
+        lane, the timeout is not > 0), and the caller takes the general path, which
+        checks everything again and raises what is wrong.  The same checks as
+        :meth:`_one` makes of a template, in the same order."""
+        call, dlo, dro, n = lent
+        lo, ro = t.local_addr + dlo, t.remote_addr + dro
+        conn, remotes, local, peer = t.conn, t.remotes, t.local, t.conn.peer
+        ready = ConnState.READY
+        conns = self._conns
+
+        def run(timeout: float) -> bool:
+            if not (
+                conn.state is ready
+                and conn.remote_regions is remotes
+                and not local.closed
+                and conns.get(peer) is conn
+                and timeout > 0
+                and not self._closed
+                and conn.channel is None
+            ):
+                return False
+            self._lane_posts += 1
+            try:
+                call(lo, ro, n, timeout=timeout)
+            except LaneBusy:
+                self._lane_posts -= 1
+                return False
+            return True
+
+        return run
 
     def _on_lane(self, t: Template, la: int, ra: int, timeout: float) -> bool:
         """A blocking request of one WR and one SGE (``t`` placed at ``la``/``ra``) run on

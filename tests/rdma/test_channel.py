@@ -446,6 +446,74 @@ def test_blocking_puts_use_the_direct_lane_until_a_channel_is_opened(
     assert client.diagnostics().pending_transfers == 0
 
 
+def test_a_repeated_blocking_call_is_checked_again_on_every_repeat(
+    pair: tuple[Engine, Engine],
+) -> None:
+    """The very same blocking put (and get) repeated runs on the direct lane each time,
+    and each repeat still sees what changed since the last: a channel opened (an
+    ordinary lane instead), a bad timeout, the local region deregistered, the peer's
+    region withdrawn; the bytes are right throughout."""
+    client, server = pair
+    remote = np.zeros(16 * KIB, np.uint8)
+    r_remote = server.register(remote, access=RW, name="dst")
+    src = pattern(16 * KIB, 50)
+    r = client.register(src, access=RW)
+    conn = client.connect(server.id, timeout=30.0)
+    ld = ContiguousDesc(offset=4 * KIB, nbytes=4 * KIB)
+    rd = ContiguousDesc(offset=8 * KIB, nbytes=4 * KIB)
+
+    def put_and_get(seed: int) -> None:
+        src[4 * KIB : 8 * KIB] = pattern(4 * KIB, seed)
+        client.put(server.id, r, "dst", local_desc=ld, remote_desc=rd, timeout=60)
+        assert np.array_equal(remote[8 * KIB : 12 * KIB], pattern(4 * KIB, seed))
+        remote[8 * KIB : 12 * KIB] = pattern(4 * KIB, seed + 1)
+        client.get(server.id, r, "dst", local_desc=ld, remote_desc=rd, timeout=60)
+        assert np.array_equal(src[4 * KIB : 8 * KIB], pattern(4 * KIB, seed + 1))
+
+    for i in range(10):
+        put_and_get(900 + 2 * i)
+    d0 = client.diagnostics()
+    for i in range(10):
+        put_and_get(920 + 2 * i)
+    d1 = client.diagnostics()
+    assert d1.lane_posts - d0.lane_posts == 20
+    with client.channel(server.id, r, "dst"):
+        put_and_get(950)
+        d2 = client.diagnostics()
+        assert d2.lane_posts == d1.lane_posts  # the channel has the lane
+        assert d2.direct_posts - d1.direct_posts == 2
+    put_and_get(960)
+    assert client.diagnostics().lane_posts - d2.lane_posts == 2
+    for bad in (0, -1.0):
+        with pytest.raises(ArgumentError, match="timeout"):
+            client.put(server.id, r, "dst", local_desc=ld, remote_desc=rd, timeout=bad)
+    put_and_get(970)
+    # The peer withdraws its region: the next repeat is refused before anything is posted.
+    before = conn.remote_regions
+    server.deregister(r_remote)
+    deadline = time.monotonic() + 10
+    while conn.remote_regions is before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert conn.remote_regions is not before, "the peer's REGIONS change never came"
+    for call in (client.put, client.get):
+        with pytest.raises(RegistrationError):
+            call(server.id, r, "dst", local_desc=ld, remote_desc=rd, timeout=60)
+    # Exposed again under the same name: the repeat runs, on the new region.
+    again = np.zeros(16 * KIB, np.uint8)
+    server.register(again, access=RW, name="dst")
+    deadline = time.monotonic() + 10
+    while not any(x.name == "dst" for x in conn.remote_regions) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    remote = again
+    put_and_get(980)
+    client.deregister(r)
+    for call in (client.put, client.get):
+        with pytest.raises(RegistrationError):
+            call(server.id, r, "dst", local_desc=ld, remote_desc=rd, timeout=60)
+    assert client.diagnostics().pending_transfers == 0
+    assert conn.state is ConnState.READY
+
+
 def test_channels_opened_while_other_threads_put_never_meet_their_calls(
     pair: tuple[Engine, Engine],
 ) -> None:
