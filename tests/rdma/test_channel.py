@@ -26,6 +26,7 @@ from hixl import (
     BoundsError,
     Channel,
     CompletionError,
+    Connection,
     ConnectionFailed,
     ConnState,
     ContiguousDesc,
@@ -219,6 +220,17 @@ def test_a_put_refused_by_the_target_fails_with_its_own_status(
     ch.close()
 
 
+def withdraw(server: Engine, region: Region, conn: Connection) -> None:
+    """Deregister ``region`` on ``server`` and wait until ``conn`` (the client's
+    connection to it) has the peer's REGIONS change."""
+    before = conn.remote_regions
+    server.deregister(region)
+    deadline = time.monotonic() + 10
+    while conn.remote_regions is before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert conn.remote_regions is not before, "the peer's REGIONS change never came"
+
+
 def test_withdrawn_or_closed_regions_are_refused(pair: tuple[Engine, Engine]) -> None:
     client, server = pair
     remote = np.zeros(8 * KIB, np.uint8)
@@ -234,12 +246,7 @@ def test_withdrawn_or_closed_regions_are_refused(pair: tuple[Engine, Engine]) ->
     with client.channel(server.id, r_local, "dst") as ch:
         ch.put(0, 0, 8 * KIB)
         assert np.array_equal(remote, pattern(8 * KIB, 7))
-        before = conn.remote_regions
-        server.deregister(r_remote)
-        deadline = time.monotonic() + 10
-        while conn.remote_regions is before and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert conn.remote_regions is not before, "the peer's REGIONS change never came"
+        withdraw(server, r_remote, conn)
         with pytest.raises(RegistrationError, match="no longer exposes"):
             ch.put(0, 0, 64)
 
@@ -489,12 +496,7 @@ def test_a_repeated_blocking_call_is_checked_again_on_every_repeat(
             client.put(server.id, r, "dst", local_desc=ld, remote_desc=rd, timeout=bad)
     put_and_get(970)
     # The peer withdraws its region: the next repeat is refused before anything is posted.
-    before = conn.remote_regions
-    server.deregister(r_remote)
-    deadline = time.monotonic() + 10
-    while conn.remote_regions is before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert conn.remote_regions is not before, "the peer's REGIONS change never came"
+    withdraw(server, r_remote, conn)
     for call in (client.put, client.get):
         with pytest.raises(RegistrationError):
             call(server.id, r, "dst", local_desc=ld, remote_desc=rd, timeout=60)
