@@ -123,6 +123,11 @@ def checks(tmp: Path) -> list[tuple[str, list[str], float, Sequence[int], str]]:
             out.append((f"{name} --quick (device present)", cmd, 600, (0,), ""))
         else:
             out.append((f"{name} without a device", cmd, 60, (2,), "no usable RDMA device"))
+    ceiling = [py, str(ENTRY_DIR / "bench_ceiling.py"), "--rounds", "1", "--iters", "256"]
+    if device:
+        out.append(("bench_ceiling, one round (device present)", ceiling, 600, (0,), "ring"))
+    else:
+        out.append(("bench_ceiling without a device", ceiling, 60, (2,), "no usable RDMA device"))
     peers = ENTRY_DIR / "bench_peers.py"
     if peers.is_file():
         out.append(("bench_peers --list", [py, str(peers), "--list"], 60, (0,), "mooncake"))

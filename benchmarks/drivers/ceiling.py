@@ -1,0 +1,301 @@
+"""The ceiling of a one-message-per-call stream: the least Python per message, beside
+``ib_write_bw`` and the engine, in one run.
+
+A design probe, not a contender. It answers one question: with Python calls per message
+and the GIL, how fast can 4 KiB RDMA WRITEs stream on this device? The *ring* stream
+below keeps only what a stream needs and drops the engine's bookkeeping:
+
+* two RC queue pairs (two lanes, as a hixl connection has), looped back on one device
+  and sharing one completion queue;
+* per lane, a ring of pre-built work requests (one :class:`hixl.verbs.chain.SendChain`
+  of 256 WRs, all moving the same 4 KiB), so the producer writes nothing per message;
+* per lane, a poster thread that posts everything queued since its last post (at most
+  two ranges of the ring, one ``post_send``), signals only the last WR and reaps the
+  queue;
+* completion by sequence number: the producer's "handle" is ``(lane, n)``, done once the
+  lane's last completed id reaches ``n``. There is no handle object, no lock per message
+  and no per-message completion work.
+
+The producer (the caller's thread) keeps ``depth`` messages in flight, as
+:func:`benchmarks.backends.hixl.hixl_stream` does for the engine. There are no checks,
+deadlines, notifications or failure handling beyond stopping at the first bad
+completion, so this is a bound for the engine's design, not something to ship.
+
+Each round runs ``ib_write_bw -s SIZE -n N -t DEPTH``, the ring stream and the engine's
+``put_async`` stream back to back, and reports both ratios against ``ib_write_bw``.
+
+    hixl run -- .venv/bin/python benchmarks/bench_ceiling.py            # 3 rounds, 4 KiB
+    hixl run -- .venv/bin/python benchmarks/bench_ceiling.py --rounds 1 --iters 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hixl.verbs.chain import SEND_SIGNALED, SendChain
+
+from ..backends.hixl import EnginePair, hixl_stream
+from ..backends.perftest import Perftest, bw_wall_check, parse_bw
+from ..common import (
+    BenchError,
+    Progress,
+    command_line,
+    fmt_ratio,
+    gather_setup,
+    markdown_table,
+    median,
+    parse_size,
+    print_header,
+    write_json,
+)
+
+RING = 256  # WRs per lane's ring (the queue pair's depth)
+LANES = 2
+POLL = 64
+
+
+class _Lane:
+    """One queue pair, its ring and its counters (ids are message counts)."""
+
+    def __init__(self, dev: Any, cq: Any, verbs: Any, k: int, size: int, src: Any, dst: Any):
+        a = dev.create_rc_qp(cq, cq, RING + 8, 4, 1)
+        b = dev.create_rc_qp(cq, cq, RING + 8, 4, 1)
+        a.connect(b.qpn, 0x100 + k, 0x200 + k, dev.gid, dev.active_mtu)
+        b.connect(a.qpn, 0x200 + k, 0x100 + k, dev.gid, dev.active_mtu)
+        self.qp, self.peer = a, b
+        self.chain = SendChain(RING, RING)
+        self.chain.fill(
+            opcode=verbs.WR_RDMA_WRITE,
+            remote_addr=np.full(RING, dst.addr, np.uint64),
+            rkey=dst.rkey,
+            sge_start=np.arange(RING + 1),
+            sge_addr=np.full(RING, src.addr, np.uint64),
+            sge_length=np.full(RING, size),
+            lkey=src.lkey,
+        )
+        self.queued = 0  # messages the producer has queued on this lane
+        self.posted = 0
+        self.done = 0  # the last completed id: every message up to it has completed
+        self.cv = threading.Condition()
+
+
+class RingStream:
+    """The probe's device, memory and lanes; :meth:`run` streams on them."""
+
+    def __init__(self, size: int) -> None:
+        from hixl.verbs import adapter as verbs
+
+        self.v = verbs
+        self.size = size
+        self.dev = verbs.open_device()
+        try:
+            self.cq = self.dev.create_cq(4 * RING * LANES + 16)
+            self.src = np.ones(size, np.uint8)
+            self.dst = np.zeros(size, np.uint8)
+            self.msrc = self.dev.register(self.src.ctypes.data, size, 0, self.src)
+            access = verbs.ACCESS_LOCAL_WRITE | verbs.ACCESS_REMOTE_WRITE
+            self.mdst = self.dev.register(self.dst.ctypes.data, size, access, self.dst)
+            self.lanes = [
+                _Lane(self.dev, self.cq, verbs, k, size, self.msrc, self.mdst) for k in range(LANES)
+            ]
+        except BaseException:
+            self.dev.close()
+            raise
+        self._by_qpn = {lane.qp.qpn: lane for lane in self.lanes}
+        self._reap_lock = threading.Lock()
+        self._stop = False
+        self._error: str | None = None
+
+    def _reap(self) -> bool:
+        with self._reap_lock:
+            rows = self.cq.poll_rows(POLL)
+        for wr_id, status, _, qpn in rows:
+            if status:
+                self._error = f"completion error {self.v.WC_STATUS_NAMES.get(status, status)}"
+            self._by_qpn[qpn].done = wr_id
+        return bool(rows)
+
+    def _poster(self, lane: _Lane) -> None:
+        head, post, chain = lane.chain.head, lane.qp.post_pieces, lane.chain
+        signaled = SEND_SIGNALED
+        try:
+            while not self._stop and self._error is None:
+                a = lane.posted
+                b = min(lane.queued, lane.done + RING)  # the ring's free slots
+                if a == b:
+                    if self._reap():
+                        with lane.cv:
+                            lane.cv.notify_all()
+                        continue
+                    with lane.cv:
+                        if lane.posted == lane.queued and not self._stop:
+                            lane.cv.wait(0.001)
+                    continue
+                i, j = a % RING, (b - 1) % RING
+                last = head[j]
+                last.wr_id = b
+                last.send_flags = signaled
+                pieces = ((chain, i, j + 1),) if i <= j else ((chain, i, RING), (chain, 0, j + 1))
+                post(pieces)
+                last.send_flags = 0  # the provider has copied the WRs
+                lane.posted = b
+                if self._reap():
+                    with lane.cv:
+                        lane.cv.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - reported by run()
+            self._error = f"poster: {exc}"
+            with lane.cv:
+                lane.cv.notify_all()
+
+    def _wait(self, lane: _Lane, n: int, deadline: float) -> None:
+        with lane.cv:
+            while lane.done < n:
+                if self._error is not None:
+                    raise BenchError(f"ring stream: {self._error}")
+                if time.monotonic() > deadline:
+                    raise BenchError("ring stream: completions stopped coming")
+                lane.cv.wait(0.001)
+
+    def run(self, iters: int, depth: int) -> float:
+        """Stream ``iters`` messages with up to ``depth`` in flight; wall seconds."""
+        lanes = self.lanes
+        for lane in lanes:
+            lane.queued = lane.posted = lane.done = 0
+        self._stop, self._error = False, None
+        threads = [threading.Thread(target=self._poster, args=(lane,)) for lane in lanes]
+        for t in threads:
+            t.start()
+        window: deque[tuple[_Lane, int]] = deque()
+        deadline = time.monotonic() + 60 + iters * self.size / 1e5
+        try:
+            t0 = time.perf_counter()
+            for s in range(iters):
+                if len(window) >= depth:
+                    lane, n = window.popleft()
+                    if lane.done < n:
+                        self._wait(lane, n, deadline)
+                lane = lanes[s % LANES]
+                lane.queued += 1
+                window.append((lane, lane.queued))
+                if lane.posted == lane.queued - 1:  # its poster may be asleep
+                    with lane.cv:
+                        lane.cv.notify()
+            for lane, n in window:
+                self._wait(lane, n, deadline)
+            return time.perf_counter() - t0
+        finally:
+            self._stop = True
+            for lane in lanes:
+                with lane.cv:
+                    lane.cv.notify_all()
+            for t in threads:
+                t.join(30)
+
+    def close(self) -> None:
+        self.dev.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="bench_ceiling.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--size", default="4K", help="bytes per message (default 4K)")
+    ap.add_argument("--iters", type=int, default=4096, help="messages per stream (default 4096)")
+    ap.add_argument("--depth", type=int, default=128, help="messages in flight (default 128)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the three (default 3)")
+    ap.add_argument("--device", default=None, help="RDMA device (default: the one hixl picks)")
+    ap.add_argument("--server-addr", default="127.0.0.1", help="perftest's out-of-band address")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    size = parse_size(args.size)
+    if not 0 < size <= 1 << 20:
+        ap.error("--size must be in 1..1M")
+    if args.iters < 1 or not 1 <= args.depth <= RING or args.rounds < 1:
+        ap.error(f"--iters and --rounds must be >= 1, --depth in 1..{RING}")
+
+    setup = gather_setup(args.device)
+    perftest = Perftest(setup["device"], setup["gid_index"], args.server_addr)
+    print_header(
+        "hixl ceiling probe: the least Python per message, beside ib_write_bw and the engine",
+        setup,
+        [f"size {size} B; {args.iters} messages per stream, {args.depth} in flight"],
+    )
+    progress = Progress(args.rounds * 3, "ceiling")
+    ring = RingStream(size)
+    pair: EnginePair | None = None
+    rounds: list[dict[str, Any]] = []
+    try:
+        pair = EnginePair(size)
+        ring.run(min(256, args.iters), args.depth)  # warm-up, both
+        hixl_stream(pair, "write", size, min(256, args.iters), args.depth)
+        pt_args = ["-s", str(size), "-n", str(args.iters), "-t", str(min(args.depth, args.iters))]
+        for r in range(args.rounds):
+            progress.step(f"ib_write_bw x{args.iters} (round {r + 1}/{args.rounds})")
+            run = perftest.run("ib_write_bw", pt_args, check=bw_wall_check(size, args.iters))
+            perf = size / parse_bw(run.output).avg_Bps
+            progress.advance()
+            progress.step(f"ring stream x{args.iters} (round {r + 1}/{args.rounds})")
+            ring_s = ring.run(args.iters, args.depth) / args.iters
+            progress.advance()
+            progress.step(f"hixl put_async stream x{args.iters} (round {r + 1}/{args.rounds})")
+            wall, _ = hixl_stream(pair, "write", size, args.iters, args.depth)
+            hixl_s = wall / args.iters
+            progress.advance()
+            rounds.append(
+                {
+                    "round": r,
+                    "perftest_us_per_msg": perf * 1e6,
+                    "ring_us_per_msg": ring_s * 1e6,
+                    "hixl_us_per_msg": hixl_s * 1e6,
+                    "ring_ratio": perf / ring_s,
+                    "hixl_ratio": perf / hixl_s,
+                    "perftest_command": run.command,
+                }
+            )
+    finally:
+        progress.finish()
+        if pair is not None:
+            pair.close()
+        ring.close()
+    ring_med = median([x["ring_ratio"] for x in rounds])
+    hixl_med = median([x["hixl_ratio"] for x in rounds])
+    if ring_med is None or hixl_med is None:
+        raise BenchError("no round ran")
+    print()
+    print(
+        markdown_table(
+            ["round", "ring / ib_write_bw", "hixl put_async / ib_write_bw"],
+            [
+                [str(x["round"] + 1), fmt_ratio(x["ring_ratio"]), fmt_ratio(x["hixl_ratio"])]
+                for x in rounds
+            ]
+            + [["median", fmt_ratio(ring_med), fmt_ratio(hixl_med)]],
+        )
+    )
+    print(
+        "\n- Bandwidth ratios (higher is better), each against the ib_write_bw run of its "
+        "round.\n- ring: pre-built WRs, a poster thread per lane, completion by sequence "
+        "number (see --help); hixl: Engine.put_async, one call per message."
+    )
+    if args.json is not None:
+        write_json(
+            args.json,
+            {
+                "benchmark": "ceiling",
+                "setup": setup,
+                "command": command_line(),
+                "params": {"size": size, "iters": args.iters, "depth": args.depth},
+                "rounds": rounds,
+                "summary": {"ring_ratio": ring_med, "hixl_ratio": hixl_med},
+            },
+        )
+    return 0
