@@ -1372,8 +1372,8 @@ class Engine:
         True once it completed (its error raised); False, with nothing posted, when it
         cannot run there now (the template is stale, a channel or another call has the
         lane, the timeout is not > 0), and the caller takes the general path, which
-        checks everything again and raises what is wrong.  The same checks as
-        :meth:`_one` makes of a template, in the same order."""
+        checks everything again and raises what is wrong.  The checks are those
+        :meth:`_one` makes of a template before it uses the lane."""
         call, dlo, dro, n = lent
         lo, ro = t.local_addr + dlo, t.remote_addr + dro
         conn, remotes, local, peer = t.conn, t.remotes, t.local, t.conn.peer
