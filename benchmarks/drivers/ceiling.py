@@ -16,6 +16,10 @@ below keeps only what a stream needs and drops the engine's bookkeeping:
   lane's last completed id reaches ``n``. There is no handle object, no lock per message
   and no per-message completion work.
 
+Every message writes the same source bytes to the same target range (as the engine's
+stream here does). The target is cleared before each ring stream and compared with the
+source after it, so a stream in which no write landed fails; a completion error stops it.
+
 The producer (the caller's thread) keeps ``depth`` messages in flight, as
 :func:`benchmarks.backends.hixl.hixl_stream` does for the engine. There are no checks,
 deadlines, notifications or failure handling beyond stopping at the first bad
@@ -164,7 +168,15 @@ class RingStream:
                 lane.cv.wait(0.001)
 
     def run(self, iters: int, depth: int) -> float:
-        """Stream ``iters`` messages with up to ``depth`` in flight; wall seconds."""
+        """Stream ``iters`` messages with up to ``depth`` in flight; wall seconds.  The
+        target is cleared first and must hold the source's bytes after."""
+        self.dst[:] = 0
+        wall = self._stream(iters, depth)
+        if not np.array_equal(self.dst, self.src):
+            raise BenchError("ring stream: the target's bytes differ from the source's")
+        return wall
+
+    def _stream(self, iters: int, depth: int) -> float:
         lanes = self.lanes
         for lane in lanes:
             lane.queued = lane.posted = lane.done = 0
