@@ -46,6 +46,7 @@ import numpy as np
 from hixl.verbs.chain import SEND_SIGNALED, SendChain
 
 from ..backends.hixl import EnginePair, hixl_stream
+from ..backends.loopback import loopback_qp
 from ..backends.perftest import Perftest, bw_wall_check, parse_bw
 from ..common import (
     BenchError,
@@ -68,12 +69,8 @@ POLL = 64
 class _Lane:
     """One queue pair, its ring and its counters (ids are message counts)."""
 
-    def __init__(self, dev: Any, cq: Any, verbs: Any, k: int, size: int, src: Any, dst: Any):
-        a = dev.create_rc_qp(cq, cq, RING + 8, 4, 1)
-        b = dev.create_rc_qp(cq, cq, RING + 8, 4, 1)
-        a.connect(b.qpn, 0x100 + k, 0x200 + k, dev.gid, dev.active_mtu)
-        b.connect(a.qpn, 0x200 + k, 0x100 + k, dev.gid, dev.active_mtu)
-        self.qp, self.peer = a, b
+    def __init__(self, dev: Any, cq: Any, verbs: Any, size: int, src: Any, dst: Any):
+        self.qp, self.peer = loopback_qp(dev, cq, RING + 8, 1)
         self.chain = SendChain(RING, RING)
         self.chain.fill(
             opcode=verbs.WR_RDMA_WRITE,
@@ -107,7 +104,7 @@ class RingStream:
             access = verbs.ACCESS_LOCAL_WRITE | verbs.ACCESS_REMOTE_WRITE
             self.mdst = self.dev.register(self.dst.ctypes.data, size, access, self.dst)
             self.lanes = [
-                _Lane(self.dev, self.cq, verbs, k, size, self.msrc, self.mdst) for k in range(LANES)
+                _Lane(self.dev, self.cq, verbs, size, self.msrc, self.mdst) for _ in range(LANES)
             ]
         except BaseException:
             self.dev.close()

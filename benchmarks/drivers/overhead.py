@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import random
 import time
 import timeit
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from hixl import (
 from hixl.core.descriptors import Descriptor
 from hixl.testbed.net import free_tcp_port
 
+from ..backends.loopback import loopback_qp
 from ..backends.perftest import Perftest, bw_wall_check, parse_bw
 from ..common import (
     KIB,
@@ -207,11 +207,7 @@ def post_costs(repeat: int) -> list[dict[str, Any]]:
     try:
         cq = dev.create_cq(4096)
         depth = 2 * max(CHAINS)
-        a = dev.create_rc_qp(cq, cq, depth, 4, dev.caps.max_sge)
-        b = dev.create_rc_qp(cq, cq, depth, 4, dev.caps.max_sge)
-        pa, pb = random.getrandbits(24), random.getrandbits(24)
-        a.connect(b.qpn, pb, pa, dev.gid, dev.active_mtu)
-        b.connect(a.qpn, pa, pb, dev.gid, dev.active_mtu)
+        a, _peer = loopback_qp(dev, cq, depth, dev.caps.max_sge)
         src = np.ones(64, np.uint8)
         dst = np.zeros(64 * max(CHAINS), np.uint8)
         msrc = dev.register(src.ctypes.data, src.nbytes, _verbs.ACCESS_LOCAL_WRITE, src)

@@ -55,6 +55,7 @@ from hixl.testbed.net import free_tcp_port
 
 from .. import entry
 from ..backends.hixl import EnginePair, check_bytes, hixl_stream
+from ..backends.loopback import loopback_qp
 from ..backends.perftest import Perftest, PerftestRun, bw_wall_check, parse_bw, parse_lat
 from ..common import (
     KIB,
@@ -365,12 +366,7 @@ class RawVerbs:
         try:
             self.cq = self.dev.create_cq(4 * depth + 16)
             wr = 2 * depth + 8
-            a = self.dev.create_rc_qp(self.cq, self.cq, wr, 4, 1)
-            b = self.dev.create_rc_qp(self.cq, self.cq, wr, 4, 1)
-            pa, pb = 0x1234, 0x5678
-            a.connect(b.qpn, pb, pa, self.dev.gid, self.dev.active_mtu)
-            b.connect(a.qpn, pa, pb, self.dev.gid, self.dev.active_mtu)
-            self.qp = a
+            self.qp, self.peer = loopback_qp(self.dev, self.cq, wr, 1)
             self.src = np.ones(max_size, np.uint8)
             self.dst = np.zeros(max_size, np.uint8)
             self.msrc = self.dev.register(self.src.ctypes.data, max_size, 0, self.src)
