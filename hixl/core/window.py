@@ -30,6 +30,12 @@ Theory of operation
   behind it, until its owner clears the mark.  The engine holds a notification while
   work queued before it on its connection's other queue pairs (lanes) is unfinished
   (:attr:`SendWindow.oldest_id`), since lanes complete in any order among themselves.
+* **Open chunks.** A chunk with ``regions`` set (the engine's run of single messages in
+  a ring of slots) may grow while it is the backlog's last chunk and none of it is
+  taken: its owner appends WRs (``stop``/``groups``, one WR per group, only the last
+  signaled when it goes out) and their regions.  The window checks those regions
+  instead of the chain's, and signals the last WR of every batch that ends in such a
+  chunk (:meth:`Chain.signal`).
 
 ``tests/unit/test_window.py`` checks these rules with Hypothesis against real chains.
 """
@@ -41,7 +47,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from hixl.errors import ArgumentError, HixlError
+from hixl.errors import ArgumentError, HixlError, RegistrationError
 
 __all__ = ["MAX_BATCHES", "Batch", "Chain", "Chunk", "SendWindow"]
 
@@ -59,6 +65,8 @@ class Chain(Protocol):
 
     def unsignal(self, index: int) -> None: ...
 
+    def signal(self, index: int) -> None: ...
+
 
 @dataclass(slots=True, eq=False)
 class Chunk:
@@ -69,7 +77,9 @@ class Chunk:
     it, is not posted until its owner clears the flag (the engine holds a notification
     until work queued before it on other queue pairs has completed).  ``handle``,
     ``notify_slot`` and ``built`` belong to the engine (the transfer, a notification
-    buffer, the pooled chain).
+    buffer, the pooled chain).  ``regions``: the memory regions the chunk's WRs use, when
+    they are not the chain's (an open chunk, see the module's theory of operation);
+    ``ring``: its owner's record of the slots.
     """
 
     chain: Any
@@ -84,6 +94,8 @@ class Chunk:
     notify_slot: int | None = None
     built: Any = None
     held: bool = False
+    regions: list[Any] | None = None
+    ring: Any = None
 
     @property
     def size(self) -> int:
@@ -117,6 +129,11 @@ class SendWindow:
     def queue1(self, chunk: Chunk) -> None:
         """Add one chunk (id assigned, the highest yet) at the end of the backlog."""
         self._backlog.append(chunk)
+
+    @property
+    def tail(self) -> Chunk | None:
+        """The backlog's last chunk (the one an open chunk must be to grow)."""
+        return self._backlog[-1] if self._backlog else None
 
     @property
     def head(self) -> Chunk | None:
@@ -166,7 +183,9 @@ class SendWindow:
         if len(self._backlog) == 1:  # one chunk that fits whole: the common case
             chunk = self._backlog[0]
             if chunk.posted == 0 and chunk.size <= room and not chunk.held:
-                chunk.chain.check_regions()
+                _check_regions(chunk)
+                if chunk.regions is not None:
+                    chunk.chain.signal(chunk.stop - 1)
                 self._sent.append(chunk)
                 chunk.posted = chunk.size
                 self.in_flight += chunk.size
@@ -189,7 +208,7 @@ class SendWindow:
             posted = chunk.posted
             if not posted:
                 try:
-                    chunk.chain.check_regions()
+                    _check_regions(chunk)
                 except HixlError:
                     if not pieces:
                         raise
@@ -222,6 +241,8 @@ class SendWindow:
                 )
             return None  # completions of what is out will make room
         self.poster = True
+        if last.regions is not None:  # an open chunk's WRs go unsignaled until here
+            last.chain.signal(pieces[-1][2] - 1)
         # The last WR ends a group or the chunk: signaled, under its group's id.
         self._ends.append(last.first_id + (pieces[-1][2] - 1 - last.start) // last.every)
         return Batch(pieces, finished)
@@ -294,3 +315,15 @@ class SendWindow:
         self._ends.clear()
         self.in_flight = 0
         return chunks
+
+
+def _check_regions(chunk: Chunk) -> None:
+    """Refuse a chunk whose memory regions were closed (the chain's, or its own)."""
+    if chunk.regions is None:
+        chunk.chain.check_regions()
+        return
+    for region in chunk.regions:
+        if region.closed:
+            raise RegistrationError(
+                f"a queued request refers to a closed memory region {region!r}; it cannot be posted"
+            )

@@ -38,6 +38,7 @@ from hixl.errors import ConnectionFailed, HandshakeError, HixlError, Registratio
 from hixl.verbs import adapter as verbs
 
 if TYPE_CHECKING:
+    from hixl.engine.datapath import LaneRing
     from hixl.engine.engine import Engine
 
 __all__ = ["Connection", "Lane", "MAX_OUTBOX", "RECV_SLOTS"]
@@ -53,7 +54,7 @@ _QI = TypeVar("_QI", wire.Info, wire.Accept)
 class Lane:
     """One queue pair of a connection and its send window (engine lock, except posting)."""
 
-    __slots__ = ("conn", "index", "psn", "qp", "qpn", "window")
+    __slots__ = ("conn", "index", "psn", "qp", "qpn", "ring", "window")
 
     def __init__(self, conn: Connection, index: int, qp: verbs.QueuePair) -> None:
         self.conn = conn
@@ -62,6 +63,7 @@ class Lane:
         self.qpn = qp.qpn
         self.psn = secrets.randbits(24)
         self.window = SendWindow()  # what waits, what is out (engine lock)
+        self.ring: LaneRing | None = None  # single messages' slots, made on first use
 
     def __repr__(self) -> str:
         return f"<Lane {self.index} of {self.conn.peer} qpn={self.qpn:#x}>"

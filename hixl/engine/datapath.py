@@ -42,7 +42,7 @@ from hixl.core.wire import RemoteRegion
 from hixl.engine.regions import Access, Region
 from hixl.errors import ArgumentError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
-from hixl.verbs.chain import SendChain
+from hixl.verbs.chain import SendChain, SlotRing
 
 if TYPE_CHECKING:
     from hixl.core.window import Chunk
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Built",
+    "LaneRing",
     "NotifySlots",
     "PLAN_CACHE",
     "Planner",
@@ -469,6 +470,25 @@ def ranges_key(
     if type(ldesc) is ContiguousDesc and type(rdesc) is ContiguousDesc:
         return (_RANGES, peer, op, local, remote, ldesc.nbytes, rdesc.nbytes)
     return None
+
+
+class LaneRing:
+    """A lane's ring of single messages (see :meth:`hixl.engine.engine.Engine._queue_ring`).
+
+    ``written`` slots were written so far and ``released`` of them went out (their post
+    returned), so ``written - released`` slots are taken; slot ``written % capacity`` is
+    the next.  ``open`` is the chunk the last message went into, which the next one
+    joins while the window lets it grow.  Engine lock.
+    """
+
+    __slots__ = ("capacity", "open", "released", "slots", "written")
+
+    def __init__(self, capacity: int) -> None:
+        self.slots = SlotRing(capacity)
+        self.capacity = capacity
+        self.written = 0
+        self.released = 0
+        self.open: Chunk | None = None
 
 
 class NotifySlots:

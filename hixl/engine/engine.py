@@ -31,6 +31,7 @@ from hixl.engine.channel import Channel, LaneBusy
 from hixl.engine.connection import RECV_SLOTS, Connection, Lane
 from hixl.engine.datapath import (
     Built,
+    LaneRing,
     NotifySlots,
     Planner,
     Template,
@@ -38,7 +39,13 @@ from hixl.engine.datapath import (
     resolve_remote,
     signal_interval,
 )
-from hixl.engine.handles import SPIN_S, TransferHandle, TransferRequest
+from hixl.engine.handles import (
+    SPIN_S,
+    GroupHandle,
+    MemberHandle,
+    TransferHandle,
+    TransferRequest,
+)
 from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
 from hixl.engine.names import Names
 from hixl.engine.progress import POLL_BATCH, Progress
@@ -66,6 +73,7 @@ log = logging.getLogger("hixl.engine")
 
 SEND_NOTIFY_SLOTS = 256  # notifications in flight per engine
 TEMPLATES = 1024  # single requests kept checked and planned (see Engine._one)
+RING_SLOTS = 256  # slots of a lane's ring of single messages (at most the queue's depth)
 #: Longest :meth:`Engine.channel` waits for a blocking put or get on the direct lane.
 CHANNEL_WAIT_S = 60.0
 #: A request of a few WRs but at least this many bytes is signalled in smaller groups,
@@ -90,7 +98,10 @@ class Diagnostics:
     while earlier ones are out go in one post (see :meth:`Engine.transfer_async`).
     ``direct_posts`` counts the blocking single requests among them that were posted
     and completed on the caller's thread (see :meth:`Engine.put`), and ``lane_posts``
-    those of them that ran on a connection's direct lane.
+    those of them that ran on a connection's direct lane.  ``slot_messages`` counts the
+    asynchronous single requests written into a lane's ring of slots (see
+    :meth:`Engine.put_async`); the messages queued together in one ring count as one
+    pending transfer until they complete.
     """
 
     progress_thread_id: int | None
@@ -106,6 +117,7 @@ class Diagnostics:
     posted_wrs: int = 0
     direct_posts: int = 0
     lane_posts: int = 0
+    slot_messages: int = 0
 
 
 class Engine:
@@ -298,6 +310,7 @@ class Engine:
         self._posted_wrs = 0
         self._direct_posts = 0  # of them, blocking single requests posted by their caller
         self._lane_posts = 0  # and on a direct lane (see _on_lane; not in _direct_posts)
+        self._slot_messages = 0  # single async requests through a lane's ring (_queue_ring)
         self._post_cv = threading.Condition(self._lock)
         self._outgoing: set[Connection] = set()  # connections with control output queued
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
@@ -384,6 +397,7 @@ class Engine:
                 posted_wrs=self._posted_wrs + self._direct_posts + self._lane_posts,
                 direct_posts=self._direct_posts + self._lane_posts,
                 lane_posts=self._lane_posts,
+                slot_messages=self._slot_messages,
             )
 
     def close(self) -> None:
@@ -997,7 +1011,17 @@ class Engine:
         notify_message: bytes = b"",
         timeout: float = 30.0,
     ) -> TransferHandle:
-        """Start a put (see :meth:`put`); return its :class:`TransferHandle`."""
+        """Start a put (see :meth:`put`); return its :class:`TransferHandle`.
+
+        A put of one work request of one SGE (a contiguous range of up to one message,
+        after its first call has checked and planned it) is written straight into a
+        slot of a ring of work requests kept per queue pair, and joins the messages
+        queued there before it and not posted yet: the poster sends them as one range
+        with one completion (``Diagnostics.slot_messages`` counts them).  The returned
+        handle is done when that group is; when one of the group's requests fails, the
+        ones before it are done, it fails with its own status and the later ones with
+        the connection.
+        """
         handle = self._one(
             "write",
             peer,
@@ -1136,6 +1160,8 @@ class Engine:
                                 self._remember_repeat(t, tkey)
                             return None
                         return self._solo(t, la, ra, timeout)
+                    if t.single is not None and not now:
+                        return self._queue_ring(t, la, ra, timeout)
                     return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, now)
                 payload = _notify.encode(notify, notify_message)
                 built = [self._planner.rebuild(t, la, ra)]
@@ -1304,6 +1330,89 @@ class Engine:
                     batch = None
         self._post_or_wake(lane, batch)
         return handle
+
+    def _queue_ring(self, t: Template, la: int, ra: int, timeout: float) -> TransferHandle:
+        """An asynchronous request of one WR and one SGE (``t`` placed at ``la``/``ra``),
+        written into the next slot of a lane's ring (:class:`~hixl.verbs.chain.SlotRing`).
+
+        While the lane's last queued chunk is this ring's open one and none of it is
+        taken for posting, the message joins it: one more WR, the group's byte count
+        and earliest deadline, and its region if new.  Otherwise the message opens a
+        chunk of its own, tracked as one :class:`GroupHandle`, which reserves a block of
+        ``wr_id``s (one per slot the chunk may grow to), so that whatever is queued
+        after it on any lane has higher ids.  The caller gets a :class:`MemberHandle`.
+        With every slot waiting for its post, the request is queued as a chain of its
+        own instead.  The poster posts the open chunk with the rest of the backlog and
+        signals the batch's last WR; the slots are free again once that post returned
+        (:meth:`_post`).
+        """
+        conn = t.conn
+        lo, n, ro = t.single  # type: ignore[misc]
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            if self._closed or conn.state is not ConnState.READY:
+                self._check_open()
+                conn.check_ready()
+            lane = conn.pick_lane()
+            ring = lane.ring
+            if ring is None:
+                ring = lane.ring = LaneRing(min(RING_SLOTS, self.sq_depth))
+            written = ring.written
+            if written - ring.released >= ring.capacity:
+                full = True
+            else:
+                full = False
+                slot = written % ring.capacity
+                chunk = ring.open
+                window = lane.window
+                if (
+                    chunk is not None
+                    and chunk.stop == slot
+                    and not chunk.posted
+                    and window.tail is chunk
+                ):
+                    group = chunk.handle
+                    k = slot - chunk.start
+                    chunk.stop = slot + 1
+                    chunk.groups = k + 1
+                    regions = chunk.regions
+                    if regions[-1] is not t.local:  # type: ignore[index]
+                        regions.append(t.local)  # type: ignore[union-attr]
+                    if deadline < group.deadline:
+                        group.deadline = deadline
+                else:
+                    group = GroupHandle(conn.peer, deadline, self._reap_inline)
+                    group.chunks_left = 1
+                    k = 0
+                    chunk = Chunk(ring.slots.chain, slot, slot + 1, group, 1, self._next_wr)
+                    chunk.groups = 1
+                    chunk.regions = [t.local]
+                    chunk.ring = ring
+                    self._next_wr += ring.capacity
+                    ring.open = chunk
+                    self._handles.add(group)
+                    window.queue1(chunk)
+                group.nbytes += n
+                group.num_wrs += 1
+                ring.slots.write(
+                    slot,
+                    chunk.first_id + k,
+                    t.opcode,
+                    la + lo,
+                    n,
+                    t.local.lkey,
+                    ra + ro,
+                    t.rkey,
+                )
+                ring.written = written + 1
+                self._slot_messages += 1
+                if not window.poster:
+                    self._want_post(lane)
+        if full:
+            return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, False)
+        if self._wake_due:
+            self._wake()
+        return MemberHandle(group, k, n)
 
     def _solo(self, t: Template, la: int, ra: int, timeout: float) -> TransferHandle | None:
         """A blocking request of one WR (``t`` placed at ``la``/``ra``), posted and waited
@@ -1635,6 +1744,10 @@ class Engine:
             self._planner.posted(batch.finished)  # pooled later, by a caller
         chunk = batch.finished[0] if batch.finished else None
         with self._lock:
+            for done in batch.finished:
+                ring = done.ring
+                if ring is not None:  # the provider copied its slots: free again
+                    ring.released += done.stop - done.start
             self._settle_locked(lane, err, chunk.handle if chunk is not None else None)
             self._release_poster()
         if self._wake_due:
@@ -1819,6 +1932,12 @@ class Engine:
                 self._release_notify(chunk)
                 name = verbs.WC_STATUS_NAMES.get(status, f"IBV_WC_STATUS_{status}")
                 err = CompletionError(f"{op} to {conn.peer}", status, name, wr_id, vendor_err)
+                if chunk.ring is not None:  # a group of messages: the members before it landed
+                    group = chunk.handle
+                    group.fail_at = wr_id - chunk.first_id
+                    group.rest = ConnectionFailed(
+                        f"connection to {conn.peer} failed: completion error {name}"
+                    )
                 for other in conn.all_lanes:
                     pump.pop(other.qpn, None)
                 self._fail(conn, f"completion error {name}", err, culprit=chunk.handle)

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 from hixl.core.descriptors import Descriptor
 from hixl.core.wire import RemoteRegion
-from hixl.errors import HixlError, TransferTimeout
+from hixl.errors import ArgumentError, HixlError, TransferTimeout
 
 if TYPE_CHECKING:
     from hixl.engine.regions import Region
 
-__all__ = ["TransferHandle", "TransferRequest", "TransferStatus"]
+__all__ = ["GroupHandle", "MemberHandle", "TransferHandle", "TransferRequest", "TransferStatus"]
 
 #: Longest a waiter reaps completions itself before it sleeps until the progress thread
 #: finishes its transfer (it stops sooner when the engine says spinning does not pay).
@@ -157,4 +157,89 @@ class TransferHandle:
         return (
             f"<TransferHandle peer={self.peer} nbytes={self.nbytes} "
             f"wrs={self.num_wrs} status={self._status.value}>"
+        )
+
+
+class GroupHandle(TransferHandle):
+    """Engine side: the single messages queued on one queue pair as one open chunk.
+
+    The engine tracks the group as one transfer (one deadline, the earliest of its
+    members', one completion); each message's caller holds a :class:`MemberHandle`
+    that reads the group.  When one of the group's WRs completes in error, ``fail_at``
+    is its index in the group: the members before it completed (a queue pair completes
+    in order), that member gets the completion's error and the later ones ``rest``
+    (set before the group finishes, so a woken waiter sees it).
+    """
+
+    __slots__ = ("fail_at", "rest")
+
+    def __init__(self, peer: str, deadline: float, reap: Callable[[bool], bool] | None) -> None:
+        super().__init__(peer, 0, 0, deadline, reap)
+        self.fail_at: int | None = None
+        self.rest: HixlError | None = None
+
+
+class MemberHandle(TransferHandle):
+    """The handle of one single message that went into a :class:`GroupHandle`.
+
+    A :class:`TransferHandle` to its caller: it is done when its group is, and its
+    outcome is the group's, except after a completion error in the group (see there).
+    """
+
+    __slots__ = ("_group", "_index")
+
+    def __init__(self, group: GroupHandle, index: int, nbytes: int) -> None:
+        # The base's own state is never used: every reader goes to the group.
+        self._group = group
+        self._index = index
+        self.peer = group.peer
+        self.nbytes = nbytes
+        self.num_wrs = 1
+
+    @property
+    def deadline(self) -> float:  # type: ignore[override]
+        return self._group.deadline
+
+    @property
+    def status(self) -> TransferStatus:
+        g = self._group
+        status = g._status
+        if status is TransferStatus.FAILED and g.fail_at is not None and self._index < g.fail_at:
+            return TransferStatus.DONE
+        return status
+
+    @property
+    def error(self) -> HixlError | None:
+        g = self._group
+        if g.fail_at is not None:
+            if self._index < g.fail_at:
+                return None
+            if self._index > g.fail_at and g.rest is not None:
+                return g.rest
+        return g._error
+
+    def done(self) -> bool:
+        return self._group._status is not TransferStatus.PENDING
+
+    def wait(self, timeout: float | None = None) -> None:
+        """As :meth:`TransferHandle.wait`."""
+        g = self._group
+        if g._status is TransferStatus.DONE:
+            return
+        try:
+            g.wait(timeout)
+        except HixlError:
+            if g._status is TransferStatus.PENDING:
+                raise  # this wait's own timeout
+        err = self.error
+        if err is not None:
+            raise err
+
+    def finish(self, error: HixlError | None) -> None:
+        raise ArgumentError("a member's outcome is its group's")  # engine bug if reached
+
+    def __repr__(self) -> str:
+        return (
+            f"<TransferHandle peer={self.peer} nbytes={self.nbytes} "
+            f"wrs=1 status={self.status.value}>"
         )

@@ -35,6 +35,7 @@ knows the layouts), so chains can be built and checked on any machine.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +52,7 @@ __all__ = [
     "WC_DTYPE",
     "WR_DTYPE",
     "SendChain",
+    "SlotRing",
 ]
 
 #: ``IBV_SEND_SIGNALED``.
@@ -437,6 +439,11 @@ class SendChain:
         self.head[index].send_flags &= ~SEND_SIGNALED
         self._flags_for = None
 
+    def signal(self, index: int) -> None:
+        """Post WR ``index`` signaled (its ``wr_id`` unchanged): where a batch ends."""
+        self.head[index].send_flags |= SEND_SIGNALED
+        self._flags_for = None
+
     def fence(self, index: int) -> None:
         """Make WR ``index`` wait for every earlier READ to complete (``IBV_SEND_FENCE``).
 
@@ -455,3 +462,91 @@ class SendChain:
                     f"work request chain refers to a closed memory region {region!r}; "
                     "it cannot be posted"
                 )
+
+
+# One slot of a SlotRing in one ``struct.pack_into`` each: the WR's fields from ``wr_id``
+# to ``wr.rdma.rkey`` (they are contiguous, checked below), and the SGE.
+_WR_SLOT = struct.Struct("<QQQiiIIQI")
+_SGE_SLOT = struct.Struct("<QII")
+_WR_SLOT_FIELDS = (
+    "wr_id",
+    "next",
+    "sg_list",
+    "num_sge",
+    "opcode",
+    "send_flags",
+    "imm_data",
+    "remote_addr",
+    "rkey",
+)
+_at = 0
+_WR_FIELDS = WR_DTYPE.fields
+assert _WR_FIELDS is not None
+for _name, _size in zip(_WR_SLOT_FIELDS, (8, 8, 8, 4, 4, 4, 4, 8, 4), strict=True):
+    if _WR_FIELDS[_name][1] != _at:  # pragma: no cover - a libibverbs ABI change
+        raise ImportError(f"struct ibv_send_wr: {_name} is not at offset {_at}")
+    _at += _size
+del _at, _name, _size, _WR_FIELDS
+
+
+class SlotRing:
+    """A chain of ``capacity`` one-SGE work requests, each slot written on its own.
+
+    The engine's stream of single messages (one WR and one SGE each) goes through one
+    ring per queue pair: a message is written into the next free slot, consecutive
+    slots go out as one range of one ``post_send``, and a slot is free again once the
+    post that carried it has returned (the provider copied the WR).  :meth:`write`
+    stores a whole slot with two ``struct.pack_into`` calls into the C memory: no
+    cffi attribute per field, no numpy.  Slot ``i`` links to slot ``i + 1`` and the
+    last to nothing, so a range never wraps; the chain's ``regions`` are empty (the
+    caller checks the regions of what it queued).
+    """
+
+    __slots__ = ("_links", "_sge", "_sge_lists", "_wr", "capacity", "chain")
+
+    def __init__(self, capacity: int) -> None:
+        chain = SendChain(capacity, capacity)
+        chain.fill(
+            opcode=0,
+            remote_addr=np.zeros(capacity, np.uint64),
+            rkey=0,
+            sge_start=np.arange(capacity + 1),
+            sge_addr=np.zeros(capacity, np.uint64),
+            sge_length=np.zeros(capacity, np.int64),
+            lkey=0,
+        )
+        self.chain = chain
+        self.capacity = capacity
+        wrs = chain._views()[0]
+        self._links = [int(x) for x in wrs["next"]]
+        self._sge_lists = [int(x) for x in wrs["sg_list"]]
+        self._wr = memoryview(ffi.buffer(chain._wr_mem))
+        self._sge = memoryview(ffi.buffer(chain._sge_mem))
+
+    def write(
+        self,
+        slot: int,
+        wr_id: int,
+        opcode: int,
+        local_addr: int,
+        nbytes: int,
+        lkey: int,
+        remote_addr: int,
+        rkey: int,
+    ) -> None:
+        """Slot ``slot`` becomes one unsignaled RDMA WR of one SGE.  The caller checked
+        the values (a template's); ``struct`` still refuses one that does not fit."""
+        _WR_SLOT.pack_into(
+            self._wr,
+            slot * _WR_SIZE,
+            wr_id,
+            self._links[slot],
+            self._sge_lists[slot],
+            1,
+            opcode,
+            0,
+            0,
+            remote_addr,
+            rkey,
+        )
+        _SGE_SLOT.pack_into(self._sge, slot * _SGE_SIZE, local_addr, nbytes, lkey)

@@ -389,3 +389,90 @@ def test_coalesced_puts_fail_from_the_bad_one_on(
     if lanes == 1:
         assert done == cut and np.array_equal(dst[: cut * size], src[: cut * size])
     assert conn.state is ConnState.FAILED
+
+
+def test_single_messages_through_the_slot_ring_keep_order_with_chains_and_notifications(
+    connected_lanes: tuple[Engine, Engine, int],
+) -> None:
+    """Asynchronous single puts and gets go through each lane's ring of slots
+    (``Diagnostics.slot_messages``), many more of them than a ring holds and with more
+    in flight than one group; strided transfers of many WRs and notifications are queued
+    between them.  Every byte lands, every handle finishes once, and each notification
+    arrives only after everything queued before it (on every lane) has landed."""
+    client, server, lanes = connected_lanes
+    size, n = 512, 1200  # > 4 rings of 256 slots
+    dst = np.zeros(n * size, np.uint8)
+    server.register(dst, access=RW, name="dst")
+    src = pattern(n * size, 11)
+    back = np.zeros(n * size, np.uint8)
+    r = client.register(src)
+    rb = client.register(back, access=Access.LOCAL_WRITE)
+    conn = client.connection(server.id)
+    deadline = time.monotonic() + 10
+    while not any(x.name == "dst" for x in conn.remote_regions):
+        assert time.monotonic() < deadline, "the peer never announced its region"
+        time.sleep(0.01)
+    before = client.diagnostics()
+    handles: list[TransferHandle] = []
+    strided = StridedDesc(offset=0, count=64, size=size, stride=2 * size)
+    for i in range(n):
+        d = ContiguousDesc(offset=i * size, nbytes=size)
+        handles.append(client.put_async(server.id, r, "dst", local_desc=d, remote_desc=d))
+        if len(handles) > 300:  # more in flight than a group holds, fewer than the queue
+            handles.pop(0).wait(timeout=30)
+        if i % 200 == 199:  # a chain of 64 WRs, then a notification behind all of it
+            handles.append(
+                client.put_async(server.id, r, "dst", local_desc=strided, remote_desc=strided)
+            )
+            upto = (i + 1) * size
+            client.transfer_async(server.id, [], notify=f"upto-{upto}")
+    for h in handles:
+        h.wait(timeout=30)
+    for i in range(199, n, 200):
+        upto = (i + 1) * size
+        server.wait_notification(f"upto-{upto}", timeout=30)
+    assert np.array_equal(dst, src)
+    # And back, by single gets.
+    gets = [
+        client.get_async(
+            server.id,
+            rb,
+            "dst",
+            local_desc=ContiguousDesc(offset=i * size, nbytes=size),
+            remote_desc=ContiguousDesc(offset=i * size, nbytes=size),
+        )
+        for i in range(n)
+    ]
+    for h in gets:
+        h.wait(timeout=30)
+        assert h.done() and h.error is None
+    assert np.array_equal(back, src)
+    after = client.diagnostics()
+    assert after.slot_messages - before.slot_messages >= 2 * n - 2  # the first of each sets up
+    assert after.pending_transfers == 0
+
+
+def test_notifications_wait_for_ring_messages_queued_before_them(
+    connected_lanes: tuple[Engine, Engine, int],
+) -> None:
+    """A notification queued right behind single puts is delivered only once their bytes
+    are in the peer's memory: the peer checks its buffer when the notification arrives."""
+    client, server, lanes = connected_lanes
+    size, n = 4096, 64
+    dst = np.zeros(n * size, np.uint8)
+    server.register(dst, access=RW, name="dst")
+    conn = client.connection(server.id)
+    deadline = time.monotonic() + 10
+    while not any(x.name == "dst" for x in conn.remote_regions):
+        assert time.monotonic() < deadline, "the peer never announced its region"
+        time.sleep(0.01)
+    for round_ in range(5):
+        src = pattern(n * size, 20 + round_)
+        r = client.register(src)
+        for i in range(n):
+            d = ContiguousDesc(offset=i * size, nbytes=size)
+            client.put_async(server.id, r, "dst", local_desc=d, remote_desc=d)
+        client.notify(server.id, f"round-{round_}")
+        server.wait_notification(f"round-{round_}", timeout=30)
+        assert np.array_equal(dst, src), f"round {round_}: a notification overtook its data"
+        client.deregister(r)
