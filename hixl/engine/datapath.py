@@ -120,6 +120,9 @@ class Template:
     # The engine's lent channel for repeating it blocking on the direct lane (made on
     # first use by Engine._on_lane; a holder, since the template is frozen).
     lane: list[Any] = field(default_factory=list)
+    # The engine's function that queues it into a lane's ring at given offsets (made on
+    # first use by Engine._remember_ring).
+    ring: list[Any] = field(default_factory=list)
 
 
 class Planner:

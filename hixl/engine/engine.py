@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hixl.core import notify, wire
-from hixl.core.descriptors import Descriptor
+from hixl.core.descriptors import ContiguousDesc, Descriptor
 from hixl.core.notify import Notification
 from hixl.core.plan import DeviceLimits
 from hixl.core.states import ConnEvent, ConnState
@@ -81,6 +81,8 @@ CHANNEL_WAIT_S = 60.0
 SPREAD_BYTES = 128 * 1024
 # Room left in a handshake message for everything but the exposed regions, bytes.
 _REGION_BYTES = wire.MAX_PAYLOAD - 4096
+# Engine._ring_runner's function: (local offset, remote offset, timeout) -> handle or None.
+_RingRun = Callable[[int, int, float], TransferHandle | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +288,11 @@ class Engine:
         # the same call again goes straight to ``run`` (see _lane_runner).
         self._repeat_put: tuple[tuple[Any, ...], Callable[[float], bool]] | None = None
         self._repeat_get: tuple[tuple[Any, ...], Callable[[float], bool]] | None = None
+        # The last asynchronous put and get of two ContiguousDesc that went into a lane's
+        # ring, as (local, remote, peer, local bytes, remote bytes, run): the same
+        # regions and sizes at any offsets go straight to ``run`` (see _ring_runner).
+        self._ring_put: tuple[Any, Any, Any, int, int, _RingRun] | None = None
+        self._ring_get: tuple[Any, Any, Any, int, int, _RingRun] | None = None
         self._regions: dict[tuple[int, int], Region] = {}
         self._conns: dict[str, Connection] = {}
         self._by_qpn: dict[int, Lane] = {}  # every lane made, connected or not
@@ -436,6 +443,7 @@ class Engine:
         self._templates.clear()
         self._last_template = None
         self._repeat_put = self._repeat_get = None
+        self._ring_put = self._ring_get = None
         self._dev.close()
         log.debug("engine %s closed", self.id)
 
@@ -1022,6 +1030,21 @@ class Engine:
         ones before it are done, it fails with its own status and the later ones with
         the connection.
         """
+        again = self._ring_put  # the same regions and sizes as the last one: no lookup
+        if (
+            again is not None
+            and notify is None
+            and again[0] is local
+            and type(local_desc) is ContiguousDesc
+            and type(remote_desc) is ContiguousDesc
+            and again[1] == remote
+            and again[2] == peer
+            and local_desc.nbytes == again[3]
+            and remote_desc.nbytes == again[4]
+        ):
+            fast = again[5](local_desc.offset, remote_desc.offset, timeout)
+            if fast is not None:
+                return fast
         handle = self._one(
             "write",
             peer,
@@ -1047,7 +1070,24 @@ class Engine:
         remote_desc: Descriptor | None = None,
         timeout: float = 30.0,
     ) -> TransferHandle:
-        """Start a get (see :meth:`get`); return its :class:`TransferHandle`."""
+        """Start a get (see :meth:`get`); return its :class:`TransferHandle`.
+
+        A get of one work request of one SGE goes through a ring of slots as a put does
+        (see :meth:`put_async`)."""
+        again = self._ring_get
+        if (
+            again is not None
+            and again[0] is local
+            and type(local_desc) is ContiguousDesc
+            and type(remote_desc) is ContiguousDesc
+            and again[1] == remote
+            and again[2] == peer
+            and local_desc.nbytes == again[3]
+            and remote_desc.nbytes == again[4]
+        ):
+            fast = again[5](local_desc.offset, remote_desc.offset, timeout)
+            if fast is not None:
+                return fast
         handle = self._one(
             "read", peer, local, remote, local_desc, remote_desc, None, b"", timeout, now=False
         )
@@ -1161,6 +1201,11 @@ class Engine:
                             return None
                         return self._solo(t, la, ra, timeout)
                     if t.single is not None and not now:
+                        if (
+                            type(local_desc) is ContiguousDesc
+                            and type(remote_desc) is ContiguousDesc
+                        ):
+                            self._remember_ring(t, peer, local, remote, local_desc, remote_desc)
                         return self._queue_ring(t, la, ra, timeout)
                     return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, now)
                 payload = _notify.encode(notify, notify_message)
@@ -1406,13 +1451,66 @@ class Engine:
                 )
                 ring.written = written + 1
                 self._slot_messages += 1
-                if not window.poster:
-                    self._want_post(lane)
+                if not window.poster and lane.qpn not in self._to_post:
+                    self._want_post(lane)  # (once asked, the poster takes it with the rest)
         if full:
             return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, False)
         if self._wake_due:
             self._wake()
         return MemberHandle(group, k, n)
+
+    def _remember_ring(
+        self,
+        t: Template,
+        peer: str,
+        local: Region,
+        remote: RemoteRegion | str,
+        ldesc: ContiguousDesc,
+        rdesc: ContiguousDesc,
+    ) -> None:
+        """Keep ``t`` (a template of two ranges of these sizes) for :meth:`put_async` or
+        :meth:`get_async` of the same regions and sizes at any offsets."""
+        held = t.ring
+        if not held:
+            held.append(self._ring_runner(t))
+        entry = (local, remote, peer, ldesc.nbytes, rdesc.nbytes, held[0])
+        if t.opcode == verbs.WR_RDMA_WRITE:
+            self._ring_put = entry
+        else:
+            self._ring_get = entry
+
+    def _ring_runner(self, t: Template) -> _RingRun:
+        """``t`` (one WR, one SGE, two ranges) at given offsets into a lane's ring, as one
+        function of the two offsets and the timeout: its handle; None, with nothing
+        queued, when the template is stale, a range leaves its region or breaks the
+        alignment policy, or the timeout is not > 0, and the caller takes the general
+        path, which checks everything again and raises what is wrong.  The checks are
+        those of :meth:`_one` for a template and of :meth:`Planner.at_offsets`."""
+        conn, remotes, local, peer = t.conn, t.remotes, t.local, t.conn.peer
+        remote = t.remote
+        lbase, rbase = local.addr, remote.addr
+        llen, rlen = local.length - t.nbytes, remote.length - t.nbytes
+        align = self._planner.alignment or 0
+        ready = ConnState.READY
+        conns = self._conns
+        queue = self._queue_ring
+
+        def run(loff: int, roff: int, timeout: float) -> TransferHandle | None:
+            if (
+                loff <= llen
+                and roff <= rlen
+                and not (align and (loff % align or roff % align))
+                and conn.state is ready
+                and conn.remote_regions is remotes
+                and not local.closed
+                and conns.get(peer) is conn
+                and timeout > 0
+                and not self._closed
+            ):
+                return queue(t, lbase + loff, rbase + roff, timeout)
+            return None
+
+        return run
 
     def _solo(self, t: Template, la: int, ra: int, timeout: float) -> TransferHandle | None:
         """A blocking request of one WR (``t`` placed at ``la``/``ra``), posted and waited

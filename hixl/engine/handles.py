@@ -192,9 +192,15 @@ class MemberHandle(TransferHandle):
         # The base's own state is never used: every reader goes to the group.
         self._group = group
         self._index = index
-        self.peer = group.peer
         self.nbytes = nbytes
-        self.num_wrs = 1
+
+    @property
+    def peer(self) -> str:  # type: ignore[override]
+        return self._group.peer
+
+    @property
+    def num_wrs(self) -> int:  # type: ignore[override]
+        return 1
 
     @property
     def deadline(self) -> float:  # type: ignore[override]

@@ -516,6 +516,80 @@ def test_a_repeated_blocking_call_is_checked_again_on_every_repeat(
     assert conn.state is ConnState.READY
 
 
+def test_repeated_async_calls_at_new_offsets_are_checked_again_every_time(
+    pair: tuple[Engine, Engine],
+) -> None:
+    """``put_async``/``get_async`` of the same regions and sizes at new offsets go
+    straight into a lane's ring (``Diagnostics.slot_messages``), and each call still
+    sees what is wrong or changed: a range past its region, a misaligned offset, a bad
+    timeout, the peer's region withdrawn, the local region deregistered.  Nothing wrong
+    is queued, and the bytes are right throughout."""
+    client, server = pair
+    remote = np.zeros(64 * KIB, np.uint8)
+    r_remote = server.register(remote, access=RW, name="dst")
+    src = pattern(64 * KIB, 60)
+    r = client.register(src, access=RW)
+    conn = client.connect(server.id, timeout=30.0)
+
+    def at(i: int) -> ContiguousDesc:
+        return ContiguousDesc(offset=i * 4 * KIB, nbytes=4 * KIB)
+
+    def stream(seed: int) -> None:
+        src[:] = pattern(64 * KIB, seed)
+        hs = [
+            client.put_async(server.id, r, "dst", local_desc=at(i), remote_desc=at(15 - i))
+            for i in range(16)
+        ]
+        for h in hs:
+            h.wait(timeout=60)
+        for i in range(16):
+            assert np.array_equal(
+                remote[at(15 - i).offset :][: 4 * KIB], src[at(i).offset :][: 4 * KIB]
+            )
+        remote[:] = pattern(64 * KIB, seed + 1)
+        hs = [
+            client.get_async(server.id, r, "dst", local_desc=at(i), remote_desc=at(i))
+            for i in range(16)
+        ]
+        for h in hs:
+            h.wait(timeout=60)
+        assert np.array_equal(src, remote)
+
+    stream(600)
+    d0 = client.diagnostics()
+    stream(602)
+    assert client.diagnostics().slot_messages - d0.slot_messages == 32
+    for ld, rd, err in (
+        (at(15), ContiguousDesc(offset=61 * KIB, nbytes=4 * KIB, alignment=None), BoundsError),
+        (ContiguousDesc(offset=61 * KIB, nbytes=4 * KIB, alignment=None), at(0), BoundsError),
+        (at(1), ContiguousDesc(offset=32, nbytes=4 * KIB, alignment=None), AlignmentError),
+    ):
+        for call in (client.put_async, client.get_async):
+            with pytest.raises(err):
+                call(server.id, r, "dst", local_desc=ld, remote_desc=rd)
+    for bad in (0, -1.0):
+        for call in (client.put_async, client.get_async):
+            with pytest.raises(ArgumentError, match="timeout"):
+                call(server.id, r, "dst", local_desc=at(1), remote_desc=at(2), timeout=bad)
+    stream(604)
+    withdraw(server, r_remote, conn)
+    for call in (client.put_async, client.get_async):
+        with pytest.raises(RegistrationError):
+            call(server.id, r, "dst", local_desc=at(1), remote_desc=at(2))
+    remote = np.zeros(64 * KIB, np.uint8)
+    server.register(remote, access=RW, name="dst")
+    deadline = time.monotonic() + 10
+    while not any(x.name == "dst" for x in conn.remote_regions) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stream(606)  # on the new region
+    client.deregister(r)
+    for call in (client.put_async, client.get_async):
+        with pytest.raises(RegistrationError):
+            call(server.id, r, "dst", local_desc=at(1), remote_desc=at(2))
+    assert client.diagnostics().pending_transfers == 0
+    assert conn.state is ConnState.READY
+
+
 def test_channels_opened_while_other_threads_put_never_meet_their_calls(
     pair: tuple[Engine, Engine],
 ) -> None:
