@@ -31,11 +31,11 @@ Theory of operation
   work queued before it on its connection's other queue pairs (lanes) is unfinished
   (:attr:`SendWindow.oldest_id`), since lanes complete in any order among themselves.
 * **Open chunks.** A chunk with ``regions`` set (the engine's run of single messages in
-  a ring of slots) may grow while it is the backlog's last chunk and none of it is
-  taken: its owner appends WRs (``stop``/``groups``, one WR per group, only the last
-  signaled when it goes out) and their regions.  The window checks those regions
-  instead of the chain's, and signals the last WR of every batch that ends in such a
-  chunk (:meth:`Chain.signal`).
+  a ring of slots) may grow while it is the last chunk queued (:attr:`SendWindow.last`)
+  and none of it is taken: its owner appends WRs (``stop``/``groups``, one WR per
+  group, only the last signaled when it goes out) and their regions.  The window
+  checks those regions instead of the chain's, and signals the last WR of every batch
+  that ends in such a chunk (:meth:`Chain.signal`).
 
 ``tests/unit/test_window.py`` checks these rules with Hypothesis against real chains.
 """
@@ -113,7 +113,7 @@ class Batch:
 class SendWindow:
     """The backlog, the sent chunks and the slots in use of one send queue."""
 
-    __slots__ = ("_backlog", "_ends", "_sent", "in_flight", "poster")
+    __slots__ = ("_backlog", "_ends", "_sent", "in_flight", "last", "poster")
 
     def __init__(self) -> None:
         self._backlog: deque[Chunk] = deque()  # not all posted; the head may be partly
@@ -121,19 +121,18 @@ class SendWindow:
         self._ends: deque[int] = deque()  # the id of each batch out's last WR, in order
         self.in_flight = 0  # WRs posted (or being posted) and not completed
         self.poster = False  # a batch is out, being posted
+        self.last: Chunk | None = None  # the chunk queued last (an open chunk must be it)
 
     def queue(self, chunks: list[Chunk]) -> None:
         """Add chunks (ids assigned, increasing) at the end of the backlog."""
         self._backlog.extend(chunks)
+        if chunks:
+            self.last = chunks[-1]
 
     def queue1(self, chunk: Chunk) -> None:
         """Add one chunk (id assigned, the highest yet) at the end of the backlog."""
         self._backlog.append(chunk)
-
-    @property
-    def tail(self) -> Chunk | None:
-        """The backlog's last chunk (the one an open chunk must be to grow)."""
-        return self._backlog[-1] if self._backlog else None
+        self.last = chunk
 
     @property
     def head(self) -> Chunk | None:
@@ -314,6 +313,7 @@ class SendWindow:
         self._backlog.clear()
         self._ends.clear()
         self.in_flight = 0
+        self.last = None
         return chunks
 
 

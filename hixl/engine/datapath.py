@@ -112,6 +112,7 @@ class Template:
     local_addr: int
     remote_addr: int
     rkey: int
+    lkey: int
     nbytes: int
     num_wrs: int
     # A plan of one WR of one SGE: (local offset, bytes, remote offset) from the bases,
@@ -167,6 +168,7 @@ class Planner:
             local_addr=built.bases[0],
             remote_addr=built.bases[1],
             rkey=remote.rkey,
+            lkey=req.local.lkey,
             nbytes=built.nbytes,
             num_wrs=built.chain.num_wrs,
             single=single,
@@ -475,8 +477,9 @@ def ranges_key(
     return None
 
 
-class LaneRing:
-    """A lane's ring of single messages (see :meth:`hixl.engine.engine.Engine._queue_ring`).
+class LaneRing(SlotRing):
+    """A lane's ring of single messages (see :meth:`hixl.engine.engine.Engine._queue_ring`):
+    a :class:`~hixl.verbs.chain.SlotRing` and what the engine knows of its slots.
 
     ``written`` slots were written so far and ``released`` of them went out (their post
     returned), so ``written - released`` slots are taken; slot ``written % capacity`` is
@@ -484,11 +487,10 @@ class LaneRing:
     joins while the window lets it grow.  Engine lock.
     """
 
-    __slots__ = ("capacity", "open", "released", "slots", "written")
+    __slots__ = ("open", "released", "written")
 
     def __init__(self, capacity: int) -> None:
-        self.slots = SlotRing(capacity)
-        self.capacity = capacity
+        super().__init__(capacity)
         self.written = 0
         self.released = 0
         self.open: Chunk | None = None

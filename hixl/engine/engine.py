@@ -63,6 +63,7 @@ from hixl.errors import (
 )
 from hixl.verbs import adapter as verbs
 from hixl.verbs.adapter import gid_to_str
+from hixl.verbs.chain import SGE_BYTES, SGE_SLOT, WR_BYTES, WR_SLOT
 
 if TYPE_CHECKING:
     from hixl.registry import Registry, Watch
@@ -1393,6 +1394,7 @@ class Engine:
         """
         conn = t.conn
         lo, n, ro = t.single  # type: ignore[misc]
+        local = t.local
         deadline = time.monotonic() + timeout
         with self._lock:
             if self._closed or conn.state is not ConnState.READY:
@@ -1403,52 +1405,58 @@ class Engine:
             if ring is None:
                 ring = lane.ring = LaneRing(min(RING_SLOTS, self.sq_depth))
             written = ring.written
-            if written - ring.released >= ring.capacity:
+            cap = ring.capacity
+            if written - ring.released >= cap:
                 full = True
             else:
                 full = False
-                slot = written % ring.capacity
+                slot = written % cap
                 chunk = ring.open
                 window = lane.window
                 if (
                     chunk is not None
                     and chunk.stop == slot
                     and not chunk.posted
-                    and window.tail is chunk
+                    and window.last is chunk
                 ):
                     group = chunk.handle
                     k = slot - chunk.start
                     chunk.stop = slot + 1
                     chunk.groups = k + 1
                     regions = chunk.regions
-                    if regions[-1] is not t.local:  # type: ignore[index]
-                        regions.append(t.local)  # type: ignore[union-attr]
+                    if regions[-1] is not local:  # type: ignore[index]
+                        regions.append(local)  # type: ignore[union-attr]
                     if deadline < group.deadline:
                         group.deadline = deadline
                 else:
                     group = GroupHandle(conn.peer, deadline, self._reap_inline)
                     group.chunks_left = 1
                     k = 0
-                    chunk = Chunk(ring.slots.chain, slot, slot + 1, group, 1, self._next_wr)
+                    chunk = Chunk(ring.chain, slot, slot + 1, group, 1, self._next_wr)
                     chunk.groups = 1
-                    chunk.regions = [t.local]
+                    chunk.regions = [local]
                     chunk.ring = ring
-                    self._next_wr += ring.capacity
+                    self._next_wr += cap
                     ring.open = chunk
                     self._handles.add(group)
                     window.queue1(chunk)
                 group.nbytes += n
                 group.num_wrs += 1
-                ring.slots.write(
-                    slot,
+                # SlotRing.write, inline: one unsignaled RDMA WR of one SGE in the slot.
+                WR_SLOT.pack_into(
+                    ring.wr_mem,
+                    slot * WR_BYTES,
                     chunk.first_id + k,
+                    ring.links[slot],
+                    ring.sge_lists[slot],
+                    1,
                     t.opcode,
-                    la + lo,
-                    n,
-                    t.local.lkey,
+                    0,
+                    0,
                     ra + ro,
                     t.rkey,
                 )
+                SGE_SLOT.pack_into(ring.sge_mem, slot * SGE_BYTES, la + lo, n, t.lkey)
                 ring.written = written + 1
                 self._slot_messages += 1
                 if not window.poster and lane.qpn not in self._to_post:

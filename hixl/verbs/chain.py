@@ -51,8 +51,12 @@ __all__ = [
     "SGE_DTYPE",
     "WC_DTYPE",
     "WR_DTYPE",
+    "SGE_BYTES",
+    "SGE_SLOT",
     "SendChain",
     "SlotRing",
+    "WR_BYTES",
+    "WR_SLOT",
 ]
 
 #: ``IBV_SEND_SIGNALED``.
@@ -466,8 +470,13 @@ class SendChain:
 
 # One slot of a SlotRing in one ``struct.pack_into`` each: the WR's fields from ``wr_id``
 # to ``wr.rdma.rkey`` (they are contiguous, checked below), and the SGE.
-_WR_SLOT = struct.Struct("<QQQiiIIQI")
-_SGE_SLOT = struct.Struct("<QII")
+#: ``struct ibv_send_wr`` from ``wr_id`` to ``wr.rdma.rkey``, packed at a slot's offset
+#: (``slot * WR_BYTES``) by :meth:`SlotRing.write`.
+WR_SLOT = struct.Struct("<QQQiiIIQI")
+#: ``struct ibv_sge``, packed at ``slot * SGE_BYTES``.
+SGE_SLOT = struct.Struct("<QII")
+WR_BYTES = _WR_SIZE
+SGE_BYTES = _SGE_SIZE
 _WR_SLOT_FIELDS = (
     "wr_id",
     "next",
@@ -502,7 +511,7 @@ class SlotRing:
     caller checks the regions of what it queued).
     """
 
-    __slots__ = ("_links", "_sge", "_sge_lists", "_wr", "capacity", "chain")
+    __slots__ = ("capacity", "chain", "links", "sge_lists", "sge_mem", "wr_mem")
 
     def __init__(self, capacity: int) -> None:
         chain = SendChain(capacity, capacity)
@@ -518,10 +527,12 @@ class SlotRing:
         self.chain = chain
         self.capacity = capacity
         wrs = chain._views()[0]
-        self._links = [int(x) for x in wrs["next"]]
-        self._sge_lists = [int(x) for x in wrs["sg_list"]]
-        self._wr = memoryview(ffi.buffer(chain._wr_mem))
-        self._sge = memoryview(ffi.buffer(chain._sge_mem))
+        # What a slot's WR keeps (its link and its SGE's address), and the C memory as
+        # buffers, for WR_SLOT and SGE_SLOT (the engine packs slots itself, see write()).
+        self.links = [int(x) for x in wrs["next"]]
+        self.sge_lists = [int(x) for x in wrs["sg_list"]]
+        self.wr_mem = memoryview(ffi.buffer(chain._wr_mem))
+        self.sge_mem = memoryview(ffi.buffer(chain._sge_mem))
 
     def write(
         self,
@@ -536,12 +547,12 @@ class SlotRing:
     ) -> None:
         """Slot ``slot`` becomes one unsignaled RDMA WR of one SGE.  The caller checked
         the values (a template's); ``struct`` still refuses one that does not fit."""
-        _WR_SLOT.pack_into(
-            self._wr,
+        WR_SLOT.pack_into(
+            self.wr_mem,
             slot * _WR_SIZE,
             wr_id,
-            self._links[slot],
-            self._sge_lists[slot],
+            self.links[slot],
+            self.sge_lists[slot],
             1,
             opcode,
             0,
@@ -549,4 +560,4 @@ class SlotRing:
             remote_addr,
             rkey,
         )
-        _SGE_SLOT.pack_into(self._sge, slot * _SGE_SIZE, local_addr, nbytes, lkey)
+        SGE_SLOT.pack_into(self.sge_mem, slot * _SGE_SIZE, local_addr, nbytes, lkey)

@@ -94,7 +94,7 @@ class Lane:
             chunk is not None
             and chunk.stop == slot
             and not chunk.posted
-            and self.window.tail is chunk
+            and self.window.last is chunk
         ):
             k = slot - chunk.start
             chunk.stop, chunk.groups = slot + 1, k + 1
