@@ -82,8 +82,9 @@ CHANNEL_WAIT_S = 60.0
 SPREAD_BYTES = 128 * 1024
 # Room left in a handshake message for everything but the exposed regions, bytes.
 _REGION_BYTES = wire.MAX_PAYLOAD - 4096
-# Engine._ring_runner's function: (local offset, remote offset, timeout) -> handle or None.
-_RingRun = Callable[[int, int, float], TransferHandle | None]
+# Engine._ring_runner's function: (peer, local, remote, local_desc, remote_desc, timeout)
+# -> the handle, or None when the call is not the runner's or cannot go its way.
+_RingRun = Callable[[str, Region, Any, Any, Any, float], TransferHandle | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,10 +291,10 @@ class Engine:
         self._repeat_put: tuple[tuple[Any, ...], Callable[[float], bool]] | None = None
         self._repeat_get: tuple[tuple[Any, ...], Callable[[float], bool]] | None = None
         # The last asynchronous put and get of two ContiguousDesc that went into a lane's
-        # ring, as (local, remote, peer, local bytes, remote bytes, run): the same
-        # regions and sizes at any offsets go straight to ``run`` (see _ring_runner).
-        self._ring_put: tuple[Any, Any, Any, int, int, _RingRun] | None = None
-        self._ring_get: tuple[Any, Any, Any, int, int, _RingRun] | None = None
+        # ring, as a function that queues a call of the same regions and sizes at any
+        # offsets, or returns None (see _ring_runner).
+        self._ring_put: _RingRun | None = None
+        self._ring_get: _RingRun | None = None
         self._regions: dict[tuple[int, int], Region] = {}
         self._conns: dict[str, Connection] = {}
         self._by_qpn: dict[int, Lane] = {}  # every lane made, connected or not
@@ -1031,19 +1032,9 @@ class Engine:
         ones before it are done, it fails with its own status and the later ones with
         the connection.
         """
-        again = self._ring_put  # the same regions and sizes as the last one: no lookup
-        if (
-            again is not None
-            and notify is None
-            and again[0] is local
-            and type(local_desc) is ContiguousDesc
-            and type(remote_desc) is ContiguousDesc
-            and again[1] == remote
-            and again[2] == peer
-            and local_desc.nbytes == again[3]
-            and remote_desc.nbytes == again[4]
-        ):
-            fast = again[5](local_desc.offset, remote_desc.offset, timeout)
+        again = self._ring_put  # the last ring template's call: no lookup if it matches
+        if again is not None and notify is None:
+            fast = again(peer, local, remote, local_desc, remote_desc, timeout)
             if fast is not None:
                 return fast
         handle = self._one(
@@ -1076,17 +1067,8 @@ class Engine:
         A get of one work request of one SGE goes through a ring of slots as a put does
         (see :meth:`put_async`)."""
         again = self._ring_get
-        if (
-            again is not None
-            and again[0] is local
-            and type(local_desc) is ContiguousDesc
-            and type(remote_desc) is ContiguousDesc
-            and again[1] == remote
-            and again[2] == peer
-            and local_desc.nbytes == again[3]
-            and remote_desc.nbytes == again[4]
-        ):
-            fast = again[5](local_desc.offset, remote_desc.offset, timeout)
+        if again is not None:
+            fast = again(peer, local, remote, local_desc, remote_desc, timeout)
             if fast is not None:
                 return fast
         handle = self._one(
@@ -1206,7 +1188,7 @@ class Engine:
                             type(local_desc) is ContiguousDesc
                             and type(remote_desc) is ContiguousDesc
                         ):
-                            self._remember_ring(t, peer, local, remote, local_desc, remote_desc)
+                            self._remember_ring(t, remote)
                         return self._queue_ring(t, la, ra, timeout)
                     return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, now)
                 payload = _notify.encode(notify, notify_message)
@@ -1442,7 +1424,8 @@ class Engine:
                     window.queue1(chunk)
                 group.nbytes += n
                 group.num_wrs += 1
-                # SlotRing.write, inline: one unsignaled RDMA WR of one SGE in the slot.
+                # SlotRing.write, inline (a call less per message): one unsignaled RDMA
+                # WR of one SGE in the slot.
                 WR_SLOT.pack_into(
                     ring.wr_mem,
                     slot * WR_BYTES,
@@ -1467,55 +1450,62 @@ class Engine:
             self._wake()
         return MemberHandle(group, k, n)
 
-    def _remember_ring(
-        self,
-        t: Template,
-        peer: str,
-        local: Region,
-        remote: RemoteRegion | str,
-        ldesc: ContiguousDesc,
-        rdesc: ContiguousDesc,
-    ) -> None:
-        """Keep ``t`` (a template of two ranges of these sizes) for :meth:`put_async` or
-        :meth:`get_async` of the same regions and sizes at any offsets."""
+    def _remember_ring(self, t: Template, remote: RemoteRegion | str) -> None:
+        """Keep ``t`` (a template of two ranges, the peer's region named by ``remote``)
+        for :meth:`put_async` or :meth:`get_async` of the same regions and sizes at any
+        offsets."""
         held = t.ring
-        if not held:
-            held.append(self._ring_runner(t))
-        entry = (local, remote, peer, ldesc.nbytes, rdesc.nbytes, held[0])
+        if not held or held[0] != remote:
+            held[:] = [remote, self._ring_runner(t, remote)]
         if t.opcode == verbs.WR_RDMA_WRITE:
-            self._ring_put = entry
+            self._ring_put = held[1]
         else:
-            self._ring_get = entry
+            self._ring_get = held[1]
 
-    def _ring_runner(self, t: Template) -> _RingRun:
-        """``t`` (one WR, one SGE, two ranges) at given offsets into a lane's ring, as one
-        function of the two offsets and the timeout: its handle; None, with nothing
-        queued, when the template is stale, a range leaves its region or breaks the
-        alignment policy, or the timeout is not > 0, and the caller takes the general
-        path, which checks everything again and raises what is wrong.  The checks are
-        those of :meth:`_one` for a template and of :meth:`Planner.at_offsets`."""
+    def _ring_runner(self, t: Template, remote_arg: RemoteRegion | str) -> _RingRun:
+        """``t`` (one WR, one SGE, two ranges) into a lane's ring, as one function of a
+        call's arguments: the handle when the call has ``t``'s local region, peer and
+        sizes and ``remote_arg``; None, with nothing queued, when it has not, or when
+        the template is stale, a range leaves its region or breaks the alignment policy,
+        or the timeout is not > 0, and the caller takes the general path, which checks
+        everything again and raises what is wrong.  The checks are those of :meth:`_one`
+        for a template and of :meth:`Planner.at_offsets`."""
         conn, remotes, local, peer = t.conn, t.remotes, t.local, t.conn.peer
         remote = t.remote
+        size = t.nbytes
         lbase, rbase = local.addr, remote.addr
-        llen, rlen = local.length - t.nbytes, remote.length - t.nbytes
+        llen, rlen = local.length - size, remote.length - size
         align = self._planner.alignment or 0
         ready = ConnState.READY
         conns = self._conns
         queue = self._queue_ring
+        ranges = ContiguousDesc
 
-        def run(loff: int, roff: int, timeout: float) -> TransferHandle | None:
+        def run(
+            peer_: str, local_: Region, remote_: Any, ldesc: Any, rdesc: Any, timeout: float
+        ) -> TransferHandle | None:
             if (
-                loff <= llen
-                and roff <= rlen
-                and not (align and (loff % align or roff % align))
-                and conn.state is ready
-                and conn.remote_regions is remotes
-                and not local.closed
-                and conns.get(peer) is conn
-                and timeout > 0
-                and not self._closed
+                local_ is local
+                and type(ldesc) is ranges
+                and type(rdesc) is ranges
+                and ldesc.nbytes == size
+                and rdesc.nbytes == size
+                and remote_ == remote_arg
+                and peer_ == peer
             ):
-                return queue(t, lbase + loff, rbase + roff, timeout)
+                loff, roff = ldesc.offset, rdesc.offset
+                if (
+                    loff <= llen
+                    and roff <= rlen
+                    and not (align and (loff % align or roff % align))
+                    and conn.state is ready
+                    and conn.remote_regions is remotes
+                    and not local.closed
+                    and conns.get(peer) is conn
+                    and timeout > 0
+                    and not self._closed
+                ):
+                    return queue(t, lbase + loff, rbase + roff, timeout)
             return None
 
         return run

@@ -528,7 +528,8 @@ class SlotRing:
         self.capacity = capacity
         wrs = chain._views()[0]
         # What a slot's WR keeps (its link and its SGE's address), and the C memory as
-        # buffers, for WR_SLOT and SGE_SLOT (the engine packs slots itself, see write()).
+        # buffers for WR_SLOT and SGE_SLOT (see write(); the engine packs its slots the
+        # same way inline, Engine._queue_ring).
         self.links = [int(x) for x in wrs["next"]]
         self.sge_lists = [int(x) for x in wrs["sg_list"]]
         self.wr_mem = memoryview(ffi.buffer(chain._wr_mem))
