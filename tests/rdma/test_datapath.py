@@ -396,7 +396,7 @@ def test_single_messages_through_the_slot_ring_keep_order_with_chains_and_notifi
 ) -> None:
     """Asynchronous single puts and gets go through each lane's ring of slots
     (``Diagnostics.slot_messages``), many more of them than a ring holds and with more
-    in flight than one group; strided transfers of many WRs and notifications are queued
+    in flight than a ring has slots; strided transfers of many WRs and notifications are queued
     between them.  Every byte lands, every handle finishes once, and each notification
     arrives only after everything queued before it (on every lane) has landed."""
     client, server, lanes = connected_lanes
@@ -448,7 +448,10 @@ def test_single_messages_through_the_slot_ring_keep_order_with_chains_and_notifi
         assert h.done() and h.error is None
     assert np.array_equal(back, src)
     after = client.diagnostics()
-    assert after.slot_messages - before.slot_messages >= 2 * n - 2  # the first of each sets up
+    # Most go through the rings; a message that finds all 256 slots of its lane waiting
+    # for their post (more than a ring queued and not posted yet) takes the chain path,
+    # queued behind them, which the byte checks above cover too.
+    assert after.slot_messages - before.slot_messages > n
     assert after.pending_transfers == 0
 
 
