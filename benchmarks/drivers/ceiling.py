@@ -28,13 +28,27 @@ completion, so this is a bound for the engine's design, not something to ship.
 Each round runs ``ib_write_bw -s SIZE -n N -t DEPTH``, the ring stream and the engine's
 ``put_async`` stream back to back, and reports both ratios against ``ib_write_bw``.
 
+With ``--against DIR`` each round also streams with the engine of another checkout
+(``DIR``, a ``git worktree`` of another commit, say), in a child process that imports
+``hixl`` and ``benchmarks`` from there; the two engines' streams run back to back in an
+order that flips every round, and the report adds each round's ratio of the two and
+how many rounds each side won. That is a paired A/B of two versions in one boot: rounds
+close in time read alike under emulation, whichever code runs, so a comparison of two
+separate runs cannot tell 0.2x apart.
+
     hixl run -- .venv/bin/python benchmarks/bench_ceiling.py            # 3 rounds, 4 KiB
     hixl run -- .venv/bin/python benchmarks/bench_ceiling.py --rounds 1 --iters 512
+    git worktree add /tmp/old HEAD~1 && hixl run -- .venv/bin/python \
+        benchmarks/bench_ceiling.py --rounds 10 --against /tmp/old
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import select
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -211,6 +225,79 @@ class RingStream:
         self.dev.close()
 
 
+# The child of --against: only the API every checkout since the ring's has
+# (benchmarks.backends.hixl), so an older commit's tree runs it unchanged.
+_CHILD = """
+import sys
+import hixl
+from benchmarks.backends.hixl import EnginePair, hixl_stream
+size = int(sys.argv[1])
+pair = EnginePair(size)
+try:
+    print("READY", hixl.__file__, flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "QUIT":
+            break
+        wall, _ = hixl_stream(pair, "write", size, int(cmd[1]), int(cmd[2]))
+        print("WALL", repr(wall), flush=True)
+finally:
+    pair.close()
+"""
+
+
+class OtherEngine:
+    """The engine stream of another checkout, in a child process (see ``--against``)."""
+
+    def __init__(self, tree: Path, size: int) -> None:
+        self.tree = tree
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(size)],
+            cwd=tree,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        try:
+            fields = self._expect("READY", 120)
+            where = Path(fields[1]).resolve()
+            if not where.is_relative_to(tree.resolve()):
+                raise BenchError(f"--against {tree}: the child imported hixl from {where}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _expect(self, word: str, timeout: float) -> list[str]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        fields = line.split()
+        if len(fields) < 2 or fields[0] != word:
+            raise BenchError(f"--against child: wanted {word}, got {line.strip()!r}")
+        return fields
+
+    def stream(self, iters: int, depth: int, timeout: float) -> float:
+        """Wall seconds of one stream of ``iters`` messages, ``depth`` in flight."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"RUN {iters} {depth}\n")
+        self.proc.stdin.flush()
+        return float(self._expect("WALL", timeout)[1])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("QUIT\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="bench_ceiling.py",
@@ -224,12 +311,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="RDMA device (default: the one hixl picks)")
     ap.add_argument("--server-addr", default="127.0.0.1", help="perftest's out-of-band address")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also stream with the engine of the checkout in DIR, paired per round",
+    )
     args = ap.parse_args(argv)
     size = parse_size(args.size)
     if not 0 < size <= 1 << 20:
         ap.error("--size must be in 1..1M")
     if args.iters < 1 or not 1 <= args.depth <= RING or args.rounds < 1:
         ap.error(f"--iters and --rounds must be >= 1, --depth in 1..{RING}")
+    if args.against is not None and not (args.against / "hixl" / "__init__.py").is_file():
+        ap.error(f"--against {args.against}: not a hixl checkout (no hixl/__init__.py)")
 
     setup = gather_setup(args.device)
     perftest = Perftest(setup["device"], setup["gid_index"], args.server_addr)
@@ -238,14 +334,20 @@ def main(argv: list[str] | None = None) -> int:
         setup,
         [f"size {size} B; {args.iters} messages per stream, {args.depth} in flight"],
     )
-    progress = Progress(args.rounds * 3, "ceiling")
+    other_tree = args.against
+    progress = Progress(args.rounds * (3 if other_tree is None else 4), "ceiling")
     ring = RingStream(size)
     pair: EnginePair | None = None
+    other: OtherEngine | None = None
     rounds: list[dict[str, Any]] = []
+    timeout = 120 + args.iters * size / 1e5
     try:
         pair = EnginePair(size)
-        ring.run(min(256, args.iters), args.depth)  # warm-up, both
+        ring.run(min(256, args.iters), args.depth)  # warm-up, all
         hixl_stream(pair, "write", size, min(256, args.iters), args.depth)
+        if other_tree is not None:
+            other = OtherEngine(other_tree, size)
+            other.stream(min(256, args.iters), args.depth, timeout)
         pt_args = ["-s", str(size), "-n", str(args.iters), "-t", str(min(args.depth, args.iters))]
         for r in range(args.rounds):
             progress.step(f"ib_write_bw x{args.iters} (round {r + 1}/{args.rounds})")
@@ -255,23 +357,37 @@ def main(argv: list[str] | None = None) -> int:
             progress.step(f"ring stream x{args.iters} (round {r + 1}/{args.rounds})")
             ring_s = ring.run(args.iters, args.depth) / args.iters
             progress.advance()
-            progress.step(f"hixl put_async stream x{args.iters} (round {r + 1}/{args.rounds})")
-            wall, _ = hixl_stream(pair, "write", size, args.iters, args.depth)
-            hixl_s = wall / args.iters
-            progress.advance()
-            rounds.append(
-                {
-                    "round": r,
-                    "perftest_us_per_msg": perf * 1e6,
-                    "ring_us_per_msg": ring_s * 1e6,
-                    "hixl_us_per_msg": hixl_s * 1e6,
-                    "ring_ratio": perf / ring_s,
-                    "hixl_ratio": perf / hixl_s,
-                    "perftest_command": run.command,
-                }
-            )
+            other_s: float | None = None
+            for side in ("this", "other") if r % 2 == 0 else ("other", "this"):
+                if side == "this":
+                    progress.step(
+                        f"hixl put_async stream x{args.iters} (round {r + 1}/{args.rounds})"
+                    )
+                    wall, _ = hixl_stream(pair, "write", size, args.iters, args.depth)
+                    hixl_s = wall / args.iters
+                    progress.advance()
+                elif other is not None:
+                    progress.step(f"--against put_async x{args.iters} (round {r + 1})")
+                    other_s = other.stream(args.iters, args.depth, timeout) / args.iters
+                    progress.advance()
+            entry = {
+                "round": r,
+                "perftest_us_per_msg": perf * 1e6,
+                "ring_us_per_msg": ring_s * 1e6,
+                "hixl_us_per_msg": hixl_s * 1e6,
+                "ring_ratio": perf / ring_s,
+                "hixl_ratio": perf / hixl_s,
+                "perftest_command": run.command,
+            }
+            if other_s is not None:
+                entry["against_us_per_msg"] = other_s * 1e6
+                entry["against_ratio"] = perf / other_s
+                entry["this_over_against"] = other_s / hixl_s  # > 1: this checkout faster
+            rounds.append(entry)
     finally:
         progress.finish()
+        if other is not None:
+            other.close()
         if pair is not None:
             pair.close()
         ring.close()
@@ -295,6 +411,44 @@ def main(argv: list[str] | None = None) -> int:
         "round.\n- ring: pre-built WRs, a poster thread per lane, completion by sequence "
         "number (see --help); hixl: Engine.put_async, one call per message."
     )
+    summary: dict[str, Any] = {"ring_ratio": ring_med, "hixl_ratio": hixl_med}
+    if other_tree is not None:
+        paired = [x["this_over_against"] for x in rounds]
+        wins = sum(1 for v in paired if v > 1)
+        summary.update(
+            against=str(other_tree),
+            against_ratio=median([x["against_ratio"] for x in rounds]),
+            this_over_against=median(paired),
+            this_wins=wins,
+        )
+        print()
+        print(
+            markdown_table(
+                ["round", "this / ib_write_bw", "--against / ib_write_bw", "this / --against"],
+                [
+                    [
+                        str(x["round"] + 1),
+                        fmt_ratio(x["hixl_ratio"]),
+                        fmt_ratio(x["against_ratio"]),
+                        fmt_ratio(x["this_over_against"]),
+                    ]
+                    for x in rounds
+                ]
+                + [
+                    [
+                        "median",
+                        fmt_ratio(hixl_med),
+                        fmt_ratio(summary["against_ratio"]),
+                        fmt_ratio(summary["this_over_against"]),
+                    ]
+                ],
+            )
+        )
+        print(
+            f"\n- Paired against {other_tree}: this checkout's engine was faster in {wins} "
+            f"of {len(paired)} rounds (this / --against > 1); the two streams of a round "
+            "ran back to back, in an order flipped every round."
+        )
     if args.json is not None:
         write_json(
             args.json,
@@ -304,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                 "command": command_line(),
                 "params": {"size": size, "iters": args.iters, "depth": args.depth},
                 "rounds": rounds,
-                "summary": {"ring_ratio": ring_med, "hixl_ratio": hixl_med},
+                "summary": summary,
             },
         )
     return 0

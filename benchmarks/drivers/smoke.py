@@ -126,6 +126,9 @@ def checks(tmp: Path) -> list[tuple[str, list[str], float, Sequence[int], str]]:
     ceiling = [py, str(ENTRY_DIR / "bench_ceiling.py"), "--rounds", "1", "--iters", "256"]
     if device:
         out.append(("bench_ceiling, one round (device present)", ceiling, 600, (0,), "ring"))
+        # A/A: this checkout against itself, through the child process of --against
+        against = [*ceiling, "--against", str(REPO)]
+        out.append(("bench_ceiling --against (device present)", against, 600, (0,), "Paired"))
     else:
         out.append(("bench_ceiling without a device", ceiling, 60, (2,), "no usable RDMA device"))
     peers = ENTRY_DIR / "bench_peers.py"
