@@ -2,6 +2,7 @@
 progress display and output (markdown tables, JSON). Pure or host-only; nothing here
 opens a device."""
 
+from .child import expect_line, send_line
 from .errors import BenchError, run_main
 from .output import markdown_table, write_json
 from .progress import Progress
@@ -38,6 +39,8 @@ __all__ = [
     "MIB",
     "REPO",
     "BenchError",
+    "expect_line",
+    "send_line",
     "Progress",
     "command_line",
     "cpu_mhz",

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
 import subprocess
 import sys
 import threading
@@ -66,12 +65,14 @@ from ..common import (
     BenchError,
     Progress,
     command_line,
+    expect_line,
     fmt_ratio,
     gather_setup,
     markdown_table,
     median,
     parse_size,
     print_header,
+    send_line,
     write_json,
 )
 
@@ -271,27 +272,17 @@ class OtherEngine:
             raise
 
     def _expect(self, word: str, timeout: float) -> list[str]:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        fields = line.split()
-        if len(fields) < 2 or fields[0] != word:
-            raise BenchError(f"--against child: wanted {word}, got {line.strip()!r}")
-        return fields
+        return expect_line(self.proc, word, timeout, "--against child", fields=2)
 
     def stream(self, iters: int, depth: int, timeout: float) -> float:
         """Wall seconds of one stream of ``iters`` messages, ``depth`` in flight."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"RUN {iters} {depth}\n")
-        self.proc.stdin.flush()
+        send_line(self.proc, f"RUN {iters} {depth}")
         return float(self._expect("WALL", timeout)[1])
 
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write("QUIT\n")
-                self.proc.stdin.flush()
+                send_line(self.proc, "QUIT")
                 self.proc.wait(timeout=30)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()

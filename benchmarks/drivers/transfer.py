@@ -40,7 +40,6 @@ import cProfile
 import io
 import pstats
 import resource
-import select
 import subprocess
 import sys
 import threading
@@ -63,6 +62,7 @@ from ..common import (
     BenchError,
     Progress,
     command_line,
+    expect_line,
     fmt_rate,
     fmt_ratio,
     fmt_size,
@@ -75,6 +75,7 @@ from ..common import (
     print_header,
     quiet_logs,
     ratio,
+    send_line,
     spread,
     write_json,
 )
@@ -196,18 +197,10 @@ class PingPong:
             raise
 
     def _send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
+        send_line(self.proc, line)
 
     def _expect(self, word: str, timeout: float) -> list[str]:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        fields = line.split()
-        if not fields or fields[0] != word:
-            raise BenchError(f"ping-pong child: wanted {word}, got {line.strip()!r}")
-        return fields
+        return expect_line(self.proc, word, timeout, "ping-pong child")
 
     def run(
         self, size: int, iters: int, warmup: int, channel: bool = False
