@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from benchmarks import common
@@ -329,3 +332,43 @@ def test_perftest_skips_a_port_in_use() -> None:
         held.bind(("127.0.0.1", base))
         assert not net.tcp_port_is_free(base)
         assert perftest.Perftest("rxe0", 1, port_base=base).next_port() != base
+
+
+def _child(script: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
+
+
+def test_child_line_protocol_answers_and_refusals() -> None:
+    """send_line/expect_line: an echoing child's answer comes back split; a wrong first
+    word, too few words, a child that exits and one that stays silent are errors."""
+    echo = "import sys\nfor line in sys.stdin:\n    print('ANS', line.strip(), flush=True)\n"
+    proc = _child(echo)
+    try:
+        common.send_line(proc, "RUN 3 4")
+        assert common.expect_line(proc, "ANS", 30, "echo") == ["ANS", "RUN", "3", "4"]
+        common.send_line(proc, "x")
+        with pytest.raises(common.BenchError, match="echo: wanted OTHER, got 'ANS x'"):
+            common.expect_line(proc, "OTHER", 30, "echo")
+        common.send_line(proc, "")
+        with pytest.raises(common.BenchError, match="wanted ANS"):
+            common.expect_line(proc, "ANS", 30, "echo", fields=2)  # "ANS" alone
+    finally:
+        proc.kill()
+        proc.wait()
+    gone = _child("pass")
+    gone.wait()
+    with pytest.raises(common.BenchError, match="got ''"):
+        common.expect_line(gone, "READY", 30, "gone")
+    silent = _child("import time\ntime.sleep(30)")
+    try:
+        with pytest.raises(common.BenchError, match="got ''"):
+            common.expect_line(silent, "READY", 0.2, "silent")
+    finally:
+        silent.kill()
+        silent.wait()
