@@ -1377,7 +1377,6 @@ class Engine:
         conn = t.conn
         lo, n, ro = t.single  # type: ignore[misc]
         local = t.local
-        deadline = time.monotonic() + timeout
         with self._lock:
             if self._closed or conn.state is not ConnState.READY:
                 self._check_open()
@@ -1408,10 +1407,18 @@ class Engine:
                     regions = chunk.regions
                     if regions[-1] is not local:  # type: ignore[index]
                         regions.append(local)  # type: ignore[union-attr]
-                    if deadline < group.deadline:
-                        group.deadline = deadline
+                    # A member's deadline is its group's, the earliest of theirs.  A
+                    # message with no shorter timeout than the group's shortest, queued
+                    # later, has a later deadline: no clock reading needed for it.
+                    if timeout < group.timeout:
+                        group.timeout = timeout
+                        deadline = time.monotonic() + timeout
+                        if deadline < group.deadline:
+                            group.deadline = deadline
                 else:
-                    group = GroupHandle(conn.peer, deadline, self._reap_inline)
+                    group = GroupHandle(
+                        conn.peer, time.monotonic() + timeout, self._reap_inline, timeout
+                    )
                     group.chunks_left = 1
                     k = 0
                     chunk = Chunk(ring.chain, slot, slot + 1, group, 1, self._next_wr)
@@ -1892,7 +1899,7 @@ class Engine:
                 self._post(lane, batch)
         return bool(self._to_post)
 
-    def _reap_inline(self, sleeping: bool) -> bool:
+    def _reap_inline(self, now: float) -> bool:
         """A waiter reaps send completions itself (no hand-off); True: worth spinning on.
 
         Skips the reaping when the lock is busy (the progress thread is reaping, most
@@ -1900,14 +1907,15 @@ class Engine:
         waiter itself, so two threads post at once.  Spinning stops paying once only a
         batch being posted is left: the completions the waiter wants then come after
         that post, and a spinning waiter only takes the CPU and the GIL the poster needs
-        (on rxe the post itself does the sending).  ``sleeping``: the waiter is about to
-        sleep on its handle, so the progress thread is woken to watch the completion queue.
+        (on rxe the post itself does the sending).  ``now``: the waiter's clock reading
+        (``time.monotonic()``), or 0.0 when it is about to sleep on its handle, and the
+        progress thread is woken to watch the completion queue.
         """
-        if sleeping:
+        if not now:
             self._driven_at = 0.0
             self._progress.wake()
             return False
-        self._driven_at = time.monotonic()
+        self._driven_at = now
         if not self._lock.acquire(blocking=False):
             return True
         lane: Lane | None = None

@@ -73,7 +73,7 @@ class TransferHandle:
         nbytes: int,
         num_wrs: int,
         deadline: float,
-        reap: Callable[[bool], bool] | None = None,
+        reap: Callable[[float], bool] | None = None,
     ) -> None:
         self.peer = peer
         self._reap = reap  # the engine's own completion reaping, for waiters to drive
@@ -113,12 +113,16 @@ class TransferHandle:
         if reap is not None:
             # Reap completions on this thread for a moment before sleeping: a short
             # transfer then ends without waking the progress thread and this one in turn.
-            spin_until = time.monotonic() + (SPIN_S if timeout is None else min(SPIN_S, timeout))
-            while self._status is TransferStatus.PENDING and time.monotonic() < spin_until:
-                if not reap(False):
+            # One clock reading per round, handed to the engine too (in a VM without a
+            # usable TSC each reading is a system call).
+            now = time.monotonic()
+            spin_until = now + (SPIN_S if timeout is None else min(SPIN_S, timeout))
+            while self._status is TransferStatus.PENDING and now < spin_until:
+                if not reap(now):
                     break  # the engine says spinning does not pay now
+                now = time.monotonic()
             if self._status is TransferStatus.PENDING:
-                reap(True)  # about to sleep: the progress thread takes over
+                reap(0.0)  # about to sleep: the progress thread takes over
         event = None
         if self._status is TransferStatus.PENDING:  # most are done by now: no Event for them
             with _handle_lock:  # two waiters make one Event
@@ -171,12 +175,19 @@ class GroupHandle(TransferHandle):
     (set before the group finishes, so a woken waiter sees it).
     """
 
-    __slots__ = ("fail_at", "rest")
+    __slots__ = ("fail_at", "rest", "timeout")
 
-    def __init__(self, peer: str, deadline: float, reap: Callable[[bool], bool] | None) -> None:
+    def __init__(
+        self,
+        peer: str,
+        deadline: float,
+        reap: Callable[[float], bool] | None,
+        timeout: float = float("inf"),
+    ) -> None:
         super().__init__(peer, 0, 0, deadline, reap)
         self.fail_at: int | None = None
         self.rest: HixlError | None = None
+        self.timeout = timeout  # the shortest timeout of a member (engine, under its lock)
 
 
 class MemberHandle(TransferHandle):

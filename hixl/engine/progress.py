@@ -154,18 +154,20 @@ class Progress:
         only matters without them.
         """
         busy = False
+        # One clock reading per round (in a VM without a usable TSC each is a system
+        # call); the expiry check and the sweep may see it a reap late.
+        now = time.monotonic()
         try:
             if self.events:
                 if engine.closed:
                     return False
-                busy = self._poll_events(engine)  # takes the lock to reap, not to arm
+                busy = self._poll_events(engine, now)  # takes the lock to reap, not to arm
             with engine._lock:
                 if engine.closed:
                     return False
                 if not self.events:
                     busy |= engine._reap_send(self.send_cq.poll_rows(POLL_BATCH)) == POLL_BATCH
                     busy |= engine._reap_recv(self.recv_cq.poll(POLL_BATCH)) == POLL_BATCH
-                now = time.monotonic()
                 if now >= self._next_expiry_check:
                     engine._expire(now)
                     self._next_expiry_check = now + 0.01
@@ -221,7 +223,7 @@ class Progress:
                 log.warning("progress loop: unexpected %s: %s", type(exc).__name__, exc)
         return busy
 
-    def _poll_events(self, engine: Engine) -> bool:
+    def _poll_events(self, engine: Engine, now: float) -> bool:
         """Poll the CQs that may hold something, arm the drained ones.  True if more is queued.
 
         An armed CQ whose event has not fired holds nothing new, so it is skipped.  A CQ
@@ -243,7 +245,7 @@ class Progress:
                 # wakes this thread (posting is handed over) or is waited on by a caller
                 # that reaps its own completion and wakes this thread before it sleeps.
                 continue
-            if cq is send and time.monotonic() - engine._driven_at < DRIVEN_S:
+            if cq is send and now - engine._driven_at < DRIVEN_S:
                 # A waiter is reaping on its own thread: no event for this thread; look
                 # again in DRIVEN_S.  A waiter about to sleep clears _driven_at and wakes
                 # this thread, which then arms.

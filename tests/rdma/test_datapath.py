@@ -455,6 +455,41 @@ def test_single_messages_through_the_slot_ring_keep_order_with_chains_and_notifi
     assert after.pending_transfers == 0
 
 
+def test_a_ring_message_never_gets_a_deadline_later_than_its_own_timeout(
+    connected_lanes: tuple[Engine, Engine, int],
+) -> None:
+    """Single puts with mixed timeouts, fast enough that most join an open group of
+    their lane's ring: a member's deadline is its group's, the earliest of theirs, and
+    a message that joins with a shorter timeout than the group's members moves it.  So
+    each handle's deadline is at most its call's end plus its own timeout (and the
+    stream completes)."""
+    client, server, lanes = connected_lanes
+    size, n = 256, 600
+    dst = np.zeros(n * size, np.uint8)
+    server.register(dst, access=RW, name="dst")
+    src = pattern(n * size, 31)
+    r = client.register(src)
+    conn = client.connection(server.id)
+    deadline = time.monotonic() + 10
+    while not any(x.name == "dst" for x in conn.remote_regions):
+        assert time.monotonic() < deadline, "the peer never announced its region"
+        time.sleep(0.01)
+    rng = np.random.default_rng(5)
+    timeouts = rng.choice([60.0, 30.0, 20.0, 45.0, 15.0], size=n)
+    before = client.diagnostics()
+    handles = []
+    for i in range(n):
+        d = ContiguousDesc(offset=i * size, nbytes=size)
+        h = client.put_async(server.id, r, "dst", local_desc=d, remote_desc=d, timeout=timeouts[i])
+        end = time.monotonic()
+        assert h.deadline <= end + timeouts[i], (i, h.deadline - end, timeouts[i])
+        handles.append(h)
+    for h in handles:
+        h.wait(timeout=60)
+    assert np.array_equal(dst, src)
+    assert client.diagnostics().slot_messages - before.slot_messages > n // 2
+
+
 def test_notifications_wait_for_ring_messages_queued_before_them(
     connected_lanes: tuple[Engine, Engine, int],
 ) -> None:
