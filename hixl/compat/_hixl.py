@@ -34,7 +34,7 @@ import threading
 import time
 import warnings
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -726,6 +726,28 @@ class Hixl:
         error = error or StateError("transfer failed without an error")
         return self._fail(f"transfer {req} to {pending.peer}", error), TransferStatus.FAILED
 
+    def _drive(self, req_id: int | None) -> None:
+        """Before a status read: let the engine post and reap on this thread
+        (:meth:`TransferHandle.done` of one pending part of request ``req_id``, or of
+        any request for None, called outside this object's lock), so a caller that
+        polls the status sees its transfer finish without waiting for the engine's
+        progress thread."""
+        part: TransferHandle | None = None
+        with self._lock:
+            one = self._pending.get(req_id) if req_id is not None else None
+            pendings: Iterable[_Pending] = (
+                self._pending.values() if req_id is None else [one] if one is not None else []
+            )
+            for pending in pendings:
+                for p in pending.parts:
+                    if isinstance(p, TransferHandle) and p.status is _EngineStatus.PENDING:
+                        part = p
+                        break
+                if part is not None:
+                    break
+        if part is not None:
+            part.done()
+
     def get_transfer_status(self, req_id: int, /) -> tuple[Status, TransferStatus]:
         """``(status, TransferStatus)`` of the request ``req_id`` from ``transfer_async``.
 
@@ -736,6 +758,8 @@ class Hixl:
         """
         try:
             self._require()
+            if _is_int(req_id):
+                self._drive(req_id)
             with self._lock:
                 pending = self._pending.get(req_id) if _is_int(req_id) else None
                 if pending is None:
@@ -760,6 +784,7 @@ class Hixl:
             if not _is_int(limit) or limit < 0:
                 raise ArgumentError(f"max_query_count must be an int >= 0, got {limit!r}")
             out: list[TransferResult] = []
+            self._drive(None)
             with self._lock:
                 for req, pending in list(self._pending.items()):
                     if len(out) >= limit:

@@ -45,6 +45,7 @@ from hixl.engine.handles import (
     MemberHandle,
     TransferHandle,
     TransferRequest,
+    TransferStatus,
 )
 from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
 from hixl.engine.names import Names
@@ -1667,7 +1668,7 @@ class Engine:
                         rows = cq.poll_rows(POLL_BATCH)
                         if rows:
                             self._reap_send(rows)
-                    if handle.done():
+                    if handle.status is not TransferStatus.PENDING:
                         released = True
                         self._release_poster()
                 if self._wake_due:  # the reap handed other lanes' backlog over

@@ -95,7 +95,19 @@ class TransferHandle:
         return self._error
 
     def done(self) -> bool:
-        """True once the transfer finished, successfully or not."""
+        """True once the transfer finished, successfully or not.
+
+        While the transfer is pending, each call also drives the engine on the calling
+        thread, as :meth:`wait` does before it sleeps: it posts what waits for the
+        progress thread and reaps send completions, skipping both when the engine is
+        busy on another thread.  So a thread that polls ``done()`` while it runs Python
+        sees its transfer finish without waiting for the progress thread to get the GIL.
+        """
+        if self._status is not TransferStatus.PENDING:
+            return True
+        reap = self._reap
+        if reap is not None:
+            reap(time.monotonic())
         return self._status is not TransferStatus.PENDING
 
     def wait(self, timeout: float | None = None) -> None:
@@ -236,7 +248,8 @@ class MemberHandle(TransferHandle):
         return g._error
 
     def done(self) -> bool:
-        return self._group._status is not TransferStatus.PENDING
+        """As :meth:`TransferHandle.done`."""
+        return self._group.done()
 
     def wait(self, timeout: float | None = None) -> None:
         """As :meth:`TransferHandle.wait`."""

@@ -135,6 +135,59 @@ def test_sync_write_then_read_many_descs_byte_exact(server: Hixl, client: Hixl) 
     assert not back[29_999:].any()  # untouched past the last desc
 
 
+def test_status_polls_from_a_busy_thread_finish_without_the_progress_thread(
+    server: Hixl, client: Hixl
+) -> None:
+    """A caller that starts several writes and then polls ``get_transfer_status`` /
+    ``get_all_transfer_status``, running only Python in between, keeps the GIL; with
+    the switch interval at one second the engine's progress thread gets it about once
+    a second, and the writes queued behind the first wait for it to post them.  Each
+    status read drives the engine on the polling thread (it posts and reaps), so all
+    of them finish in a small part of that second."""
+    size, n = 4096, 8
+    remote = np.zeros(n * size, np.uint8)
+    register(server, remote)
+    src = pattern(remote.nbytes, 6)
+    register(client, src)
+    peer = server_id(server)
+    assert client.connect(peer, 10_000) == SUCCESS, client.last_error
+    took = []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        for round_ in range(3):
+            start = time.monotonic()
+            reqs = []
+            for i in range(n):
+                desc = TransferOpDesc(addr_of(src) + i * size, addr_of(remote) + i * size, size)
+                ret, req = client.transfer_async(
+                    peer, TransferOp.WRITE, [desc], hixl.TransferArgs()
+                )
+                assert ret == SUCCESS, client.last_error
+                reqs.append(req)
+            left = set(reqs)
+            while left and time.monotonic() - start < 10:
+                if round_ == 1:  # one round through get_all_transfer_status
+                    ret, results = client.get_all_transfer_status()
+                    assert ret == SUCCESS, client.last_error
+                    for r in results:
+                        if r.req in left and r.status != TransferStatus.WAITING:
+                            assert r.status == TransferStatus.COMPLETED, client.last_error
+                            left.discard(r.req)
+                else:
+                    for req in list(left):
+                        ret, status = client.get_transfer_status(req)
+                        if status != TransferStatus.WAITING:
+                            assert (ret, status) == (SUCCESS, TransferStatus.COMPLETED)
+                            left.discard(req)
+            took.append(time.monotonic() - start)
+            assert not left, f"round {round_}: {len(left)} of {n} still waiting after 10 s"
+    finally:
+        sys.setswitchinterval(old)
+    assert np.array_equal(remote, src)
+    assert max(took) < 0.5, took
+
+
 def test_async_write_polls_to_completion(server: Hixl, client: Hixl) -> None:
     remote = np.zeros(256 * 1024, np.uint8)
     register(server, remote)

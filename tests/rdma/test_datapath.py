@@ -3,6 +3,8 @@ allocations per work request, and built chains against deregistered regions."""
 
 from __future__ import annotations
 
+import statistics
+import sys
 import threading
 import time
 import tracemalloc
@@ -488,6 +490,48 @@ def test_a_ring_message_never_gets_a_deadline_later_than_its_own_timeout(
         h.wait(timeout=60)
     assert np.array_equal(dst, src)
     assert client.diagnostics().slot_messages - before.slot_messages > n // 2
+
+
+def test_a_thread_polling_done_finishes_its_transfers_without_the_progress_thread(
+    connected_lanes: tuple[Engine, Engine, int],
+) -> None:
+    """A thread that polls ``done()`` and runs only Python in between keeps the GIL; with
+    the switch interval at one second the progress thread gets it about once a second.
+    Polling drives the engine on the polling thread (it posts and reaps), so single puts
+    and a strided one still finish in a small part of that second, and land."""
+    client, server, lanes = connected_lanes
+    size, n = 4096, 12
+    dst = np.zeros(n * size * 2, np.uint8)
+    server.register(dst, access=RW, name="dst")
+    src = pattern(n * size * 2, 41)
+    r = client.register(src)
+    conn = client.connection(server.id)
+    deadline = time.monotonic() + 10
+    while not any(x.name == "dst" for x in conn.remote_regions):
+        assert time.monotonic() < deadline, "the peer never announced its region"
+        time.sleep(0.01)
+    descs: list[ContiguousDesc | StridedDesc] = [
+        ContiguousDesc(offset=i * size, nbytes=size) for i in range(n)
+    ]
+    descs.append(StridedDesc(offset=n * size, count=n, size=size // 2, stride=size))
+    took = []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        for d in descs:
+            start = time.monotonic()
+            h = client.put_async(server.id, r, "dst", local_desc=d, remote_desc=d, timeout=30)
+            while not h.done() and time.monotonic() - start < 10:
+                pass  # Python only: the GIL is not let go here
+            took.append(time.monotonic() - start)
+            h.wait(timeout=30)
+    finally:
+        sys.setswitchinterval(old)
+    assert np.array_equal(dst[: n * size], src[: n * size])
+    for k in range(n):  # the strided put's rows
+        row = slice(n * size + k * size, n * size + k * size + size // 2)
+        assert np.array_equal(dst[row], src[row]), k
+    assert statistics.median(took) < 0.25, sorted(took)
 
 
 def test_notifications_wait_for_ring_messages_queued_before_them(
