@@ -732,19 +732,21 @@ class Hixl:
         any request for None, called outside this object's lock), so a caller that
         polls the status sees its transfer finish without waiting for the engine's
         progress thread."""
-        part: TransferHandle | None = None
         with self._lock:
-            one = self._pending.get(req_id) if req_id is not None else None
-            pendings: Iterable[_Pending] = (
-                self._pending.values() if req_id is None else [one] if one is not None else []
+            if req_id is None:
+                pendings: Iterable[_Pending] = self._pending.values()
+            else:
+                one = self._pending.get(req_id)
+                pendings = () if one is None else (one,)
+            part = next(
+                (
+                    p
+                    for pending in pendings
+                    for p in pending.parts
+                    if isinstance(p, TransferHandle) and p.status is _EngineStatus.PENDING
+                ),
+                None,
             )
-            for pending in pendings:
-                for p in pending.parts:
-                    if isinstance(p, TransferHandle) and p.status is _EngineStatus.PENDING:
-                        part = p
-                        break
-                if part is not None:
-                    break
         if part is not None:
             part.done()
 

@@ -17,7 +17,7 @@ import pytest
 
 from hixl.core.descriptors import ContiguousDesc, StridedDesc
 from hixl.core.states import ConnState
-from hixl.engine import Access, Engine, Region, TransferHandle
+from hixl.engine import Access, Connection, Engine, Region, TransferHandle
 from hixl.errors import (
     AlignmentError,
     BoundsError,
@@ -46,6 +46,17 @@ def loose() -> Iterator[tuple[Engine, Engine]]:
 
 def pattern(n: int, seed: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def announced(client: Engine, server: Engine, name: str) -> Connection:
+    """The client's connection to ``server`` once the server's region ``name`` has been
+    announced on it (within 10 s)."""
+    conn = client.connection(server.id)
+    deadline = time.monotonic() + 10
+    while not any(x.name == name for x in conn.remote_regions):
+        assert time.monotonic() < deadline, f"the peer never announced its region {name!r}"
+        time.sleep(0.01)
+    return conn
 
 
 def test_an_error_inside_a_transfer_is_reported_with_its_own_status(
@@ -317,11 +328,7 @@ def test_coalesced_puts_fail_from_the_bad_one_on(
     n, size = 48, 1024
     dst = np.zeros(n * size, np.uint8)
     server.register(dst, access=Access.REMOTE_WRITE, name="dst")
-    conn = client.connection(server.id)
-    deadline = time.monotonic() + 10
-    while not any(r.name == "dst" for r in conn.remote_regions):
-        assert time.monotonic() < deadline, "the peer never announced its region"
-        time.sleep(0.01)
+    conn = announced(client, server, "dst")
     good = conn.remote_region("dst")
     bad = replace(good, rkey=good.rkey ^ 0x00FF00, name="bad")
     conn.set_remote_regions((good, bad))  # test hook: as if the peer had announced both
@@ -409,11 +416,7 @@ def test_single_messages_through_the_slot_ring_keep_order_with_chains_and_notifi
     back = np.zeros(n * size, np.uint8)
     r = client.register(src)
     rb = client.register(back, access=Access.LOCAL_WRITE)
-    conn = client.connection(server.id)
-    deadline = time.monotonic() + 10
-    while not any(x.name == "dst" for x in conn.remote_regions):
-        assert time.monotonic() < deadline, "the peer never announced its region"
-        time.sleep(0.01)
+    announced(client, server, "dst")
     before = client.diagnostics()
     handles: list[TransferHandle] = []
     strided = StridedDesc(offset=0, count=64, size=size, stride=2 * size)
@@ -471,11 +474,7 @@ def test_a_ring_message_never_gets_a_deadline_later_than_its_own_timeout(
     server.register(dst, access=RW, name="dst")
     src = pattern(n * size, 31)
     r = client.register(src)
-    conn = client.connection(server.id)
-    deadline = time.monotonic() + 10
-    while not any(x.name == "dst" for x in conn.remote_regions):
-        assert time.monotonic() < deadline, "the peer never announced its region"
-        time.sleep(0.01)
+    announced(client, server, "dst")
     rng = np.random.default_rng(5)
     timeouts = rng.choice([60.0, 30.0, 20.0, 45.0, 15.0], size=n)
     before = client.diagnostics()
@@ -505,11 +504,7 @@ def test_a_thread_polling_done_finishes_its_transfers_without_the_progress_threa
     server.register(dst, access=RW, name="dst")
     src = pattern(n * size * 2, 41)
     r = client.register(src)
-    conn = client.connection(server.id)
-    deadline = time.monotonic() + 10
-    while not any(x.name == "dst" for x in conn.remote_regions):
-        assert time.monotonic() < deadline, "the peer never announced its region"
-        time.sleep(0.01)
+    announced(client, server, "dst")
     descs: list[ContiguousDesc | StridedDesc] = [
         ContiguousDesc(offset=i * size, nbytes=size) for i in range(n)
     ]
@@ -543,11 +538,7 @@ def test_notifications_wait_for_ring_messages_queued_before_them(
     size, n = 4096, 64
     dst = np.zeros(n * size, np.uint8)
     server.register(dst, access=RW, name="dst")
-    conn = client.connection(server.id)
-    deadline = time.monotonic() + 10
-    while not any(x.name == "dst" for x in conn.remote_regions):
-        assert time.monotonic() < deadline, "the peer never announced its region"
-        time.sleep(0.01)
+    announced(client, server, "dst")
     for round_ in range(5):
         src = pattern(n * size, 20 + round_)
         r = client.register(src)
