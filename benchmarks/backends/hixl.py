@@ -53,10 +53,11 @@ def hixl_stream(
 
     Returns ``(wall seconds, seconds spent inside put_async/get_async)``; the second is
     the Python cost of validating, planning and posting, paid on the caller's thread.
-    It is estimated from one call in ``SAMPLE_EVERY`` (and the first), timed alone and
-    scaled: timing every call would add two clock readings per message to the stream,
-    and in the VM (no usable TSC, the clock source is the HPET) each one is a system
-    call of a few microseconds that ``ib_write_bw``'s loop does not pay.
+    It is estimated from one call in ``SAMPLE_EVERY`` (the first, then every
+    ``SAMPLE_EVERY``-th), timed alone and scaled: timing every call would add two clock
+    readings per message to the stream, and in the VM (no usable TSC, the clock source
+    is the HPET) each one is a system call of a few microseconds that ``ib_write_bw``'s
+    loop does not pay.
     """
     desc = ContiguousDesc(offset=0, nbytes=size)
     eng = pair.client
@@ -72,17 +73,15 @@ def hixl_stream(
     for i in range(iters):
         if len(window) >= depth:
             window.popleft().wait()
-        if i % SAMPLE_EVERY:
-            window.append(
-                start(peer, local, "bench", local_desc=desc, remote_desc=desc, timeout=timeout)
-            )
-            continue
-        c0 = clock()
+        sampled = not i % SAMPLE_EVERY
+        if sampled:
+            c0 = clock()
         window.append(
             start(peer, local, "bench", local_desc=desc, remote_desc=desc, timeout=timeout)
         )
-        in_call += clock() - c0
-        timed += 1
+        if sampled:
+            in_call += clock() - c0
+            timed += 1
     while window:
         window.popleft().wait()
     return clock() - t0, in_call * iters / max(1, timed)
