@@ -1190,11 +1190,17 @@ class Engine:
                             and type(remote_desc) is ContiguousDesc
                         ):
                             self._remember_ring(t, remote)
-                        return self._queue_ring(t, la, ra, timeout)
-                    return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, now)
-                payload = _notify.encode(notify, notify_message)
-                built = [self._planner.rebuild(t, la, ra)]
-                return self._queue(conn, built, payload, op == "read", timeout, now)
+                        ring_handle = self._queue_ring(t, la, ra, timeout)
+                        if ring_handle is not None:
+                            return ring_handle
+                        # The template went stale since the checks above: the general
+                        # path below checks and plans the call again.
+                    else:
+                        return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, now)
+                else:
+                    payload = _notify.encode(notify, notify_message)
+                    built = [self._planner.rebuild(t, la, ra)]
+                    return self._queue(conn, built, payload, op == "read", timeout, now)
         req = TransferRequest(
             op=op, local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
         )
@@ -1360,7 +1366,7 @@ class Engine:
         self._post_or_wake(lane, batch)
         return handle
 
-    def _queue_ring(self, t: Template, la: int, ra: int, timeout: float) -> TransferHandle:
+    def _queue_ring(self, t: Template, la: int, ra: int, timeout: float) -> TransferHandle | None:
         """An asynchronous request of one WR and one SGE (``t`` placed at ``la``/``ra``),
         written into the next slot of a lane's ring (:class:`~hixl.verbs.chain.SlotRing`).
 
@@ -1374,6 +1380,12 @@ class Engine:
         own instead.  The poster posts the open chunk with the rest of the backlog and
         signals the batch's last WR; the slots are free again once that post returned
         (:meth:`_post`).
+
+        None, with nothing queued, when the template is stale (the peer announced other
+        regions, ``t``'s local region was deregistered, the connection was replaced):
+        the caller takes the general path, which checks everything again.  These are
+        checked here, under the lock, for :meth:`_ring_runner`'s calls, which check only
+        their arguments.
         """
         conn = t.conn
         lo, n, ro = t.single  # type: ignore[misc]
@@ -1382,7 +1394,21 @@ class Engine:
             if self._closed or conn.state is not ConnState.READY:
                 self._check_open()
                 conn.check_ready()
-            lane = conn.pick_lane()
+            # Connection._remote is what Connection.remote_regions returns, and
+            # MemoryRegion.closed what Region.closed does: no property calls per message.
+            if (
+                conn._remote is not t.remotes
+                or local.mr.closed
+                or self._conns.get(conn.peer) is not conn
+            ):
+                return None
+            lanes = conn.lanes  # Connection.pick_lane, inline: round robin
+            if len(lanes) == 1:
+                lane = lanes[0]
+            else:
+                i = conn._next_lane
+                conn._next_lane = (i + 1) % len(lanes)
+                lane = lanes[i]
             ring = lane.ring
             if ring is None:
                 ring = lane.ring = LaneRing(min(RING_SLOTS, self.sq_depth))
@@ -1478,14 +1504,13 @@ class Engine:
         or the timeout is not > 0, and the caller takes the general path, which checks
         everything again and raises what is wrong.  The checks are those of :meth:`_one`
         for a template and of :meth:`Planner.at_offsets`."""
-        conn, remotes, local, peer = t.conn, t.remotes, t.local, t.conn.peer
+        conn, local, peer = t.conn, t.local, t.conn.peer
         remote = t.remote
         size = t.nbytes
         lbase, rbase = local.addr, remote.addr
         llen, rlen = local.length - size, remote.length - size
         align = self._planner.alignment or 0
         ready = ConnState.READY
-        conns = self._conns
         queue = self._queue_ring
         ranges = ContiguousDesc
 
@@ -1507,12 +1532,9 @@ class Engine:
                     and roff <= rlen
                     and not (align and (loff % align or roff % align))
                     and conn.state is ready
-                    and conn.remote_regions is remotes
-                    and not local.closed
-                    and conns.get(peer) is conn
                     and timeout > 0
-                    and not self._closed
                 ):
+                    # The template's other checks are made under the lock there.
                     return queue(t, lbase + loff, rbase + roff, timeout)
             return None
 
@@ -1589,15 +1611,17 @@ class Engine:
         :meth:`_one` makes of a template before it uses the lane."""
         call, dlo, dro, n = lent
         lo, ro = t.local_addr + dlo, t.remote_addr + dro
-        conn, remotes, local, peer = t.conn, t.remotes, t.local, t.conn.peer
+        conn, remotes, peer = t.conn, t.remotes, t.conn.peer
+        mr = t.local.mr  # what Region.closed reads
         ready = ConnState.READY
         conns = self._conns
 
         def run(timeout: float) -> bool:
+            # Connection._remote is what Connection.remote_regions returns.
             if not (
                 conn.state is ready
-                and conn.remote_regions is remotes
-                and not local.closed
+                and conn._remote is remotes
+                and not mr.closed
                 and conns.get(peer) is conn
                 and timeout > 0
                 and not self._closed

@@ -21,6 +21,8 @@ __all__ = ["GroupHandle", "MemberHandle", "TransferHandle", "TransferRequest", "
 #: Longest a waiter reaps completions itself before it sleeps until the progress thread
 #: finishes its transfer (it stops sooner when the engine says spinning does not pay).
 SPIN_S = 0.002
+#: A spinning waiter reads the clock once in this many rounds.
+SPIN_CLOCK_EVERY = 4
 
 # Two waiters of one handle make one Event between them.  Innermost lock, never held
 # while taking another.  Handles are finished under the engine lock.
@@ -125,14 +127,17 @@ class TransferHandle:
         if reap is not None:
             # Reap completions on this thread for a moment before sleeping: a short
             # transfer then ends without waking the progress thread and this one in turn.
-            # One clock reading per round, handed to the engine too (in a VM without a
-            # usable TSC each reading is a system call).
+            # One clock reading per SPIN_CLOCK_EVERY rounds, handed to the engine too (in
+            # a VM without a usable TSC each reading is a system call).
             now = time.monotonic()
             spin_until = now + (SPIN_S if timeout is None else min(SPIN_S, timeout))
+            rounds = 0
             while self._status is TransferStatus.PENDING and now < spin_until:
                 if not reap(now):
                     break  # the engine says spinning does not pay now
-                now = time.monotonic()
+                rounds += 1
+                if not rounds % SPIN_CLOCK_EVERY:  # a round that finds the lock taken is short
+                    now = time.monotonic()
             if self._status is TransferStatus.PENDING:
                 reap(0.0)  # about to sleep: the progress thread takes over
         event = None

@@ -507,7 +507,10 @@ def test_a_repeated_blocking_call_is_checked_again_on_every_repeat(
     while not any(x.name == "dst" for x in conn.remote_regions) and time.monotonic() < deadline:
         time.sleep(0.01)
     remote = again
-    put_and_get(980)
+    put_and_get(980)  # the general path: a new template, on the new region
+    d3 = client.diagnostics()
+    put_and_get(990)  # repeated from it: the region check below is the repeat's own
+    assert client.diagnostics().lane_posts - d3.lane_posts == 2
     client.deregister(r)
     for call in (client.put, client.get):
         with pytest.raises(RegistrationError):
