@@ -12,7 +12,8 @@ For each message size (default 4 KiB to 8 MiB) and each repeat, this runs, inter
   last byte of its buffer and writes back, A polls; a sample is half a round trip, and the
   typical value is the median. Each side waits for its own send completion before
   polling, as ``ib_write_lat`` does. B runs in a second process (one Python process would
-  serialise both sides on the GIL).
+  serialise both sides on the GIL). A's blocking put is timed on one round trip in
+  ``PUT_EVERY``, which is then not a sample: no sample has a clock reading inside it.
 
 Both hixl engines of the bandwidth tests live in this process, on the device perftest
 uses (server listening on 127.0.0.1, client connecting): the same loopback perftest
