@@ -88,6 +88,9 @@ def _int(name: str, value: object, minimum: int | None = None) -> int:
     return result
 
 
+_set = object.__setattr__  # a frozen dataclass's own __init__ writes fields this way
+
+
 def normalize_alignment(alignment: object) -> int | None:
     """Validate an alignment policy value: ``None`` or ``0`` turn it off.
 
@@ -391,7 +394,7 @@ def _policy_check(desc: Descriptor, alignment: int | None, kind: str) -> None:
 # --------------------------------------------------------------------------- descriptors
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, init=False)
 class ContiguousDesc:
     """One contiguous range ``[offset, offset + nbytes)`` of a region, in bytes.
 
@@ -404,11 +407,16 @@ class ContiguousDesc:
     nbytes: int
     alignment: int | None = DEFAULT_ALIGNMENT
 
-    def __post_init__(self) -> None:
-        offset, nbytes, alignment = self.offset, self.nbytes, self.alignment
+    # Written out rather than generated: an application may make one per message, and the
+    # generated __init__ plus a __post_init__ cost a call and three attribute writes more.
+    def __init__(
+        self, *, offset: int, nbytes: int, alignment: int | None = DEFAULT_ALIGNMENT
+    ) -> None:
+        _set(self, "offset", offset)
+        _set(self, "nbytes", nbytes)
+        _set(self, "alignment", alignment)
         # The common case, plain ints already valid and in normal form, in a few
-        # comparisons (one descriptor per KV block is made in a hot loop); anything else
-        # takes the full conversion and checks below.
+        # comparisons; anything else takes the full conversion and checks below.
         if (
             type(offset) is int
             and type(nbytes) is int
@@ -432,9 +440,9 @@ class ContiguousDesc:
                 f"ContiguousDesc overflows int64: offset={offset} nbytes={nbytes} "
                 f"ends past {INT64_MAX}"
             )
-        object.__setattr__(self, "offset", offset)
-        object.__setattr__(self, "nbytes", nbytes)
-        object.__setattr__(self, "alignment", normalize_alignment(self.alignment))
+        _set(self, "offset", offset)
+        _set(self, "nbytes", nbytes)
+        _set(self, "alignment", normalize_alignment(alignment))
         _policy_check(self, self.alignment, "ContiguousDesc")
 
     @property
