@@ -408,7 +408,7 @@ class ContiguousDesc:
     alignment: int | None = DEFAULT_ALIGNMENT
 
     # Written out rather than generated: an application may make one per message, and the
-    # generated __init__ plus a __post_init__ cost a call and three attribute writes more.
+    # generated __init__ plus a __post_init__ cost a call and three attribute reads more.
     def __init__(
         self, *, offset: int, nbytes: int, alignment: int | None = DEFAULT_ALIGNMENT
     ) -> None:

@@ -1503,7 +1503,8 @@ class Engine:
         the template is stale, a range leaves its region or breaks the alignment policy,
         or the timeout is not > 0, and the caller takes the general path, which checks
         everything again and raises what is wrong.  The checks are those of :meth:`_one`
-        for a template and of :meth:`Planner.at_offsets`."""
+        for a template and of :meth:`Planner.at_offsets`: the call's own ones here, the
+        template's in :meth:`_queue_ring`, under its lock."""
         conn, local, peer = t.conn, t.local, t.conn.peer
         remote = t.remote
         size = t.nbytes
