@@ -112,10 +112,14 @@ class HixlSide(Side):
     def __init__(self, role: str, buf: Buffer, device: str) -> None:
         super().__init__(role, buf, device)
         import hixl
-        from hixl import Access, Engine
+        from hixl import Access, BlockListDesc, ContiguousDesc, Engine
         from hixl.testbed.net import free_tcp_port
 
         self.hixl = hixl
+        # Kept here: an import statement in the per-message path costs about as much
+        # as the descriptor it names (``_handle_fromlist``, a Python call, per import).
+        self._ranges = ContiguousDesc
+        self._block_list = BlockListDesc
         self.version = getattr(hixl, "__version__", "unknown")
         if role == "target":
             self.engine = Engine(f"127.0.0.1:{free_tcp_port()}", device=device)
@@ -133,14 +137,13 @@ class HixlSide(Side):
         self.engine.connect(self.peer, timeout=30.0)
 
     def _put_async(self, src: int, dst: int, n: int) -> Any:
-        from hixl import ContiguousDesc
-
+        ranges = self._ranges
         return self.engine.put_async(
             self.peer,
             self.region,
             "sink",
-            local_desc=ContiguousDesc(offset=src, nbytes=n, alignment=None),
-            remote_desc=ContiguousDesc(offset=dst, nbytes=n, alignment=None),
+            local_desc=ranges(offset=src, nbytes=n, alignment=None),
+            remote_desc=ranges(offset=dst, nbytes=n, alignment=None),
             timeout=120.0,
         )
 
@@ -153,17 +156,15 @@ class HixlSide(Side):
         while window:
             window.popleft().wait()
 
-    @staticmethod
-    def _blocks(segments: list[list[int]]) -> dict[str, Any]:
+    def _blocks(self, segments: list[list[int]]) -> dict[str, Any]:
         """The segments as the local and remote block lists of one transfer."""
-        from hixl import BlockListDesc
-
+        blocks = self._block_list
         lengths = [s[2] for s in segments]
         return {
-            "local_desc": BlockListDesc(
+            "local_desc": blocks(
                 offsets=[s[0] for s in segments], lengths=lengths, alignment=None
             ),
-            "remote_desc": BlockListDesc(
+            "remote_desc": blocks(
                 offsets=[s[1] for s in segments], lengths=lengths, alignment=None
             ),
         }
@@ -172,9 +173,7 @@ class HixlSide(Side):
         self.engine.put(self.peer, self.region, "sink", timeout=300.0, **self._blocks(segments))
 
     def blocking_write(self, size: int) -> None:
-        from hixl import ContiguousDesc
-
-        desc = ContiguousDesc(offset=0, nbytes=size)
+        desc = self._ranges(offset=0, nbytes=size)
         self.engine.put(
             self.peer, self.region, "sink", local_desc=desc, remote_desc=desc, timeout=60.0
         )
