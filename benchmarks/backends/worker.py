@@ -161,9 +161,7 @@ class HixlSide(Side):
         blocks = self._block_list
         lengths = [s[2] for s in segments]
         return {
-            "local_desc": blocks(
-                offsets=[s[0] for s in segments], lengths=lengths, alignment=None
-            ),
+            "local_desc": blocks(offsets=[s[0] for s in segments], lengths=lengths, alignment=None),
             "remote_desc": blocks(
                 offsets=[s[1] for s in segments], lengths=lengths, alignment=None
             ),
