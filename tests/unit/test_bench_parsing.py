@@ -240,6 +240,15 @@ def test_transfer_steps_alternate_the_order() -> None:
     assert all(
         {steps[i][3], steps[i + 1][3]} == {"perftest", "hixl"} for i in range(0, len(steps), 2)
     )
+    # Each point's first stream alternates over the repeats too, even when a repeat has
+    # an even number of points (here four).
+    first: dict[tuple[int, str], list[str]] = {}
+    for i in range(0, len(steps), 2):
+        _, size, kind, impl = steps[i]
+        first.setdefault((size, kind), []).append(impl)
+    assert all(
+        order == ["perftest", "hixl"] or order == ["hixl", "perftest"] for order in first.values()
+    )
 
 
 def _fake_runs(outputs: list[tuple[str, str]]) -> perftest.Perftest:
