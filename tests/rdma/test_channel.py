@@ -593,6 +593,76 @@ def test_repeated_async_calls_at_new_offsets_are_checked_again_every_time(
     assert conn.state is ConnState.READY
 
 
+def test_the_very_same_async_call_repeated_is_checked_again_every_time(
+    pair: tuple[Engine, Engine],
+) -> None:
+    """One pair of descriptor objects passed to ``put_async``/``get_async`` again and
+    again (the ring runner then knows them by identity) is still refused for a bad
+    timeout, once the peer withdrew its region and once the local region is gone, and a
+    call without descriptors after it moves the whole region; the bytes are right
+    throughout."""
+    client, server = pair
+    remote = np.zeros(16 * KIB, np.uint8)
+    r_remote = server.register(remote, access=RW, name="dst")
+    src = pattern(16 * KIB, 70)
+    r = client.register(src, access=RW)
+    conn = client.connect(server.id, timeout=30.0)
+    ld = ContiguousDesc(offset=4 * KIB, nbytes=4 * KIB)
+    rd = ContiguousDesc(offset=12 * KIB, nbytes=4 * KIB)
+
+    def repeat(seed: int) -> None:
+        src[4 * KIB : 8 * KIB] = pattern(4 * KIB, seed)
+        hs = [
+            client.put_async(server.id, r, "dst", local_desc=ld, remote_desc=rd) for _ in range(8)
+        ]
+        for h in hs:
+            h.wait(timeout=60)
+        assert np.array_equal(remote[12 * KIB :], src[4 * KIB : 8 * KIB])
+        remote[12 * KIB :] = pattern(4 * KIB, seed + 1)
+        hs = [
+            client.get_async(server.id, r, "dst", local_desc=ld, remote_desc=rd) for _ in range(8)
+        ]
+        for h in hs:
+            h.wait(timeout=60)
+        assert np.array_equal(src[4 * KIB : 8 * KIB], pattern(4 * KIB, seed + 1))
+
+    # The first call makes the runner; the next one, without descriptors, must not be
+    # taken for a pair it has seen.
+    client.put_async(server.id, r, "dst", local_desc=ld, remote_desc=rd).wait(timeout=60)
+    src[:] = pattern(16 * KIB, 698)
+    client.put_async(server.id, r, "dst").wait(timeout=60)
+    assert np.array_equal(remote, src)
+    repeat(700)
+    d0 = client.diagnostics()
+    repeat(702)
+    assert client.diagnostics().slot_messages - d0.slot_messages == 16
+    for bad in (0, -1.0):
+        for call in (client.put_async, client.get_async):
+            with pytest.raises(ArgumentError, match="timeout"):
+                call(server.id, r, "dst", local_desc=ld, remote_desc=rd, timeout=bad)
+    # No descriptors after the primed pair: the whole region, not the pair's place.
+    src[:] = pattern(16 * KIB, 704)
+    client.put_async(server.id, r, "dst").wait(timeout=60)
+    assert np.array_equal(remote, src)
+    repeat(706)
+    withdraw(server, r_remote, conn)
+    for call in (client.put_async, client.get_async):
+        with pytest.raises(RegistrationError):
+            call(server.id, r, "dst", local_desc=ld, remote_desc=rd)
+    remote = np.zeros(16 * KIB, np.uint8)
+    server.register(remote, access=RW, name="dst")
+    deadline = time.monotonic() + 10
+    while not any(x.name == "dst" for x in conn.remote_regions) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    repeat(708)  # on the new region
+    client.deregister(r)
+    for call in (client.put_async, client.get_async):
+        with pytest.raises(RegistrationError):
+            call(server.id, r, "dst", local_desc=ld, remote_desc=rd)
+    assert client.diagnostics().pending_transfers == 0
+    assert conn.state is ConnState.READY
+
+
 def test_channels_opened_while_other_threads_put_never_meet_their_calls(
     pair: tuple[Engine, Engine],
 ) -> None:
