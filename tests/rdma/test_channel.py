@@ -231,6 +231,18 @@ def withdraw(server: Engine, region: Region, conn: Connection) -> None:
     assert conn.remote_regions is not before, "the peer's REGIONS change never came"
 
 
+def expose_again(server: Engine, conn: Connection, nbytes: int) -> np.ndarray:
+    """Register a new zeroed region of ``nbytes`` on ``server`` as "dst" (after
+    :func:`withdraw`) and wait until ``conn`` sees it; return its buffer."""
+    buf = np.zeros(nbytes, np.uint8)
+    server.register(buf, access=RW, name="dst")
+    deadline = time.monotonic() + 10
+    while not any(x.name == "dst" for x in conn.remote_regions) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert any(x.name == "dst" for x in conn.remote_regions), "the new region never came"
+    return buf
+
+
 def test_withdrawn_or_closed_regions_are_refused(pair: tuple[Engine, Engine]) -> None:
     client, server = pair
     remote = np.zeros(8 * KIB, np.uint8)
@@ -501,12 +513,7 @@ def test_a_repeated_blocking_call_is_checked_again_on_every_repeat(
         with pytest.raises(RegistrationError):
             call(server.id, r, "dst", local_desc=ld, remote_desc=rd, timeout=60)
     # Exposed again under the same name: the repeat runs, on the new region.
-    again = np.zeros(16 * KIB, np.uint8)
-    server.register(again, access=RW, name="dst")
-    deadline = time.monotonic() + 10
-    while not any(x.name == "dst" for x in conn.remote_regions) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    remote = again
+    remote = expose_again(server, conn, 16 * KIB)
     put_and_get(980)  # the general path: a new template, on the new region
     d3 = client.diagnostics()
     put_and_get(990)  # repeated from it: the region check below is the repeat's own
@@ -579,11 +586,7 @@ def test_repeated_async_calls_at_new_offsets_are_checked_again_every_time(
     for call in (client.put_async, client.get_async):
         with pytest.raises(RegistrationError):
             call(server.id, r, "dst", local_desc=at(1), remote_desc=at(2))
-    remote = np.zeros(64 * KIB, np.uint8)
-    server.register(remote, access=RW, name="dst")
-    deadline = time.monotonic() + 10
-    while not any(x.name == "dst" for x in conn.remote_regions) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    remote = expose_again(server, conn, 64 * KIB)
     stream(606)  # on the new region
     client.deregister(r)
     for call in (client.put_async, client.get_async):
@@ -649,11 +652,7 @@ def test_the_very_same_async_call_repeated_is_checked_again_every_time(
     for call in (client.put_async, client.get_async):
         with pytest.raises(RegistrationError):
             call(server.id, r, "dst", local_desc=ld, remote_desc=rd)
-    remote = np.zeros(16 * KIB, np.uint8)
-    server.register(remote, access=RW, name="dst")
-    deadline = time.monotonic() + 10
-    while not any(x.name == "dst" for x in conn.remote_regions) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    remote = expose_again(server, conn, 16 * KIB)
     repeat(708)  # on the new region
     client.deregister(r)
     for call in (client.put_async, client.get_async):
