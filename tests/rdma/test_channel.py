@@ -231,6 +231,19 @@ def withdraw(server: Engine, region: Region, conn: Connection) -> None:
     assert conn.remote_regions is not before, "the peer's REGIONS change never came"
 
 
+def dst_and_src(
+    client: Engine, server: Engine, nbytes: int, seed: int
+) -> tuple[np.ndarray, Region, np.ndarray, Region, Connection]:
+    """A zeroed region of ``nbytes`` that ``server`` exposes as "dst", a patterned one of
+    ``client``'s, and the client's connection to ``server``."""
+    remote = np.zeros(nbytes, np.uint8)
+    r_remote = server.register(remote, access=RW, name="dst")
+    src = pattern(nbytes, seed)
+    r = client.register(src, access=RW)
+    conn = client.connect(server.id, timeout=30.0)
+    return remote, r_remote, src, r, conn
+
+
 def expose_again(server: Engine, conn: Connection, nbytes: int) -> np.ndarray:
     """Register a new zeroed region of ``nbytes`` on ``server`` as "dst" (after
     :func:`withdraw`) and wait until ``conn`` sees it; return its buffer."""
@@ -473,11 +486,7 @@ def test_a_repeated_blocking_call_is_checked_again_on_every_repeat(
     ordinary lane instead), a bad timeout, the local region deregistered, the peer's
     region withdrawn; the bytes are right throughout."""
     client, server = pair
-    remote = np.zeros(16 * KIB, np.uint8)
-    r_remote = server.register(remote, access=RW, name="dst")
-    src = pattern(16 * KIB, 50)
-    r = client.register(src, access=RW)
-    conn = client.connect(server.id, timeout=30.0)
+    remote, r_remote, src, r, conn = dst_and_src(client, server, 16 * KIB, 50)
     ld = ContiguousDesc(offset=4 * KIB, nbytes=4 * KIB)
     rd = ContiguousDesc(offset=8 * KIB, nbytes=4 * KIB)
 
@@ -535,11 +544,7 @@ def test_repeated_async_calls_at_new_offsets_are_checked_again_every_time(
     timeout, the peer's region withdrawn, the local region deregistered.  Nothing wrong
     is queued, and the bytes are right throughout."""
     client, server = pair
-    remote = np.zeros(64 * KIB, np.uint8)
-    r_remote = server.register(remote, access=RW, name="dst")
-    src = pattern(64 * KIB, 60)
-    r = client.register(src, access=RW)
-    conn = client.connect(server.id, timeout=30.0)
+    remote, r_remote, src, r, conn = dst_and_src(client, server, 64 * KIB, 60)
 
     def at(i: int) -> ContiguousDesc:
         return ContiguousDesc(offset=i * 4 * KIB, nbytes=4 * KIB)
@@ -600,16 +605,12 @@ def test_the_very_same_async_call_repeated_is_checked_again_every_time(
     pair: tuple[Engine, Engine],
 ) -> None:
     """One pair of descriptor objects passed to ``put_async``/``get_async`` again and
-    again (the ring runner then knows them by identity) is still refused for a bad
+    again (each call after the first through the ring runner) is still refused for a bad
     timeout, once the peer withdrew its region and once the local region is gone, and a
     call without descriptors after it moves the whole region; the bytes are right
     throughout."""
     client, server = pair
-    remote = np.zeros(16 * KIB, np.uint8)
-    r_remote = server.register(remote, access=RW, name="dst")
-    src = pattern(16 * KIB, 70)
-    r = client.register(src, access=RW)
-    conn = client.connect(server.id, timeout=30.0)
+    remote, r_remote, src, r, conn = dst_and_src(client, server, 16 * KIB, 70)
     ld = ContiguousDesc(offset=4 * KIB, nbytes=4 * KIB)
     rd = ContiguousDesc(offset=12 * KIB, nbytes=4 * KIB)
 
