@@ -64,7 +64,7 @@ from hixl.errors import (
 )
 from hixl.verbs import adapter as verbs
 from hixl.verbs.adapter import gid_to_str
-from hixl.verbs.chain import SGE_BYTES, SGE_SLOT, WR_BYTES, WR_SLOT
+from hixl.verbs.chain import WR_BYTES, WR_SLOT
 
 if TYPE_CHECKING:
     from hixl.registry import Registry, Watch
@@ -1190,7 +1190,8 @@ class Engine:
                             and type(remote_desc) is ContiguousDesc
                         ):
                             self._remember_ring(t, remote)
-                        ring_handle = self._queue_ring(t, la, ra, timeout)
+                        lo, _, ro = t.single
+                        ring_handle = self._queue_ring(t, la + lo, ra + ro, timeout)
                         if ring_handle is not None:
                             return ring_handle
                         # The template went stale since the checks above: the general
@@ -1366,9 +1367,12 @@ class Engine:
         self._post_or_wake(lane, batch)
         return handle
 
-    def _queue_ring(self, t: Template, la: int, ra: int, timeout: float) -> TransferHandle | None:
-        """An asynchronous request of one WR and one SGE (``t`` placed at ``la``/``ra``),
-        written into the next slot of a lane's ring (:class:`~hixl.verbs.chain.SlotRing`).
+    def _queue_ring(
+        self, t: Template, sge_addr: int, remote_addr: int, timeout: float
+    ) -> TransferHandle | None:
+        """An asynchronous request of one WR and one SGE (``t`` placed so that its SGE
+        starts at ``sge_addr`` and its remote range at ``remote_addr``), written into the
+        next slot of a lane's ring (:class:`~hixl.verbs.chain.SlotRing`).
 
         While the lane's last queued chunk is this ring's open one and none of it is
         taken for posting, the message joins it: one more WR, the group's byte count
@@ -1388,7 +1392,7 @@ class Engine:
         their arguments.
         """
         conn = t.conn
-        lo, n, ro = t.single  # type: ignore[misc]
+        n = t.nbytes
         local = t.local
         with self._lock:
             if self._closed or conn.state is not ConnState.READY:
@@ -1396,11 +1400,10 @@ class Engine:
                 conn.check_ready()
             # Connection._remote is what Connection.remote_regions returns, and
             # MemoryRegion.closed what Region.closed does: no property calls per message.
-            if (
-                conn._remote is not t.remotes
-                or local.mr.closed
-                or self._conns.get(conn.peer) is not conn
-            ):
+            # A READY connection is the one indexed under its peer: it becomes READY in
+            # the same locked step that indexes it (_adopt), only from CONNECTING, and
+            # leaves READY before it is dropped from the index (_drop).
+            if conn._remote is not t.remotes or local.mr.closed:
                 return None
             lanes = conn.lanes  # Connection.pick_lane, inline: round robin
             if len(lanes) == 1:
@@ -1456,6 +1459,11 @@ class Engine:
                     ring.open = chunk
                     self._handles.add(group)
                     window.queue1(chunk)
+                    # A message that joins this chunk later needs no asking: the chunk
+                    # is then still queued and not taken, so whoever posts it (asked
+                    # here, or the poster at work now) posts the joined slots with it.
+                    if not window.poster and lane.qpn not in self._to_post:
+                        self._want_post(lane)  # (once asked, the poster takes it with the rest)
                 group.nbytes += n
                 group.num_wrs += 1
                 # SlotRing.write, inline (a call less per message): one unsignaled RDMA
@@ -1470,15 +1478,16 @@ class Engine:
                     t.opcode,
                     0,
                     0,
-                    ra + ro,
+                    remote_addr,
                     t.rkey,
+                    sge_addr,
+                    n,
+                    t.lkey,
                 )
-                SGE_SLOT.pack_into(ring.sge_mem, slot * SGE_BYTES, la + lo, n, t.lkey)
                 ring.written = written + 1
                 self._slot_messages += 1
-                if not window.poster and lane.qpn not in self._to_post:
-                    self._want_post(lane)  # (once asked, the poster takes it with the rest)
         if full:
+            la, ra = sge_addr - t.single[0], remote_addr - t.single[2]  # type: ignore[index]
             return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, False)
         if self._wake_due:
             self._wake()
@@ -1508,7 +1517,8 @@ class Engine:
         conn, local, peer = t.conn, t.local, t.conn.peer
         remote = t.remote
         size = t.nbytes
-        lbase, rbase = local.addr, remote.addr
+        lo, _, ro = t.single  # type: ignore[misc]
+        lbase, rbase = local.addr + lo, remote.addr + ro  # where the SGE and range start
         llen, rlen = local.length - size, remote.length - size
         align = self._planner.alignment or 0
         ready = ConnState.READY

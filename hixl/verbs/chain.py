@@ -51,8 +51,7 @@ __all__ = [
     "SGE_DTYPE",
     "WC_DTYPE",
     "WR_DTYPE",
-    "SGE_BYTES",
-    "SGE_SLOT",
+    "SLOT_SGE_OFFSET",
     "SendChain",
     "SlotRing",
     "WR_BYTES",
@@ -468,15 +467,20 @@ class SendChain:
                 )
 
 
-# One slot of a SlotRing in one ``struct.pack_into`` each: the WR's fields from ``wr_id``
-# to ``wr.rdma.rkey`` (they are contiguous, checked below), and the SGE.
-#: ``struct ibv_send_wr`` from ``wr_id`` to ``wr.rdma.rkey``, packed at a slot's offset
-#: (``slot * WR_BYTES``) by :meth:`SlotRing.write`.
-WR_SLOT = struct.Struct("<QQQiiIIQI")
-#: ``struct ibv_sge``, packed at ``slot * SGE_BYTES``.
-SGE_SLOT = struct.Struct("<QII")
+# One slot of a SlotRing in one ``struct.pack_into``: the WR's fields from ``wr_id`` to
+# ``wr.rdma.rkey`` (contiguous, checked below), zeros up to the union of ``bind_mw`` and
+# ``tso``, and the slot's SGE in that union's bytes.  A provider reads that union only for
+# a memory-window bind or a TSO send (rdma-core's rxe and mlx5 alike), never for an RDMA
+# READ or WRITE, and copies the SGE from wherever ``sg_list`` points during the post; so
+# each slot's WR carries its own SGE and one call writes both.
+#: Offset of a ring slot's SGE inside its ``struct ibv_send_wr`` (the anonymous union of
+#: ``bind_mw`` and ``tso``).
+SLOT_SGE_OFFSET = ffi.offsetof("struct ibv_send_wr", "bind_mw")
+_SLOT_WR_END = 52  # wr.rdma.rkey ends here (checked below)
+#: ``struct ibv_send_wr`` from ``wr_id`` to ``wr.rdma.rkey``, zeros to
+#: :data:`SLOT_SGE_OFFSET`, then the ``struct ibv_sge``; packed at ``slot * WR_BYTES``.
+WR_SLOT = struct.Struct(f"<QQQiiIIQI{SLOT_SGE_OFFSET - _SLOT_WR_END}xQII")
 WR_BYTES = _WR_SIZE
-SGE_BYTES = _SGE_SIZE
 _WR_SLOT_FIELDS = (
     "wr_id",
     "next",
@@ -495,6 +499,13 @@ for _name, _size in zip(_WR_SLOT_FIELDS, (8, 8, 8, 4, 4, 4, 4, 8, 4), strict=Tru
     if _WR_FIELDS[_name][1] != _at:  # pragma: no cover - a libibverbs ABI change
         raise ImportError(f"struct ibv_send_wr: {_name} is not at offset {_at}")
     _at += _size
+if not (
+    _at == _SLOT_WR_END
+    and ffi.offsetof("struct ibv_send_wr", "qp_type") + 4 <= SLOT_SGE_OFFSET
+    and SLOT_SGE_OFFSET + _SGE_SIZE <= _WR_SIZE
+    and SLOT_SGE_OFFSET % 8 == 0
+):  # pragma: no cover - a libibverbs ABI change
+    raise ImportError(f"struct ibv_send_wr: no room for an SGE at offset {SLOT_SGE_OFFSET}")
 del _at, _name, _size, _WR_FIELDS
 
 
@@ -504,14 +515,15 @@ class SlotRing:
     The engine's stream of single messages (one WR and one SGE each) goes through one
     ring per queue pair: a message is written into the next free slot, consecutive
     slots go out as one range of one ``post_send``, and a slot is free again once the
-    post that carried it has returned (the provider copied the WR).  :meth:`write`
-    stores a whole slot with two ``struct.pack_into`` calls into the C memory: no
-    cffi attribute per field, no numpy.  Slot ``i`` links to slot ``i + 1`` and the
-    last to nothing, so a range never wraps; the chain's ``regions`` are empty (the
-    caller checks the regions of what it queued).
+    post that carried it has returned (the provider copied the WR).  A slot's SGE lies
+    inside its WR, at :data:`SLOT_SGE_OFFSET`, and :meth:`write` stores the whole slot
+    with one ``struct.pack_into`` into the C memory: no cffi attribute per field, no
+    numpy.  Slot ``i`` links to slot ``i + 1`` and the last to nothing, so a range never
+    wraps; the chain's ``regions`` are empty (the caller checks the regions of what it
+    queued).
     """
 
-    __slots__ = ("capacity", "chain", "links", "sge_lists", "sge_mem", "wr_mem")
+    __slots__ = ("capacity", "chain", "links", "sge_lists", "wr_mem")
 
     def __init__(self, capacity: int) -> None:
         chain = SendChain(capacity, capacity)
@@ -527,13 +539,14 @@ class SlotRing:
         self.chain = chain
         self.capacity = capacity
         wrs = chain._views()[0]
-        # What a slot's WR keeps (its link and its SGE's address), and the C memory as
-        # buffers for WR_SLOT and SGE_SLOT (see write(); the engine packs its slots the
-        # same way inline, Engine._queue_ring).
+        base = address(chain.head)
+        wrs["sg_list"] = base + np.arange(capacity, dtype=np.uint64) * _WR_SIZE + SLOT_SGE_OFFSET
+        # What a slot's WR keeps (its link and its SGE's address), and the C memory as a
+        # buffer for WR_SLOT (see write(); the engine packs its slots the same way
+        # inline, Engine._queue_ring).
         self.links = [int(x) for x in wrs["next"]]
         self.sge_lists = [int(x) for x in wrs["sg_list"]]
         self.wr_mem = memoryview(ffi.buffer(chain._wr_mem))
-        self.sge_mem = memoryview(ffi.buffer(chain._sge_mem))
 
     def write(
         self,
@@ -560,5 +573,7 @@ class SlotRing:
             0,
             remote_addr,
             rkey,
+            local_addr,
+            nbytes,
+            lkey,
         )
-        SGE_SLOT.pack_into(self.sge_mem, slot * _SGE_SIZE, local_addr, nbytes, lkey)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -21,7 +22,8 @@ from test_window import Device, make_chunk
 from hixl.core.window import Chunk, SendWindow
 from hixl.engine.handles import GroupHandle, MemberHandle, TransferStatus
 from hixl.errors import CompletionError, ConnectionFailed, RegistrationError
-from hixl.verbs.chain import SEND_SIGNALED, SlotRing
+from hixl.verbs._ffi import address, ffi
+from hixl.verbs.chain import SEND_SIGNALED, SGE_DTYPE, SLOT_SGE_OFFSET, WR_BYTES, SlotRing
 
 U32 = st.integers(0, 0xFFFF_FFFF)
 U64 = st.integers(0, 0xFFFF_FFFF_FFFF_FFFF)
@@ -47,12 +49,18 @@ def test_a_slot_write_sets_that_slot_and_nothing_else(
         slot %= capacity
         ring.write(slot, wr_id, opcode, laddr, n, lkey, raddr, rkey)
         want[slot] = (wr_id, opcode, laddr, n, lkey, raddr, rkey)
-    wrs, sges = chain.wrs, chain.sges
+    wrs = chain.wrs
     assert (wrs["next"] == links).all() and (wrs["sg_list"] == lists).all()
     assert (wrs["num_sge"] == 1).all()
     assert chain.wrs["next"][-1] == 0  # a range never wraps
     for slot in range(capacity):
-        w, s = wrs[slot], sges[slot]
+        w = wrs[slot]
+        # The SGE the provider reads, where the WR's sg_list points: inside the slot's
+        # own WR, in the bytes an RDMA READ or WRITE leaves unread.
+        assert int(w["sg_list"]) == address(chain.head) + slot * WR_BYTES + SLOT_SGE_OFFSET
+        s = np.frombuffer(
+            ffi.buffer(ffi.cast("char *", int(w["sg_list"])), SGE_DTYPE.itemsize), SGE_DTYPE
+        )[0]
         got = (
             int(w["wr_id"]),
             int(w["opcode"]),
