@@ -247,6 +247,36 @@ class Plan:
 
     __hash__ = None  # type: ignore[assignment]
 
+    @classmethod
+    def _fresh(
+        cls,
+        op: Op,
+        limits: DeviceLimits,
+        wr_remote_offset: I64Array,
+        wr_length: I64Array,
+        wr_sge_start: I64Array,
+        sge_local_offset: I64Array,
+        sge_length: I64Array,
+        nbytes: int,
+    ) -> Plan:
+        """A plan from int64 arrays the planner just made for it and holds nowhere else
+        (consistent by construction): made read-only in place, not copied or checked."""
+        plan = object.__new__(cls)
+        put = object.__setattr__
+        put(plan, "op", op)
+        put(plan, "limits", limits)
+        for name, arr in (
+            ("wr_remote_offset", wr_remote_offset),
+            ("wr_length", wr_length),
+            ("wr_sge_start", wr_sge_start),
+            ("sge_local_offset", sge_local_offset),
+            ("sge_length", sge_length),
+        ):
+            arr.setflags(write=False)
+            put(plan, name, arr)
+        put(plan, "nbytes", nbytes)
+        return plan
+
     def __repr__(self) -> str:
         return (
             f"<Plan op={self.op.value} wrs={self.num_wrs} sges={self.num_sges} "
@@ -320,6 +350,15 @@ def _pieces(
     if cl.size == cr.size and np.array_equal(cl, cr):
         idx = np.arange(cl.size, dtype=np.int64) if want_index else None
         return loc.offsets, rem.offsets, loc.lengths, idx
+    # One range on one side (a gather into it, or a scatter from it): the other side's
+    # segments are the pieces, and the range is cut where they end.  What the general
+    # cut below gives, without merging the boundaries.
+    if cr.size == 1:
+        idx = np.zeros(cl.size, dtype=np.int64) if want_index else None
+        return loc.offsets, (cl - loc.lengths) + rem.offsets[0], loc.lengths, idx
+    if cl.size == 1:
+        idx = np.arange(cr.size, dtype=np.int64) if want_index else None
+        return (cr - rem.lengths) + loc.offsets[0], rem.offsets, rem.lengths, idx
     ends, end_l, end_r = _merge_sorted(cl, cr)
     starts = np.empty_like(ends)
     starts[0] = 0
@@ -442,6 +481,63 @@ def _plan_separate_blocks(
     return Plan(op, limits, ro, ln, np.arange(n + 1, dtype=np.int64), lo, ln)
 
 
+def _plan_strided_rows(
+    local: StridedDesc, remote: StridedDesc, op: Op, limits: DeviceLimits
+) -> Plan | None:
+    """:func:`_plan_separate_blocks` for two :class:`StridedDesc` of as many rows of one
+    size (one KV layer, head by head or token by token), from the four numbers of each
+    side instead of their segment arrays: one WR of one SGE per row, in remote order.
+    None when that does not apply (the rows are longer than a message may be, remote
+    rows touch or overlap, or the local rows of a READ overlap)."""
+    n, size = local.count, local.size
+    if n < 2 or remote.count != n or remote.size != size or size > limits.max_msg_sz:
+        return None
+    rs, ls = remote.stride, local.stride
+    if abs(rs) <= size or (op is Op.READ and abs(ls) < size):
+        return None
+    rows = np.arange(n, dtype=np.int64)
+    ro = rows * np.int64(rs)
+    ro += np.int64(remote.offset)
+    lo = rows * np.int64(ls)
+    lo += np.int64(local.offset)
+    if rs < 0:  # remote order: the last row first
+        ro, lo = ro[::-1], lo[::-1]
+    ln = np.full(n, size, dtype=np.int64)
+    return Plan._fresh(op, limits, ro, ln, np.arange(n + 1, dtype=np.int64), lo, ln, n * size)
+
+
+def _plan_rows_into_range(
+    local: StridedDesc, remote: ContiguousDesc, op: Op, limits: DeviceLimits
+) -> Plan | None:
+    """A :class:`StridedDesc` of ``n`` rows gathered into one contiguous remote range (a
+    WRITE) or scattered from it (a READ), when every WR can take ``k`` whole rows: ``k =
+    n`` if all rows fit one message and one WR's SGEs, else the SGE limit if that many
+    rows fit one message.  WR ``w`` then has rows ``w*k ..`` as its SGEs, which is what
+    the general planner makes of it, from the descriptors' numbers.  None otherwise (and
+    for rows that are one contiguous range, or overlap as a READ's destination)."""
+    n, size, ls = local.count, local.size, local.stride
+    if n < 2 or remote.nbytes != n * size or ls == size or (op is Op.READ and abs(ls) < size):
+        return None
+    sge, msg = limits.sge_limit(op), limits.max_msg_sz
+    if n * size <= msg and n <= sge:
+        k = n
+    elif sge * size <= msg:
+        k = sge
+    else:
+        return None
+    rows = np.arange(n, dtype=np.int64)
+    lo = rows * np.int64(ls)
+    lo += np.int64(local.offset)
+    n_wr = -(-n // k)
+    start = np.arange(n_wr + 1, dtype=np.int64) * np.int64(k)
+    start[-1] = n
+    ro = start[:-1] * np.int64(size)
+    wr_len = np.diff(start) * np.int64(size)
+    ro += np.int64(remote.offset)
+    ln = np.full(n, size, dtype=np.int64)
+    return Plan._fresh(op, limits, ro, wr_len, start, lo, ln, n * size)
+
+
 def plan_transfer(
     local: Descriptor,
     remote: Descriptor,
@@ -468,6 +564,14 @@ def plan_transfer(
         raise DescriptorError(f"op must be Op.WRITE or Op.READ, got {op!r}")
     if not isinstance(limits, DeviceLimits):
         raise DescriptorError(f"limits must be DeviceLimits, got {type(limits).__name__}")
+    if merge and type(local) is StridedDesc:  # one KV layer: from the descriptors' numbers
+        rows = None
+        if type(remote) is StridedDesc:
+            rows = _plan_strided_rows(local, remote, op, limits)
+        elif type(remote) is ContiguousDesc:
+            rows = _plan_rows_into_range(local, remote, op, limits)
+        if rows is not None:
+            return rows
     loc0, rem0 = as_segments(local), as_segments(remote)
     if loc0.nbytes != rem0.nbytes:
         raise DescriptorError(

@@ -36,6 +36,7 @@ knows the layouts), so chains can be built and checked on any machine.
 from __future__ import annotations
 
 import struct
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,14 +134,17 @@ class SendChain:
 
     __slots__ = (
         "_flags_for",
+        "_clean",
         "_group_cache",
         "_head0",
         "_rdma0",
         "_sge0",
         "_sge_addr",
         "_sge_mem",
+        "_sge_q",
         "_sges",
         "_wr_mem",
+        "_wr_q",
         "_wr_raddr",
         "_wrs",
         "capacity",
@@ -175,6 +179,11 @@ class SendChain:
         self._sges: npt.NDArray[Any] | None = None
         self._sge_addr: npt.NDArray[Any] | None = None
         self._wr_raddr: npt.NDArray[Any] | None = None
+        self._wr_q: npt.NDArray[np.uint64] | None = None
+        self._sge_q: npt.NDArray[np.uint64] | None = None
+        # Every WR's wr_id, send_flags and imm_data are 0 (zeroed memory, or a fill since):
+        # fill() need not write them.  Every method here that writes them clears it.
+        self._clean = True
         if capacity > 1:
             # Every WR links to the next once and for all; only the terminator moves.
             links = self._views()[0]["next"]
@@ -230,6 +239,18 @@ class SendChain:
             self._wr_raddr = wrs["remote_addr"]
         assert self._sge_addr is not None and self._wr_raddr is not None
         return wrs, sges, self._sge_addr, self._wr_raddr
+
+    def _words(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+        """The C memory as 64-bit words, one row per WR and per SGE (see :meth:`fill`)."""
+        q, sq = self._wr_q, self._sge_q
+        if q is None or sq is None:
+            q = self._wr_q = np.frombuffer(ffi.buffer(self._wr_mem), np.uint64).reshape(
+                self.capacity, _WR_SIZE // 8
+            )
+            sq = self._sge_q = np.frombuffer(ffi.buffer(self._sge_mem), np.uint64).reshape(
+                self.sge_capacity, _SGE_SIZE // 8
+            )
+        return q, sq
 
     def __repr__(self) -> str:
         return (
@@ -296,29 +317,42 @@ class SendChain:
             )
         if not (0 <= rkey <= 0xFFFF_FFFF and 0 <= lkey <= 0xFFFF_FFFF):
             raise DescriptorError(f"keys must be 32-bit: rkey={rkey:#x} lkey={lkey:#x}")
-        wrs, sges, _, _ = self._views()
+        wrs, _, _, _ = self._views()
         old = self.num_wrs
         if old and old != n:
             wrs["next"][old - 1] = self.wr_address(old) if old < self.capacity else 0
         self.num_wrs = self.num_sges = 0  # half-written: not postable until the end
         self._flags_for = None
-        w = wrs[:n]
-        w["wr_id"] = 0
-        w["send_flags"] = 0
-        w["opcode"] = opcode
-        w["rkey"] = rkey
-        w["remote_addr"] = raddr
-        sg = w["sg_list"]
-        np.multiply(start[:-1], _SGE_SIZE, out=sg, casting="unsafe")
-        sg += np.uint64(self.sge_base)
-        np.subtract(start[1:], start[:-1], out=w["num_sge"], casting="unsafe")
-        s = sges[:m]
-        s["addr"] = saddr
-        s["length"] = slen
-        s["lkey"] = lkey
+        # One pass per 64-bit word of each WR that changes (a pass over a WR's field is
+        # a strided write, one cache line per WR, whatever the field's width): word 2
+        # sg_list, 3 num_sge | opcode << 32, 5 wr.rdma.remote_addr, 6 wr.rdma.rkey (and
+        # the union's padding after it); words 0 (wr_id) and 4 (send_flags | imm_data)
+        # only when a signal was set since the last fill.  An SGE is two words: addr,
+        # length | lkey << 32.  The offsets are checked at import.
+        q, sq = self._words()
+        w = q[:n]
+        if not self._clean:
+            w[:, 0] = 0
+            w[:, 4] = 0
+        word = np.empty(n, dtype=np.uint64)
+        np.multiply(start[:-1], _SGE_SIZE, out=word, casting="unsafe")
+        word += np.uint64(self.sge_base)
+        w[:, 2] = word
+        np.subtract(start[1:], start[:-1], out=word, casting="unsafe")
+        if opcode:
+            word |= np.uint64(opcode & 0xFFFF_FFFF) << np.uint64(32)
+        w[:, 3] = word
+        w[:, 5] = raddr
+        w[:, 6] = rkey
+        s = sq[:m]
+        s[:, 0] = saddr
+        ln = slen.astype(np.uint64)
+        ln |= np.uint64(lkey) << np.uint64(32)
+        s[:, 1] = ln
         wrs["next"][n - 1] = 0
         self.num_wrs, self.num_sges = n, m
         self.regions = regions
+        self._clean = True
 
     def fill_plan(
         self,
@@ -388,6 +422,7 @@ class SendChain:
         m = stop - start
         if first_id < 0 or first_id + (m - 1) // every > 0xFFFF_FFFF_FFFF_FFFF:
             raise ArgumentError(f"wr_id {first_id} does not fit 64 bits for {m} WRs")
+        self._clean = False
         if m == 1:  # a single WR (notifications): no arrays needed
             w1 = self.head[start]
             w1.wr_id, w1.send_flags = first_id, SEND_SIGNALED
@@ -415,6 +450,7 @@ class SendChain:
         w.wr_id = wr_id
         w.send_flags = SEND_SIGNALED
         self._flags_for = None
+        self._clean = False
 
     def place_one(self, local_addr: int, nbytes: int, remote_addr: int) -> None:
         """Point a filled chain of one WR and one SGE at new addresses and a new length.
@@ -441,11 +477,13 @@ class SendChain:
             raise ArgumentError(f"unsignal: WR {index} outside the chain's 0..{self.num_wrs}")
         self.head[index].send_flags &= ~SEND_SIGNALED
         self._flags_for = None
+        self._clean = False
 
     def signal(self, index: int) -> None:
         """Post WR ``index`` signaled (its ``wr_id`` unchanged): where a batch ends."""
         self.head[index].send_flags |= SEND_SIGNALED
         self._flags_for = None
+        self._clean = False
 
     def fence(self, index: int) -> None:
         """Make WR ``index`` wait for every earlier READ to complete (``IBV_SEND_FENCE``).
@@ -456,6 +494,7 @@ class SendChain:
             raise ArgumentError(f"fence: WR {index} outside the chain's 0..{self.num_wrs}")
         self.head[index].send_flags |= SEND_FENCE
         self._flags_for = None
+        self._clean = False
 
     def check_regions(self) -> None:
         """Raise :class:`RegistrationError` when a region the chain uses was closed."""
@@ -506,7 +545,18 @@ if not (
     and SLOT_SGE_OFFSET % 8 == 0
 ):  # pragma: no cover - a libibverbs ABI change
     raise ImportError(f"struct ibv_send_wr: no room for an SGE at offset {SLOT_SGE_OFFSET}")
-del _at, _name, _size, _WR_FIELDS
+# SendChain.fill writes 64-bit words: a little-endian machine, the SGE's length and
+# lkey in its second word.
+_SGE_FIELDS = SGE_DTYPE.fields
+assert _SGE_FIELDS is not None
+if sys.byteorder != "little" or (
+    _SGE_FIELDS["addr"][1],
+    _SGE_FIELDS["length"][1],
+    _SGE_FIELDS["lkey"][1],
+    _SGE_SIZE,
+) != (0, 8, 12, 16):  # pragma: no cover - a libibverbs ABI change
+    raise ImportError("struct ibv_sge is not laid out as addr, length, lkey in 16 bytes")
+del _at, _name, _size, _WR_FIELDS, _SGE_FIELDS
 
 
 class SlotRing:
@@ -547,6 +597,7 @@ class SlotRing:
         self.links = [int(x) for x in wrs["next"]]
         self.sge_lists = [int(x) for x in wrs["sg_list"]]
         self.wr_mem = memoryview(ffi.buffer(chain._wr_mem))
+        chain._clean = False  # the slots' wr_ids are written here, not by the chain
 
     def write(
         self,

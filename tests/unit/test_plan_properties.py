@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from plan_oracle import apply_plan
 
 from benchmarks.drivers.plan import reference_plan
-from hixl.core.descriptors import INT64_MAX, Segments, StridedDesc
+from hixl.core.descriptors import INT64_MAX, ContiguousDesc, Segments, StridedDesc
 from hixl.core.plan import DeviceLimits, Op, Plan, plan_transfer
 from hixl.errors import DescriptorError
 
@@ -305,6 +305,58 @@ def test_strided_against_contiguous(
     assert (lbuf, rbuf) == (want_l, want_r)
     if extra == 0:  # stride == size: one segment, cut only by max_msg_sz
         assert plan.num_sges == plan.num_wrs == -(-count * size // limits.max_msg_sz)
+
+
+@PROPS
+@given(
+    st.integers(1, 40),
+    st.integers(1, 16),
+    st.integers(-40, 40),
+    st.integers(-40, 40),
+    st.sampled_from(["strided", "contiguous"]),
+    limits_st,
+    st.sampled_from([Op.WRITE, Op.READ]),
+)
+def test_row_descriptors_plan_as_their_segments_do(
+    count: int,
+    size: int,
+    lstride: int,
+    rstride: int,
+    remote_kind: str,
+    limits: DeviceLimits,
+    op: Op,
+) -> None:
+    """A :class:`StridedDesc` beside another or a :class:`ContiguousDesc` (one KV layer,
+    or its rows gathered into one range) is planned from the descriptors' numbers; the
+    plan, or the error, is the one the general planner gives for the same bytes as
+    :class:`Segments`."""
+    local = StridedDesc(
+        offset=max(0, -(count - 1) * lstride),
+        count=count,
+        size=size,
+        stride=lstride,
+        alignment=None,
+    )
+    remote: StridedDesc | ContiguousDesc
+    if remote_kind == "strided":
+        remote = StridedDesc(
+            offset=max(0, -(count - 1) * rstride),
+            count=count,
+            size=size,
+            stride=rstride,
+            alignment=None,
+        )
+    else:
+        remote = ContiguousDesc(offset=3, nbytes=count * size, alignment=None)
+    try:
+        want: Plan | str = plan_transfer(local.to_segments(), remote.to_segments(), op, limits)
+    except DescriptorError as exc:
+        want = str(exc)
+    try:
+        got: Plan | str = plan_transfer(local, remote, op, limits)
+    except DescriptorError as exc:
+        got = str(exc)
+    assert got == want
 
 
 # --------------------------------------------------------------------------- invalid input

@@ -192,6 +192,11 @@ def test_refill_with_another_plan_reuses_the_memory(a: Plan, b: Plan) -> None:
     chain.fill_plan(a, opcode=0, local_addr=LADDR, lkey=3, remote_addr=RADDR, rkey=4)
     chain.set_signals(7, 3)
     chain.fill_plan(b, opcode=4, local_addr=LADDR, lkey=5, remote_addr=RADDR, rkey=6)
+    # a fill clears what signal() and fence() set too (one WR's flags each)
+    last = b.num_wrs - 1
+    chain.signal(last)
+    chain.fence(0)
+    chain.fill_plan(b, opcode=4, local_addr=LADDR, lkey=5, remote_addr=RADDR, rkey=6)
     assert chain.wr_base == base
     got = walk(chain)
     assert [(g["remote"], g["rkey"], g["sges"]) for g in got] == expected(b, 5, 6)
