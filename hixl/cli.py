@@ -305,6 +305,9 @@ def _add_run(sub: _Subparsers) -> None:
 
 
 #: How a user without a checkout gets the benchmarks (they are not in the wheel).
+#: The sections ``hixl bench`` runs unless ``--sections`` names others (run_all.py's own
+#: default; ``--peers`` adds the peers).
+BENCH_DEFAULT_SECTIONS = "transfer,layer,overhead,build"
 BENCH_SOURCE_HELP = (
     "the benchmarks are not part of the installed hixl package: they live in benchmarks/ "
     "of hixl's source repository. Clone it and run 'make setup && make bench' there, or "
@@ -355,8 +358,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     shown += ["--nixl"] if args.peers and args.nixl else []
     invocation = shlex.join(["hixl", "bench", *shown, *(["--", *extra] if extra else [])])
     sections = args.sections
+    if "build" in (sections or BENCH_DEFAULT_SECTIONS).split(","):
+        # The build costs are measured here, natively, before the VM boots (under
+        # emulation they would say nothing); the VM adds the wire ratios.
+        subprocess.run(
+            [
+                sys.executable,
+                str(checkout / "benchmarks" / "bench_build.py"),
+                *(["--quick"] if args.quick else []),
+                "--json",
+                str(run_dir / "build-native.json"),
+            ],
+            check=False,
+        )
     if args.peers:
-        listed = (sections or "transfer,layer,overhead").split(",")
+        listed = (sections or BENCH_DEFAULT_SECTIONS).split(",")
         sections = ",".join([*listed, "peers"] if "peers" not in listed else listed)
         # The VM sees the host's files read-only: install the peers here, first. A peer
         # that fails to install is recorded in the run directory and reported, not fatal.
@@ -401,7 +417,7 @@ def _add_bench(sub: _Subparsers) -> None:
     p.add_argument(
         "--sections",
         metavar="LIST",
-        help="of transfer,layer,overhead,peers (default transfer,layer,overhead)",
+        help=f"of transfer,layer,overhead,peers,build (default {BENCH_DEFAULT_SECTIONS})",
     )
     p.add_argument(
         "--peers",

@@ -164,3 +164,12 @@ def test_token_prints_a_fresh_256_bit_token(capsys: pytest.CaptureFixture[str]) 
         tokens.append(out.strip())
     assert all(len(t) == 64 and int(t, 16) >= 0 and t == t.lower() for t in tokens)
     assert len(set(tokens)) == 3
+
+
+def test_bench_runs_the_suites_own_default_sections() -> None:
+    """``hixl bench`` decides from its default list whether to measure the build costs on
+    the host before the VM boots; that list is the one the suite runs in the VM."""
+    from benchmarks.drivers.suite import DEFAULT_SECTIONS, SECTIONS
+
+    assert _cli.BENCH_DEFAULT_SECTIONS.split(",") == list(DEFAULT_SECTIONS)
+    assert set(DEFAULT_SECTIONS) <= set(SECTIONS) and "build" in DEFAULT_SECTIONS
