@@ -330,22 +330,20 @@ def test_row_descriptors_plan_as_their_segments_do(
     or its rows gathered into one range) is planned from the descriptors' numbers; the
     plan, or the error, is the one the general planner gives for the same bytes as
     :class:`Segments`."""
-    local = StridedDesc(
-        offset=max(0, -(count - 1) * lstride),
-        count=count,
-        size=size,
-        stride=lstride,
-        alignment=None,
-    )
-    remote: StridedDesc | ContiguousDesc
-    if remote_kind == "strided":
-        remote = StridedDesc(
-            offset=max(0, -(count - 1) * rstride),
+
+    def rows(stride: int) -> StridedDesc:  # the lowest row at offset 0 or above
+        return StridedDesc(
+            offset=max(0, -(count - 1) * stride),
             count=count,
             size=size,
-            stride=rstride,
+            stride=stride,
             alignment=None,
         )
+
+    local = rows(lstride)
+    remote: StridedDesc | ContiguousDesc
+    if remote_kind == "strided":
+        remote = rows(rstride)
     else:
         remote = ContiguousDesc(offset=3, nbytes=count * size, alignment=None)
     try:
