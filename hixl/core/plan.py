@@ -481,6 +481,13 @@ def _plan_separate_blocks(
     return Plan(op, limits, ro, ln, np.arange(n + 1, dtype=np.int64), lo, ln)
 
 
+def _row_offsets(n: int, offset: int, stride: int) -> I64Array:
+    """``offset + i * stride`` for ``i < n``, as int64 (one pass)."""
+    if stride == 0:
+        return np.full(n, offset, dtype=np.int64)
+    return np.arange(offset, offset + n * stride, stride, dtype=np.int64)
+
+
 def _plan_strided_rows(
     local: StridedDesc, remote: StridedDesc, op: Op, limits: DeviceLimits
 ) -> Plan | None:
@@ -495,11 +502,8 @@ def _plan_strided_rows(
     rs, ls = remote.stride, local.stride
     if abs(rs) <= size or (op is Op.READ and abs(ls) < size):
         return None
-    rows = np.arange(n, dtype=np.int64)
-    ro = rows * np.int64(rs)
-    ro += np.int64(remote.offset)
-    lo = rows * np.int64(ls)
-    lo += np.int64(local.offset)
+    ro = _row_offsets(n, remote.offset, rs)
+    lo = _row_offsets(n, local.offset, ls)
     if rs < 0:  # remote order: the last row first
         ro, lo = ro[::-1], lo[::-1]
     ln = np.full(n, size, dtype=np.int64)
@@ -525,9 +529,7 @@ def _plan_rows_into_range(
         k = sge
     else:
         return None
-    rows = np.arange(n, dtype=np.int64)
-    lo = rows * np.int64(ls)
-    lo += np.int64(local.offset)
+    lo = _row_offsets(n, local.offset, ls)
     n_wr = -(-n // k)
     start = np.arange(n_wr + 1, dtype=np.int64) * np.int64(k)
     start[-1] = n

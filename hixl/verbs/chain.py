@@ -120,6 +120,10 @@ WC_DTYPE = _dtype(
 
 _WR_SIZE = WR_DTYPE.itemsize
 _SGE_SIZE = SGE_DTYPE.itemsize
+#: Two adjacent 64-bit words copied as raw bytes (:meth:`SendChain.fill`).
+_PAIR = np.dtype((np.void, 16))
+_SG_PAIR_AT = 16  # sg_list, then num_sge and opcode (checked below)
+_RDMA_PAIR_AT = 40  # wr.rdma.remote_addr, then wr.rdma.rkey
 
 
 class SendChain:
@@ -134,7 +138,7 @@ class SendChain:
 
     __slots__ = (
         "_flags_for",
-        "_clean",
+        "_dirty",
         "_group_cache",
         "_head0",
         "_rdma0",
@@ -144,6 +148,9 @@ class SendChain:
         "_sge_q",
         "_sges",
         "_wr_mem",
+        "_one_each",
+        "_one_each_op",
+        "_pair_views",
         "_wr_q",
         "_wr_raddr",
         "_wrs",
@@ -181,13 +188,21 @@ class SendChain:
         self._wr_raddr: npt.NDArray[Any] | None = None
         self._wr_q: npt.NDArray[np.uint64] | None = None
         self._sge_q: npt.NDArray[np.uint64] | None = None
-        # Every WR's wr_id, send_flags and imm_data are 0 (zeroed memory, or a fill since):
-        # fill() need not write them.  Every method here that writes them clears it.
-        self._clean = True
+        self._pair_views: tuple[npt.NDArray[Any], npt.NDArray[Any]] | None = None
+        # Words 2-3 of WRs 0 .. _one_each-1 point each at its own SGE (sg_list = &sges[i],
+        # num_sge = 1) with opcode word _one_each_op: a fill of that form skips them.
+        # Whatever else writes sg_list, num_sge or opcode resets _one_each to 0.
+        self._one_each = 0
+        self._one_each_op = 0
+        # WRs _dirty and up have wr_id, send_flags and imm_data 0 (zeroed memory, or a fill
+        # since): fill() clears only the WRs below.  Every method here that writes them
+        # raises it to past the last WR it wrote.
+        self._dirty = 0
         if capacity > 1:
             # Every WR links to the next once and for all; only the terminator moves.
-            links = self._views()[0]["next"]
-            links[:] = self.wr_base + _WR_SIZE * np.arange(1, capacity + 1, dtype=np.uint64)
+            links = self._words()[0][:, 1]
+            first = self.wr_base + _WR_SIZE
+            links[:] = np.arange(first, first + capacity * _WR_SIZE, _WR_SIZE, dtype=np.uint64)
             links[-1] = 0
         self.num_wrs = 0
         self.num_sges = 0
@@ -252,6 +267,17 @@ class SendChain:
             )
         return q, sq
 
+    def _pairs(self) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+        """Words 2-3 and 5-6 of every WR as one 16-byte element each (see :meth:`fill`)."""
+        pairs = self._pair_views
+        if pairs is None:
+            buf = ffi.buffer(self._wr_mem)
+            pairs = self._pair_views = (
+                np.ndarray((self.capacity,), _PAIR, buf, _SG_PAIR_AT, (_WR_SIZE,)),
+                np.ndarray((self.capacity,), _PAIR, buf, _RDMA_PAIR_AT, (_WR_SIZE,)),
+            )
+        return pairs
+
     def __repr__(self) -> str:
         return (
             f"<SendChain wrs={self.num_wrs}/{self.capacity} "
@@ -298,61 +324,16 @@ class SendChain:
         saddr = np.asarray(sge_addr)
         slen = np.asarray(sge_length)
         n, m = int(raddr.size), int(saddr.size)
-        if n < 1:
-            raise DescriptorError("a chain needs at least one work request, got 0")
-        if n > self.capacity or m > self.sge_capacity:
-            raise ArgumentError(
-                f"chain too small: {n} WRs and {m} SGEs into capacity={self.capacity} "
-                f"sge_capacity={self.sge_capacity}"
-            )
-        if start.size != n + 1 or slen.size != m or int(start[0]) != 0 or int(start[-1]) != m:
+        if (
+            start.size != n + 1
+            or slen.size != m
+            or (n and (int(start[0]) != 0 or int(start[-1]) != m))
+        ):
             raise DescriptorError(
                 f"chain arrays disagree: {n} WRs, {start.size} sge_start entries (want {n + 1}, "
                 f"from 0 to {m}), {m} SGE addresses, {slen.size} SGE lengths"
             )
-        if m and (int(slen.max()) > _MAX_SGE_LEN or int(slen.min()) < 0):
-            raise DescriptorError(
-                f"SGE lengths must lie in 0..{_MAX_SGE_LEN}, got {int(slen.min())}.."
-                f"{int(slen.max())}"
-            )
-        if not (0 <= rkey <= 0xFFFF_FFFF and 0 <= lkey <= 0xFFFF_FFFF):
-            raise DescriptorError(f"keys must be 32-bit: rkey={rkey:#x} lkey={lkey:#x}")
-        wrs, _, _, _ = self._views()
-        old = self.num_wrs
-        if old and old != n:
-            wrs["next"][old - 1] = self.wr_address(old) if old < self.capacity else 0
-        self.num_wrs = self.num_sges = 0  # half-written: not postable until the end
-        self._flags_for = None
-        # One pass per 64-bit word of each WR that changes (a pass over a WR's field is
-        # a strided write, one cache line per WR, whatever the field's width): word 2
-        # sg_list, 3 num_sge | opcode << 32, 5 wr.rdma.remote_addr, 6 wr.rdma.rkey (and
-        # the union's padding after it); words 0 (wr_id) and 4 (send_flags | imm_data)
-        # only when a signal was set since the last fill.  An SGE is two words: addr,
-        # length | lkey << 32.  The offsets are checked at import.
-        q, sq = self._words()
-        w = q[:n]
-        if not self._clean:
-            w[:, 0] = 0
-            w[:, 4] = 0
-        word = np.empty(n, dtype=np.uint64)
-        np.multiply(start[:-1], _SGE_SIZE, out=word, casting="unsafe")
-        word += np.uint64(self.sge_base)
-        w[:, 2] = word
-        np.subtract(start[1:], start[:-1], out=word, casting="unsafe")
-        if opcode:
-            word |= np.uint64(opcode & 0xFFFF_FFFF) << np.uint64(32)
-        w[:, 3] = word
-        w[:, 5] = raddr
-        w[:, 6] = rkey
-        s = sq[:m]
-        s[:, 0] = saddr
-        ln = slen.astype(np.uint64)
-        ln |= np.uint64(lkey) << np.uint64(32)
-        s[:, 1] = ln
-        wrs["next"][n - 1] = 0
-        self.num_wrs, self.num_sges = n, m
-        self.regions = regions
-        self._clean = True
+        self._write(opcode, raddr, 0, rkey, start, False, saddr, 0, slen, lkey, regions)
 
     def fill_plan(
         self,
@@ -367,16 +348,98 @@ class SendChain:
     ) -> None:
         """Fill from a :class:`hixl.core.plan.Plan` whose offsets are relative to the
         local region at ``local_addr`` and the remote one at ``remote_addr``."""
-        self.fill(
-            opcode=opcode,
-            remote_addr=plan.wr_remote_offset + remote_addr,
-            rkey=rkey,
-            sge_start=plan.wr_sge_start,
-            sge_addr=plan.sge_local_offset + local_addr,
-            sge_length=plan.sge_length,
-            lkey=lkey,
-            regions=regions,
+        self._write(
+            opcode,
+            plan.wr_remote_offset,
+            remote_addr,
+            rkey,
+            plan.wr_sge_start,
+            # A plan's WRs each have >= 1 SGE, so as many SGEs as WRs means one each.
+            plan.num_sges == plan.num_wrs,
+            plan.sge_local_offset,
+            local_addr,
+            plan.sge_length,
+            lkey,
+            regions,
         )
+
+    def _write(
+        self,
+        opcode: int,
+        raddr: npt.NDArray[Any],
+        rbase: int,
+        rkey: int,
+        start: npt.NDArray[np.int64],
+        one_each: bool,
+        saddr: npt.NDArray[Any],
+        sbase: int,
+        slen: npt.NDArray[Any],
+        lkey: int,
+        regions: tuple[Any, ...],
+    ) -> None:
+        """:meth:`fill` with the addresses as offsets from ``rbase``/``sbase`` and
+        ``start`` consistent with them; ``one_each``: WR ``i`` has SGE ``i`` alone."""
+        n, m = int(raddr.size), int(saddr.size)
+        if n < 1:
+            raise DescriptorError("a chain needs at least one work request, got 0")
+        if n > self.capacity or m > self.sge_capacity:
+            raise ArgumentError(
+                f"chain too small: {n} WRs and {m} SGEs into capacity={self.capacity} "
+                f"sge_capacity={self.sge_capacity}"
+            )
+        if m and (int(slen.max()) > _MAX_SGE_LEN or int(slen.min()) < 0):
+            raise DescriptorError(
+                f"SGE lengths must lie in 0..{_MAX_SGE_LEN}, got {int(slen.min())}.."
+                f"{int(slen.max())}"
+            )
+        if not (0 <= rkey <= 0xFFFF_FFFF and 0 <= lkey <= 0xFFFF_FFFF):
+            raise DescriptorError(f"keys must be 32-bit: rkey={rkey:#x} lkey={lkey:#x}")
+        q, sq = self._words()
+        old = self.num_wrs
+        if old and old != n:
+            q[old - 1, 1] = self.wr_address(old) if old < self.capacity else 0
+        self.num_wrs = self.num_sges = 0  # half-written: not postable until the end
+        self._flags_for = None
+        # Two strided passes over the WRs (one cache line per WR each, whatever the width
+        # written), each storing two adjacent 64-bit words from a small contiguous array:
+        # words 2-3 (sg_list; num_sge | opcode << 32) and words 5-6 (wr.rdma.remote_addr;
+        # wr.rdma.rkey and the union's padding after it).  Words 0 (wr_id) and 4
+        # (send_flags | imm_data) only when a signal was set since the last fill, words
+        # 2-3 not when they hold one SGE per WR for this opcode already.  An SGE is two
+        # words: addr, length | lkey << 32.  The offsets are checked at import.
+        dirty = self._dirty
+        if dirty:
+            w = q[:dirty]
+            w[:, 0] = 0
+            w[:, 4] = 0
+            self._dirty = 0
+        sg_words, rdma_words = self._pairs()
+        pair = np.empty((n, 2), dtype=np.uint64)
+        op_word = (opcode & 0xFFFF_FFFF) << 32
+        if not one_each:
+            np.multiply(start[:-1], _SGE_SIZE, out=pair[:, 0], casting="unsafe")
+            pair[:, 0] += np.uint64(self.sge_base)
+            np.subtract(start[1:], start[:-1], out=pair[:, 1], casting="unsafe")
+            if op_word:
+                pair[:, 1] |= np.uint64(op_word)
+            sg_words[:n] = pair.view(_PAIR).reshape(n)
+            self._one_each = 0
+        elif self._one_each < n or self._one_each_op != op_word:
+            sb = self.sge_base
+            pair[:, 0] = np.arange(sb, sb + n * _SGE_SIZE, _SGE_SIZE, dtype=np.uint64)
+            pair[:, 1] = op_word | 1
+            sg_words[:n] = pair.view(_PAIR).reshape(n)
+            self._one_each, self._one_each_op = n, op_word
+        np.add(raddr, rbase, out=pair[:, 0], casting="unsafe")
+        pair[:, 1] = rkey
+        rdma_words[:n] = pair.view(_PAIR).reshape(n)
+        s = sq[:m]
+        np.add(saddr, sbase, out=s[:, 0], casting="unsafe")
+        np.copyto(s[:, 1], slen, casting="unsafe")
+        s[:, 1] |= np.uint64(lkey << 32)
+        q[n - 1, 1] = 0
+        self.num_wrs, self.num_sges = n, m
+        self.regions = regions
 
     @classmethod
     def for_plan(cls, plan: Any, **kwargs: Any) -> SendChain:
@@ -422,7 +485,7 @@ class SendChain:
         m = stop - start
         if first_id < 0 or first_id + (m - 1) // every > 0xFFFF_FFFF_FFFF_FFFF:
             raise ArgumentError(f"wr_id {first_id} does not fit 64 bits for {m} WRs")
-        self._clean = False
+        self._dirty = max(self._dirty, stop)
         if m == 1:  # a single WR (notifications): no arrays needed
             w1 = self.head[start]
             w1.wr_id, w1.send_flags = first_id, SEND_SIGNALED
@@ -450,7 +513,7 @@ class SendChain:
         w.wr_id = wr_id
         w.send_flags = SEND_SIGNALED
         self._flags_for = None
-        self._clean = False
+        self._dirty = max(self._dirty, 1)
 
     def place_one(self, local_addr: int, nbytes: int, remote_addr: int) -> None:
         """Point a filled chain of one WR and one SGE at new addresses and a new length.
@@ -477,13 +540,15 @@ class SendChain:
             raise ArgumentError(f"unsignal: WR {index} outside the chain's 0..{self.num_wrs}")
         self.head[index].send_flags &= ~SEND_SIGNALED
         self._flags_for = None
-        self._clean = False
+        self._dirty = max(self._dirty, index + 1)
 
     def signal(self, index: int) -> None:
         """Post WR ``index`` signaled (its ``wr_id`` unchanged): where a batch ends."""
+        if not 0 <= index < self.num_wrs:
+            raise ArgumentError(f"signal: WR {index} outside the chain's 0..{self.num_wrs}")
         self.head[index].send_flags |= SEND_SIGNALED
         self._flags_for = None
-        self._clean = False
+        self._dirty = max(self._dirty, index + 1)
 
     def fence(self, index: int) -> None:
         """Make WR ``index`` wait for every earlier READ to complete (``IBV_SEND_FENCE``).
@@ -494,7 +559,7 @@ class SendChain:
             raise ArgumentError(f"fence: WR {index} outside the chain's 0..{self.num_wrs}")
         self.head[index].send_flags |= SEND_FENCE
         self._flags_for = None
-        self._clean = False
+        self._dirty = max(self._dirty, index + 1)
 
     def check_regions(self) -> None:
         """Raise :class:`RegistrationError` when a region the chain uses was closed."""
@@ -543,6 +608,8 @@ if not (
     and ffi.offsetof("struct ibv_send_wr", "qp_type") + 4 <= SLOT_SGE_OFFSET
     and SLOT_SGE_OFFSET + _SGE_SIZE <= _WR_SIZE
     and SLOT_SGE_OFFSET % 8 == 0
+    and _WR_FIELDS["sg_list"][1] == _SG_PAIR_AT
+    and _WR_FIELDS["remote_addr"][1] == _RDMA_PAIR_AT
 ):  # pragma: no cover - a libibverbs ABI change
     raise ImportError(f"struct ibv_send_wr: no room for an SGE at offset {SLOT_SGE_OFFSET}")
 # SendChain.fill writes 64-bit words: a little-endian machine, the SGE's length and
@@ -597,7 +664,7 @@ class SlotRing:
         self.links = [int(x) for x in wrs["next"]]
         self.sge_lists = [int(x) for x in wrs["sg_list"]]
         self.wr_mem = memoryview(ffi.buffer(chain._wr_mem))
-        chain._clean = False  # the slots' wr_ids are written here, not by the chain
+        chain._dirty = capacity  # the slots' wr_ids are written here, not by the chain
 
     def write(
         self,

@@ -7,6 +7,8 @@ through the numpy views that wrote it, and compares with the plan's arrays.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -204,6 +206,32 @@ def test_refill_with_another_plan_reuses_the_memory(a: Plan, b: Plan) -> None:
     # growing back to the first plan's size relinks the WRs the shorter fill cut off
     chain.fill_plan(a, opcode=0, local_addr=LADDR, lkey=3, remote_addr=RADDR, rkey=4)
     assert [(g["remote"], g["rkey"], g["sges"]) for g in walk(chain)] == expected(a, 3, 4)
+
+
+@PROPS
+@given(
+    steps=st.lists(
+        st.tuples(plans(), st.sampled_from([0, 4]), st.booleans()), min_size=2, max_size=5
+    )
+)
+def test_any_sequence_of_refills_reads_as_a_fresh_chain(
+    steps: list[tuple[Plan, int, bool]],
+) -> None:
+    """Whatever a chain held before (other plans, opcodes, signals), a fill leaves it
+    reading exactly as a new chain filled the same way: every field, every link."""
+    chain = SendChain(max(p.num_wrs for p, _, _ in steps), max(p.num_sges for p, _, _ in steps))
+    for plan, opcode, signal in steps:
+        kw: dict[str, Any] = {
+            "opcode": opcode,
+            "local_addr": LADDR,
+            "lkey": 9,
+            "remote_addr": RADDR,
+            "rkey": 8,
+        }
+        chain.fill_plan(plan, **kw)
+        assert walk(chain) == walk(SendChain.for_plan(plan, **kw))
+        if signal:
+            chain.set_signals(5, 2)
 
 
 def test_numpy_views_alias_the_c_memory() -> None:
