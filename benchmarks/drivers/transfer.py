@@ -100,6 +100,8 @@ BW_TARGET_FROM = 64 * KIB
 HIXL_RD_ATOMIC = 16  # what hixl's queue pairs ask for (hixl.verbs.adapter.QueuePair.connect)
 
 DEFAULT_SIZES = "4K,64K,256K,1M,8M"
+#: Sizes up to this many bytes get ``--small-repeat`` repeats.
+SMALL_MAX = 16 * 1024
 QUICK_SIZES = "4K,64K,1M"
 
 
@@ -537,16 +539,28 @@ def diagnosis_markdown(diag: list[dict[str, Any]]) -> str:
 # --------------------------------------------------------------------------- the run
 
 
-def build_steps(sizes: list[int], kinds: list[str], repeat: int) -> list[tuple[int, int, str, str]]:
+def build_steps(
+    sizes: list[int], kinds: list[str], repeat: int, small_repeat: int | None = None
+) -> list[tuple[int, int, str, str]]:
     """``(repeat, size, kind, impl)`` in run order.  The pair's order flips from one point
     to the next and, for each point, from one repeat to the next: which of two streams
-    run back to back goes first can move a ratio by several percent in the VM."""
+    run back to back goes first can move a ratio by several percent in the VM.  Sizes up
+    to :data:`SMALL_MAX` get ``small_repeat`` repeats (default ``repeat``): their pairs are
+    the shortest and scatter the most."""
+    small = repeat if small_repeat is None else small_repeat
     steps = []
-    for rep in range(repeat):
-        for j, (size, kind) in enumerate((s, k) for s in sizes for k in kinds):
+    for rep in range(max(repeat, small)):
+        points = [
+            (s, k) for s in sizes for k in kinds if rep < (small if s <= SMALL_MAX else repeat)
+        ]
+        for j, (size, kind) in enumerate(points):
             impls = ("perftest", "hixl") if (rep + j) % 2 == 0 else ("hixl", "perftest")
             steps += [(rep, size, kind, impl) for impl in impls]
     return steps
+
+
+def repeats_for(size: int, args: argparse.Namespace) -> int:
+    return int(args.small_repeat if size <= SMALL_MAX else args.repeat)
 
 
 def iters_for(kind: str, size: int, args: argparse.Namespace) -> int:
@@ -665,6 +679,7 @@ def markdown(data: dict[str, Any]) -> str:
     table = markdown_table(headers, rows, "l" + "r" * (len(headers) - 1))
     notes = [
         f"Ratios are hixl / perftest: the median over {p['repeat']} repeats of pairs measured "
+        f"({p.get('small_repeat', p['repeat'])} up to {fmt_size(p.get('small_max', SMALL_MAX))}) "
         "back to back in this run (bandwidth: higher is better, target ≥ 0.90× from 64 KiB, "
         "✓/✗; latency: lower is better). Absolute columns are medians, context only "
         "(MB/s = 10^6 bytes/s).",
@@ -691,6 +706,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=None, help=f"message sizes (default {DEFAULT_SIZES})")
     ap.add_argument("--kinds", default="write,read,lat,chan", help="any of write,read,lat,chan")
     ap.add_argument("--repeat", type=int, default=None, help="repeats per point (default 3)")
+    ap.add_argument(
+        "--small-repeat",
+        type=int,
+        default=None,
+        help="repeats per point up to 16 KiB (default: at least 9): the shortest pairs, "
+        "whose ratios scatter most (at 4 KiB one pair reads 0.5x-1.1x on a busy host)",
+    )
     ap.add_argument(
         "--bytes",
         type=str,
@@ -753,6 +775,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
     args.repeat = args.repeat or (1 if args.quick else 3)
+    args.small_repeat = args.small_repeat or (args.repeat if args.quick else max(args.repeat, 9))
     args.bytes = parse_sizes(args.bytes or ("1M" if args.quick else "8M"))[0]
     args.lat_bytes = parse_sizes(args.lat_bytes or ("256K" if args.quick else "512K"))[0]
     kinds = [k for k in args.kinds.split(",") if k]
@@ -768,14 +791,15 @@ def main(argv: list[str] | None = None) -> int:
         "hixl transfer benchmark: put/get bandwidth and latency vs perftest",
         setup,
         [
-            f"sizes {','.join(fmt_size(s) for s in sizes)}; repeat {args.repeat}; depth "
+            f"sizes {','.join(fmt_size(s) for s in sizes)}; repeat {args.repeat} "
+            f"({args.small_repeat} up to {fmt_size(SMALL_MAX)}); depth "
             f"{args.depth}; {fmt_size(args.bytes)} per bandwidth run, {fmt_size(args.lat_bytes)} "
             f"per latency run (iterations in [5, {args.max_iters}])",
             f"command: {command_line()}",
         ],
     )
 
-    steps = build_steps(sizes, kinds, args.repeat)
+    steps = build_steps(sizes, kinds, args.repeat, args.small_repeat)
     progress = Progress(len(steps), "transfer")
     measurements: list[dict[str, Any]] = []
     progress.note("[transfer] opening the engines and starting the ping-pong peer process")
@@ -787,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
             iters = iters_for(kind, size, args)
             label = (
                 f"{PERFTEST_TOOL[kind] if impl == 'perftest' else HIXL_NAME[kind]} "
-                f"{fmt_size(size)} x{iters} (repeat {rep + 1}/{args.repeat})"
+                f"{fmt_size(size)} x{iters} (repeat {rep + 1}/{repeats_for(size, args)})"
             )
             progress.step(label)
             m: dict[str, Any] = {
@@ -856,6 +880,8 @@ def main(argv: list[str] | None = None) -> int:
             "sizes": sizes,
             "kinds": kinds,
             "repeat": args.repeat,
+            "small_repeat": args.small_repeat,
+            "small_max": SMALL_MAX,
             "depth": args.depth,
             "bytes": args.bytes,
             "lat_bytes": args.lat_bytes,

@@ -251,6 +251,26 @@ def test_transfer_steps_alternate_the_order() -> None:
     )
 
 
+def test_small_sizes_get_their_own_repeat_count() -> None:
+    steps = bt.build_steps([4096, 16384, 65536], ["write", "lat"], 3, 9)
+    count: dict[tuple[int, str], int] = {}
+    for _, size, kind, _ in steps:
+        count[(size, kind)] = count.get((size, kind), 0) + 1
+    assert count == {
+        (4096, "write"): 18,
+        (4096, "lat"): 18,
+        (16384, "write"): 18,
+        (16384, "lat"): 18,
+        (65536, "write"): 6,
+        (65536, "lat"): 6,
+    }
+    # every repeat of every point is still one back-to-back pair
+    assert all(
+        steps[i][:3] == steps[i + 1][:3] and {steps[i][3], steps[i + 1][3]} == {"hixl", "perftest"}
+        for i in range(0, len(steps), 2)
+    )
+
+
 def _fake_runs(outputs: list[tuple[str, str]]) -> perftest.Perftest:
     pt = perftest.Perftest("rxe0", 1)
     runs = iter(outputs)
