@@ -130,7 +130,11 @@ class SendChain:
     """``capacity`` send WRs and ``sge_capacity`` SGEs in C memory, linked by ``next``.
 
     ``wrs``/``sges`` are numpy views of the first ``num_wrs``/``num_sges``
-    entries (writable; they alias the C memory).  :attr:`head` is the
+    entries (writable; they alias the C memory, and are meant for reading: a fill
+    leaves alone what it knows to hold its value already, ``sg_list``/``num_sge``/
+    ``opcode`` as its last fill wrote them and ``wr_id``/``send_flags`` that no signal
+    call set, so a write to those through a view may outlive the next fill; addresses,
+    lengths and keys are always rewritten).  :attr:`head` is the
     ``struct ibv_send_wr *`` of the first WR.  ``regions`` are the memory
     regions the SGEs and remote addresses point into: posting refuses a chain
     whose regions were closed.
