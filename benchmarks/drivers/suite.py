@@ -178,8 +178,10 @@ def _diagnosis_block(transfer: dict[str, Any]) -> str:
     out = [
         bench_transfer.diagnosis_markdown(diag),
         "",
-        "- Each row: `ib_write_bw`, the hixl put stream, the same with the GIL switch interval "
-        "cut to 0.5 ms, and ib_write_bw's loop written in Python over hixl's verbs adapter "
+        "- Each row: `ib_write_bw`, the hixl put stream (at the 0.5 ms GIL switch interval "
+        'every engine sets), the same at Python\'s own 5 ms ("same again": once more at '
+        "0.5 ms, in runs before 2026-12-04), and ib_write_bw's loop written in Python over "
+        "hixl's verbs adapter "
         "(one thread, no engine), run back to back; ratios against that `ib_write_bw`. CPU "
         'times are per message (`getrusage`); "sys" on the posting thread is mostly rxe '
         "itself, which sends and, on loopback, delivers the packets inside `ibv_post_send`.",

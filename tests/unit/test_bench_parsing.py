@@ -251,6 +251,31 @@ def test_transfer_steps_alternate_the_order() -> None:
     )
 
 
+def _diagnosis_row(alt_key: str) -> dict[str, object]:
+    row: dict[str, object] = {
+        "size": 4096,
+        "iters": 100,
+        "hixl": {
+            "vs_ib_write_bw": 0.9,
+            "in_call_s": 0.01,
+            "caller_user_s": 0.002,
+            "caller_sys_s": 0.003,
+            "other_threads_cpu_s": 0.004,
+        },
+        "pyverbs_loop": {"vs_ib_write_bw": 0.5, "user_s": 0.01, "sys_s": 0.02},
+    }
+    row[alt_key] = {"vs_ib_write_bw": 1.25}
+    return row
+
+
+def test_the_diagnosis_names_the_switch_interval_it_ran() -> None:
+    md = bt.diagnosis_markdown([_diagnosis_row("hixl_switch_5ms")])
+    assert "same, GIL switch 5 ms" in md and "1.25×" in md
+    # a run from before the fix repeated the engine's 0.5 ms: it says so, not "5 ms"
+    old = bt.diagnosis_markdown([_diagnosis_row("hixl_switch_0.5ms")])
+    assert "same again" in old and "5 ms" not in old and "1.25×" in old
+
+
 def test_small_sizes_get_their_own_repeat_count() -> None:
     steps = bt.build_steps([4096, 16384, 65536], ["write", "lat"], 3, 9)
     count: dict[tuple[int, str], int] = {}
