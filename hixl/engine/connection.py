@@ -24,8 +24,10 @@ except where a method says otherwise.  It keeps three things behind methods:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import secrets
 import socket
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -114,7 +116,9 @@ class Connection:
         # peer has and leaves the rest unused (closed with the connection).
         self._all: list[Lane] = []
         self.lanes: tuple[Lane, ...] = ()
-        self._next_lane = 0  # round robin over the lanes for single requests
+        # Round robin over the lanes for single requests: next(lane_cycle) (a C call,
+        # no Python frame per message); made again whenever ``lanes`` is set.
+        self.lane_cycle: Iterator[Lane] = itertools.cycle(self.lanes)
         self.held = 0  # notifications waiting for the other lanes (see Engine._queue)
         # The direct lane (see Channel): the QP made after the lanes, on a CQ of its own;
         # connected when the peer made one too.  ``direct_busy``: a channel's call is
@@ -155,6 +159,7 @@ class Connection:
             self._all.append(Lane(self, lanes, qp))
         self._made_direct = direct
         self.lanes = (self._all[0],)
+        self.lane_cycle = itertools.cycle(self.lanes)
         self._recv_buf = np.zeros(RECV_SLOTS * notify.SLOT_BYTES, dtype=np.uint8)
         self._recv_mr = self._dev.register(
             self._recv_buf.ctypes.data,
@@ -313,6 +318,7 @@ class Connection:
         if self._made_direct and their_direct is not None:
             self.direct = self._all[-1]
         self.lanes = tuple(ours[:k])
+        self.lane_cycle = itertools.cycle(self.lanes)
         self.set_remote_regions(remote.regions)
 
     def attach(self, sock: socket.socket, decoder: wire.Decoder) -> None:
@@ -366,12 +372,7 @@ class Connection:
 
     def pick_lane(self) -> Lane:
         """The lane for the next single request: round robin."""
-        lanes = self.lanes
-        if len(lanes) == 1:
-            return lanes[0]
-        i = self._next_lane
-        self._next_lane = (i + 1) % len(lanes)
-        return lanes[i]
+        return next(self.lane_cycle)
 
     def behind(self, first_id: int) -> bool:
         """True while a lane other than 0 has work queued before ``first_id`` unfinished,

@@ -478,7 +478,7 @@ def ranges_key(
 
 
 class LaneRing(SlotRing):
-    """A lane's ring of single messages (see :meth:`hixl.engine.engine.Engine._queue_ring`):
+    """A lane's ring of single messages (see :meth:`hixl.engine.engine.Engine._ring_enqueuer`):
     a :class:`~hixl.verbs.chain.SlotRing` and what the engine knows of its slots.
 
     ``written`` slots were written so far and ``released`` of them went out (their post

@@ -86,6 +86,9 @@ _REGION_BYTES = wire.MAX_PAYLOAD - 4096
 # Engine._ring_runner's function: (peer, local, remote, local_desc, remote_desc, timeout)
 # -> the handle, or None when the call is not the runner's or cannot go its way.
 _RingRun = Callable[[str, Region, Any, Any, Any, float], TransferHandle | None]
+# Engine._ring_enqueuer's function: (sge_addr, remote_addr, timeout) -> the handle, or
+# None when the template went stale.
+_RingQueue = Callable[[int, int, float], TransferHandle | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,7 +323,7 @@ class Engine:
         self._posted_wrs = 0
         self._direct_posts = 0  # of them, blocking single requests posted by their caller
         self._lane_posts = 0  # and on a direct lane (see _on_lane; not in _direct_posts)
-        self._slot_messages = 0  # single async requests through a lane's ring (_queue_ring)
+        self._slot_messages = 0  # single async requests through a lane's ring (_ring_enqueuer)
         self._post_cv = threading.Condition(self._lock)
         self._outgoing: set[Connection] = set()  # connections with control output queued
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
@@ -1372,140 +1375,169 @@ class Engine:
     ) -> TransferHandle | None:
         """An asynchronous request of one WR and one SGE (``t`` placed so that its SGE
         starts at ``sge_addr`` and its remote range at ``remote_addr``), written into the
-        next slot of a lane's ring (:class:`~hixl.verbs.chain.SlotRing`).
+        next slot of a lane's ring (:class:`~hixl.verbs.chain.SlotRing`) by ``t``'s
+        enqueuing function (:meth:`_ring_enqueuer`, made on first use)."""
+        held = t.ring
+        if not held:
+            held.append(self._ring_enqueuer(t))
+        return held[0](sge_addr, remote_addr, timeout)  # type: ignore[no-any-return]
+
+    def _ring_enqueuer(self, t: Template) -> _RingQueue:
+        """``t`` (one WR, one SGE) as a function ``(sge_addr, remote_addr, timeout)`` that
+        writes it, so placed, into the next slot of one of its connection's lanes' rings
+        (round robin) and returns the caller's :class:`MemberHandle`.  What the template
+        fixes (its connection, regions, keys, opcode and size) is bound once here, not
+        read per message.
 
         While the lane's last queued chunk is this ring's open one and none of it is
         taken for posting, the message joins it: one more WR, the group's byte count
         and earliest deadline, and its region if new.  Otherwise the message opens a
-        chunk of its own, tracked as one :class:`GroupHandle`, which reserves a block of
-        ``wr_id``s (one per slot the chunk may grow to), so that whatever is queued
-        after it on any lane has higher ids.  The caller gets a :class:`MemberHandle`.
-        With every slot waiting for its post, the request is queued as a chain of its
-        own instead.  The poster posts the open chunk with the rest of the backlog and
-        signals the batch's last WR; the slots are free again once that post returned
-        (:meth:`_post`).
+        chunk of its own (:meth:`_open_ring_chunk`).  With every slot waiting for its
+        post, the request is queued as a chain of its own instead.  The poster posts the
+        open chunk with the rest of the backlog and signals the batch's last WR; the
+        slots are free again once that post returned (:meth:`_post`).
 
-        None, with nothing queued, when the template is stale (the peer announced other
-        regions, ``t``'s local region was deregistered, the connection was replaced):
-        the caller takes the general path, which checks everything again.  These are
-        checked here, under the lock, for :meth:`_ring_runner`'s calls, which check only
-        their arguments.
+        The function returns None, with nothing queued, when the template is stale (the
+        peer announced other regions, ``t``'s local region was deregistered, the
+        connection was replaced): the caller takes the general path, which checks
+        everything again.  These are checked under the lock, for :meth:`_ring_runner`'s
+        calls, which check only their arguments; a closed engine or a connection that
+        is not READY raises as the general path would.
         """
-        conn = t.conn
-        n = t.nbytes
-        local = t.local
-        with self._lock:
-            if self._closed or conn.state is not ConnState.READY:
-                self._check_open()
-                conn.check_ready()
-            # Connection._remote is what Connection.remote_regions returns, and
-            # MemoryRegion.closed what Region.closed does: no property calls per message.
-            # A READY connection is the one indexed under its peer: it becomes READY in
-            # the same locked step that indexes it (_adopt), only from CONNECTING, and
-            # leaves READY before it is dropped from the index (_drop).
-            if conn._remote is not t.remotes or local.mr.closed:
-                return None
-            lanes = conn.lanes  # Connection.pick_lane, inline: round robin
-            if len(lanes) == 1:
-                lane = lanes[0]
-            else:
-                i = conn._next_lane
-                conn._next_lane = (i + 1) % len(lanes)
-                lane = lanes[i]
-            ring = lane.ring
-            if ring is None:
-                ring = lane.ring = LaneRing(min(RING_SLOTS, self.sq_depth))
-            written = ring.written
-            cap = ring.capacity
-            if written - ring.released >= cap:
-                full = True
-            else:
-                full = False
-                slot = written % cap
-                chunk = ring.open
-                window = lane.window
-                if (
-                    chunk is not None
-                    and chunk.stop == slot
-                    and not chunk.posted
-                    and window.last is chunk
-                ):
-                    group = chunk.handle
-                    k = slot - chunk.start
-                    chunk.stop = slot + 1
-                    chunk.groups = k + 1
-                    regions = chunk.regions
-                    if regions[-1] is not local:  # type: ignore[index]
-                        regions.append(local)  # type: ignore[union-attr]
-                    # A member's deadline is its group's, the earliest of theirs.  A
-                    # message with no shorter timeout than the group's shortest, queued
-                    # later, has a later deadline: no clock reading needed for it.
-                    if timeout < group.timeout:
-                        group.timeout = timeout
-                        deadline = time.monotonic() + timeout
-                        if deadline < group.deadline:
-                            group.deadline = deadline
-                else:
-                    group = GroupHandle(
-                        conn.peer, time.monotonic() + timeout, self._reap_inline, timeout
+        engine = self
+        conn, local, remotes = t.conn, t.local, t.remotes
+        mr = local.mr
+        n, opcode, rkey, lkey = t.nbytes, t.opcode, t.rkey, t.lkey
+        lo, _, ro = t.single  # type: ignore[misc]
+        lock = self._lock
+        ready = ConnState.READY
+        pack = WR_SLOT.pack_into
+        slots = min(RING_SLOTS, self.sq_depth)
+        clock = time.monotonic
+
+        def enqueue(sge_addr: int, remote_addr: int, timeout: float) -> TransferHandle | None:
+            with lock:
+                if engine._closed or conn.state is not ready:
+                    engine._check_open()
+                    conn.check_ready()
+                # Connection._remote is what Connection.remote_regions returns, and
+                # MemoryRegion.closed what Region.closed does: no property calls per
+                # message.  A READY connection is the one indexed under its peer: it
+                # becomes READY in the same locked step that indexes it (_adopt), only
+                # from CONNECTING, and leaves READY before it is dropped from the index.
+                if conn._remote is not remotes or mr.closed:
+                    return None
+                lane = next(conn.lane_cycle)  # Connection.pick_lane, inline
+                ring = lane.ring
+                if ring is None:
+                    ring = lane.ring = LaneRing(slots)
+                written = ring.written
+                cap = ring.capacity
+                if written - ring.released < cap:
+                    slot = written % cap
+                    chunk = ring.open
+                    if (
+                        chunk is not None
+                        and chunk.stop == slot
+                        and not chunk.posted
+                        and lane.window.last is chunk
+                    ):
+                        group = chunk.handle
+                        k = slot - chunk.start
+                        chunk.stop = slot + 1
+                        chunk.groups = k + 1
+                        regions = chunk.regions
+                        if regions[-1] is not local:  # type: ignore[index]
+                            regions.append(local)  # type: ignore[union-attr]
+                        # A member's deadline is its group's, the earliest of theirs.  A
+                        # message with no shorter timeout than the group's shortest,
+                        # queued later, has a later deadline: no clock reading for it.
+                        if timeout < group.timeout:
+                            group.timeout = timeout
+                            deadline = clock() + timeout
+                            if deadline < group.deadline:
+                                group.deadline = deadline
+                    else:
+                        chunk = engine._open_ring_chunk(lane, ring, slot, local, timeout)
+                        group = chunk.handle
+                        k = 0
+                    group.nbytes += n
+                    group.num_wrs += 1
+                    # SlotRing.write, inline (a call less per message): one unsignaled
+                    # RDMA WR of one SGE in the slot.
+                    pack(
+                        ring.wr_mem,
+                        slot * WR_BYTES,
+                        chunk.first_id + k,
+                        ring.links[slot],
+                        ring.sge_lists[slot],
+                        1,
+                        opcode,
+                        0,
+                        0,
+                        remote_addr,
+                        rkey,
+                        sge_addr,
+                        n,
+                        lkey,
                     )
-                    group.chunks_left = 1
-                    k = 0
-                    chunk = Chunk(ring.chain, slot, slot + 1, group, 1, self._next_wr)
-                    chunk.groups = 1
-                    chunk.regions = [local]
-                    chunk.ring = ring
-                    self._next_wr += cap
-                    ring.open = chunk
-                    self._handles.add(group)
-                    window.queue1(chunk)
-                    # A message that joins this chunk later needs no asking: the chunk
-                    # is then still queued and not taken, so whoever posts it (asked
-                    # here, or the poster at work now) posts the joined slots with it.
-                    if not window.poster and lane.qpn not in self._to_post:
-                        self._want_post(lane)  # (once asked, the poster takes it with the rest)
-                group.nbytes += n
-                group.num_wrs += 1
-                # SlotRing.write, inline (a call less per message): one unsignaled RDMA
-                # WR of one SGE in the slot.
-                WR_SLOT.pack_into(
-                    ring.wr_mem,
-                    slot * WR_BYTES,
-                    chunk.first_id + k,
-                    ring.links[slot],
-                    ring.sge_lists[slot],
-                    1,
-                    t.opcode,
-                    0,
-                    0,
-                    remote_addr,
-                    t.rkey,
-                    sge_addr,
-                    n,
-                    t.lkey,
-                )
-                ring.written = written + 1
-                self._slot_messages += 1
-        if full:
-            la, ra = sge_addr - t.single[0], remote_addr - t.single[2]  # type: ignore[index]
-            return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, False)
-        if self._wake_due:
-            self._wake()
-        return MemberHandle(group, k, n)
+                    ring.written = written + 1
+                    engine._slot_messages += 1
+                    handle = MemberHandle(group, k, n)
+                else:
+                    handle = None
+            if handle is None:  # every slot waits for its post: a chain of its own
+                built = engine._planner.rebuild(t, sge_addr - lo, remote_addr - ro)
+                return engine._queue1(conn, built, timeout, False)
+            if engine._wake_due:
+                engine._wake()
+            return handle
+
+        return enqueue
+
+    def _open_ring_chunk(
+        self, lane: Lane, ring: LaneRing, slot: int, local: Region, timeout: float
+    ) -> Chunk:
+        """A new open chunk of ``lane``'s ring starting at ``slot`` (lock held), tracked
+        as one :class:`GroupHandle`, which reserves a block of ``wr_id``s (one per slot
+        the chunk may grow to), so that whatever is queued after it on any lane has
+        higher ids; the poster is asked for unless it will take it anyway."""
+        cap = ring.capacity
+        group = GroupHandle(lane.conn.peer, time.monotonic() + timeout, self._reap_inline, timeout)
+        group.chunks_left = 1
+        chunk = Chunk(ring.chain, slot, slot + 1, group, 1, self._next_wr)
+        chunk.groups = 1
+        chunk.regions = [local]
+        chunk.ring = ring
+        self._next_wr += cap
+        ring.open = chunk
+        self._handles.add(group)
+        window = lane.window
+        window.queue1(chunk)
+        # A message that joins this chunk later needs no asking: the chunk is then still
+        # queued and not taken, so whoever posts it (asked here, or the poster at work
+        # now) posts the joined slots with it.
+        if not window.poster and lane.qpn not in self._to_post:
+            self._want_post(lane)  # (once asked, the poster takes it with the rest)
+        return chunk
 
     def _remember_ring(self, t: Template, remote: RemoteRegion | str) -> None:
         """Keep ``t`` (a template of two ranges, the peer's region named by ``remote``)
         for :meth:`put_async` or :meth:`get_async` of the same regions and sizes at any
         offsets."""
-        held = t.ring
-        if not held or held[0] != remote:
-            held[:] = [remote, self._ring_runner(t, remote)]
+        held = t.ring  # [enqueue, the remote argument, the runner]
+        if not held:
+            held.append(self._ring_enqueuer(t))
+        if len(held) < 3 or held[1] != remote:
+            held[1:] = [remote, self._ring_runner(t, remote, held[0])]
         if t.opcode == verbs.WR_RDMA_WRITE:
-            self._ring_put = held[1]
+            self._ring_put = held[2]
         else:
-            self._ring_get = held[1]
+            self._ring_get = held[2]
 
-    def _ring_runner(self, t: Template, remote_arg: RemoteRegion | str) -> _RingRun:
+    def _ring_runner(
+        self, t: Template, remote_arg: RemoteRegion | str, enqueue: _RingQueue
+    ) -> _RingRun:
         """``t`` (one WR, one SGE, two ranges) into a lane's ring, as one function of a
         call's arguments: the handle when the call has ``t``'s local region, peer and
         sizes and ``remote_arg``; None, with nothing queued, when it has not, or when
@@ -1513,7 +1545,7 @@ class Engine:
         or the timeout is not > 0, and the caller takes the general path, which checks
         everything again and raises what is wrong.  The checks are those of :meth:`_one`
         for a template and of :meth:`Planner.at_offsets`: the call's own ones here, the
-        template's in :meth:`_queue_ring`, under its lock."""
+        template's in ``enqueue`` (:meth:`_ring_enqueuer`), under its lock."""
         conn, local, peer = t.conn, t.local, t.conn.peer
         remote = t.remote
         size = t.nbytes
@@ -1522,7 +1554,6 @@ class Engine:
         llen, rlen = local.length - size, remote.length - size
         align = self._planner.alignment or 0
         ready = ConnState.READY
-        queue = self._queue_ring
         ranges = ContiguousDesc
 
         def run(
@@ -1542,11 +1573,10 @@ class Engine:
                     loff <= llen
                     and roff <= rlen
                     and not (align and (loff % align or roff % align))
-                    and conn.state is ready
+                    and conn.state is ready  # else the general path finds its successor
                     and timeout > 0
                 ):
-                    # The template's other checks are made under the lock there.
-                    return queue(t, lbase + loff, rbase + roff, timeout)
+                    return enqueue(lbase + loff, rbase + roff, timeout)
             return None
 
         return run
