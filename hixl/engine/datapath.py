@@ -121,8 +121,10 @@ class Template:
     # The engine's lent channel for repeating it blocking on the direct lane (made on
     # first use by Engine._on_lane; a holder, since the template is frozen).
     lane: list[Any] = field(default_factory=list)
-    # The engine's function that queues it into a lane's ring at given offsets (made on
-    # first use by Engine._remember_ring).
+    # The engine's functions for its lane's ring, made on first use: [the one that queues
+    # it at given addresses (Engine._ring_enqueuer), and, once put_async/get_async kept it
+    # (Engine._remember_ring), the peer's region as named by the call and the runner for
+    # calls of that form (Engine._ring_runner)].
     ring: list[Any] = field(default_factory=list)
 
 

@@ -1377,10 +1377,14 @@ class Engine:
         starts at ``sge_addr`` and its remote range at ``remote_addr``), written into the
         next slot of a lane's ring (:class:`~hixl.verbs.chain.SlotRing`) by ``t``'s
         enqueuing function (:meth:`_ring_enqueuer`, made on first use)."""
+        return self._enqueuer_of(t)(sge_addr, remote_addr, timeout)
+
+    def _enqueuer_of(self, t: Template) -> _RingQueue:
+        """``t``'s enqueuing function, kept first in ``t.ring`` (made on first use)."""
         held = t.ring
         if not held:
             held.append(self._ring_enqueuer(t))
-        return held[0](sge_addr, remote_addr, timeout)  # type: ignore[no-any-return]
+        return held[0]  # type: ignore[no-any-return]
 
     def _ring_enqueuer(self, t: Template) -> _RingQueue:
         """``t`` (one WR, one SGE) as a function ``(sge_addr, remote_addr, timeout)`` that
@@ -1525,11 +1529,10 @@ class Engine:
         """Keep ``t`` (a template of two ranges, the peer's region named by ``remote``)
         for :meth:`put_async` or :meth:`get_async` of the same regions and sizes at any
         offsets."""
+        enqueue = self._enqueuer_of(t)
         held = t.ring  # [enqueue, the remote argument, the runner]
-        if not held:
-            held.append(self._ring_enqueuer(t))
         if len(held) < 3 or held[1] != remote:
-            held[1:] = [remote, self._ring_runner(t, remote, held[0])]
+            held[1:] = [remote, self._ring_runner(t, remote, enqueue)]
         if t.opcode == verbs.WR_RDMA_WRITE:
             self._ring_put = held[2]
         else:
