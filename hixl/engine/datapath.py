@@ -486,16 +486,19 @@ class LaneRing(SlotRing):
     ``written`` slots were written so far and ``released`` of them went out (their post
     returned), so ``written - released`` slots are taken; slot ``written % capacity`` is
     the next.  ``open`` is the chunk the last message went into, which the next one
-    joins while the window lets it grow.  Engine lock.
+    joins while the window lets it grow; it holds the messages from ``open_at`` to
+    ``written``, and its end is set when it closes (``Engine._close_ring_chunk``).
+    Engine lock.
     """
 
-    __slots__ = ("open", "released", "written")
+    __slots__ = ("open", "open_at", "released", "written")
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.written = 0
         self.released = 0
         self.open: Chunk | None = None
+        self.open_at = 0
 
 
 class NotifySlots:

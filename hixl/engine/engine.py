@@ -410,8 +410,18 @@ class Engine:
                 posted_wrs=self._posted_wrs + self._direct_posts + self._lane_posts,
                 direct_posts=self._direct_posts + self._lane_posts,
                 lane_posts=self._lane_posts,
-                slot_messages=self._slot_messages,
+                slot_messages=self._slot_messages + self._open_messages(),
             )
+
+    def _open_messages(self) -> int:
+        """Messages in the rings' open chunks, not counted yet (lock held)."""
+        count = 0
+        for conn in self._conns.values():
+            for lane in conn.lanes:
+                ring = lane.ring
+                if ring is not None and ring.open is not None:
+                    count += ring.written - ring.open_at
+        return count
 
     def close(self) -> None:
         """Fail pending transfers, say goodbye to peers, release every resource.  Idempotent.
@@ -889,6 +899,10 @@ class Engine:
         self._fail_pending(conn, ConnectionFailed(f"connection to {conn.peer} failed: {reason}"))
 
     def _fail_pending(self, conn: Connection, error: HixlError) -> None:
+        for lane in conn.all_lanes:
+            ring = lane.ring
+            if ring is not None and ring.open is not None:
+                self._close_ring_chunk(ring)  # counted, and no message joins it now
         chunks = [c for lane in conn.all_lanes for c in lane.window.drain()]
         conn.held = 0
         for chunk in chunks:
@@ -1418,6 +1432,7 @@ class Engine:
         pack = WR_SLOT.pack_into
         slots = min(RING_SLOTS, self.sq_depth)
         clock = time.monotonic
+        new, member = object.__new__, MemberHandle
 
         def enqueue(sge_addr: int, remote_addr: int, timeout: float) -> TransferHandle | None:
             with lock:
@@ -1440,16 +1455,14 @@ class Engine:
                 if written - ring.released < cap:
                     slot = written % cap
                     chunk = ring.open
-                    if (
-                        chunk is not None
-                        and chunk.stop == slot
-                        and not chunk.posted
-                        and lane.window.last is chunk
-                    ):
+                    # The open chunk is closed before any of it is taken for posting
+                    # (_start_post) and when another opens, so only a wrap (slot 0: a
+                    # chunk is one range of the chain) or a chunk queued after it on the
+                    # lane ends the joining here.  Its end, signal groups and count are
+                    # set when it closes (_close_ring_chunk), not per message.
+                    if chunk is not None and slot and lane.window.last is chunk:
                         group = chunk.handle
-                        k = slot - chunk.start
-                        chunk.stop = slot + 1
-                        chunk.groups = k + 1
+                        k = written - ring.open_at
                         regions = chunk.regions
                         if regions[-1] is not local:  # type: ignore[index]
                             regions.append(local)  # type: ignore[union-attr]
@@ -1486,8 +1499,11 @@ class Engine:
                         lkey,
                     )
                     ring.written = written + 1
-                    engine._slot_messages += 1
-                    handle = MemberHandle(group, k, n)
+                    # MemberHandle(group, k, n), without a Python __init__ frame.
+                    handle = new(member)
+                    handle._group = group
+                    handle._index = k
+                    handle.nbytes = n
                 else:
                     handle = None
             if handle is None:  # every slot waits for its post: a chain of its own
@@ -1506,6 +1522,8 @@ class Engine:
         as one :class:`GroupHandle`, which reserves a block of ``wr_id``s (one per slot
         the chunk may grow to), so that whatever is queued after it on any lane has
         higher ids; the poster is asked for unless it will take it anyway."""
+        if ring.open is not None:
+            self._close_ring_chunk(ring)
         cap = ring.capacity
         group = GroupHandle(lane.conn.peer, time.monotonic() + timeout, self._reap_inline, timeout)
         group.chunks_left = 1
@@ -1515,6 +1533,7 @@ class Engine:
         chunk.ring = ring
         self._next_wr += cap
         ring.open = chunk
+        ring.open_at = ring.written
         self._handles.add(group)
         window = lane.window
         window.queue1(chunk)
@@ -1524,6 +1543,18 @@ class Engine:
         if not window.poster and lane.qpn not in self._to_post:
             self._want_post(lane)  # (once asked, the poster takes it with the rest)
         return chunk
+
+    def _close_ring_chunk(self, ring: LaneRing) -> None:
+        """End ``ring``'s open chunk where its last message went (lock held): its stop,
+        its signal groups (one per message) and the diagnostics' count, which its
+        messages do not update one by one.  No message joins it afterwards."""
+        chunk = ring.open
+        assert chunk is not None
+        size = ring.written - ring.open_at
+        chunk.stop = chunk.start + size
+        chunk.groups = size
+        self._slot_messages += size
+        ring.open = None
 
     def _remember_ring(self, t: Template, remote: RemoteRegion | str) -> None:
         """Keep ``t`` (a template of two ranges, the peer's region named by ``remote``)
@@ -1851,6 +1882,9 @@ class Engine:
             self._want_post(lane)
             return None
         chunk = window.head
+        ring = lane.ring
+        if ring is not None and ring.open is not None:
+            self._close_ring_chunk(ring)  # none of it is taken while it may still grow
         try:
             batch = lane.take_batch(self.sq_depth)
         except HixlError as exc:
@@ -1982,7 +2016,11 @@ class Engine:
         """
         if not now:
             self._driven_at = 0.0
-            self._progress.wake()
+            # A progress thread that is not sleeping arms the send CQ before it sleeps
+            # (Progress.step looks at _driven_at again after saying it sleeps): only a
+            # sleeping one needs the wake-up, a system call that wakes a thread.
+            if self._progress.sleeping:
+                self._progress.wake()
             return False
         self._driven_at = now
         if not self._lock.acquire(blocking=False):

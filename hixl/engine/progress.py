@@ -188,6 +188,15 @@ class Progress:
             self.sleeping = True  # from here, callers wake this thread for posting
             if engine._to_post:
                 timeout = 0.0
+            elif (
+                self.events
+                and not engine._driven_at
+                and self.send_cq not in self._armed
+                and engine._handles
+            ):
+                # A waiter went to sleep since the poll above left the send CQ unarmed;
+                # it did not wake this thread (Engine._reap_inline): arm the CQ now.
+                timeout = 0.0
             try:
                 events = self._selector.select(timeout=timeout)
             finally:
