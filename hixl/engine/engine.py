@@ -900,9 +900,7 @@ class Engine:
 
     def _fail_pending(self, conn: Connection, error: HixlError) -> None:
         for lane in conn.all_lanes:
-            ring = lane.ring
-            if ring is not None and ring.open is not None:
-                self._close_ring_chunk(ring)  # counted, and no message joins it now
+            self._close_ring_chunk(lane.ring)  # counted, and no message joins it now
         chunks = [c for lane in conn.all_lanes for c in lane.window.drain()]
         conn.held = 0
         for chunk in chunks:
@@ -1522,8 +1520,7 @@ class Engine:
         as one :class:`GroupHandle`, which reserves a block of ``wr_id``s (one per slot
         the chunk may grow to), so that whatever is queued after it on any lane has
         higher ids; the poster is asked for unless it will take it anyway."""
-        if ring.open is not None:
-            self._close_ring_chunk(ring)
+        self._close_ring_chunk(ring)
         cap = ring.capacity
         group = GroupHandle(lane.conn.peer, time.monotonic() + timeout, self._reap_inline, timeout)
         group.chunks_left = 1
@@ -1544,12 +1541,14 @@ class Engine:
             self._want_post(lane)  # (once asked, the poster takes it with the rest)
         return chunk
 
-    def _close_ring_chunk(self, ring: LaneRing) -> None:
-        """End ``ring``'s open chunk where its last message went (lock held): its stop,
-        its signal groups (one per message) and the diagnostics' count, which its
-        messages do not update one by one.  No message joins it afterwards."""
-        chunk = ring.open
-        assert chunk is not None
+    def _close_ring_chunk(self, ring: LaneRing | None) -> None:
+        """End ``ring``'s open chunk, if it has one, where its last message went (lock
+        held): its stop, its signal groups (one per message) and the diagnostics' count,
+        which its messages do not update one by one.  No message joins it afterwards."""
+        chunk = ring.open if ring is not None else None
+        if chunk is None:
+            return
+        assert ring is not None
         size = ring.written - ring.open_at
         chunk.stop = chunk.start + size
         chunk.groups = size
@@ -1882,9 +1881,7 @@ class Engine:
             self._want_post(lane)
             return None
         chunk = window.head
-        ring = lane.ring
-        if ring is not None and ring.open is not None:
-            self._close_ring_chunk(ring)  # none of it is taken while it may still grow
+        self._close_ring_chunk(lane.ring)  # none of it is taken while it may still grow
         try:
             batch = lane.take_batch(self.sq_depth)
         except HixlError as exc:
