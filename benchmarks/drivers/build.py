@@ -7,7 +7,8 @@ one contiguous remote range (256 WRs of 32 SGEs). For each, in one run:
 * ``plan``: ``plan_transfer`` from the descriptors (the engine caches it per layout);
 * ``build``: a new :class:`hixl.verbs.chain.SendChain` filled from the plan by numpy (C
   arrays of ``ibv_send_wr``/``ibv_sge``, no Python object per WR);
-* ``refill``: the same, into an existing chain's memory;
+* ``refill``: the same, into an existing chain's memory (what the engine does for a new
+  layout of a size it built before: it fills an earlier transfer's idle chain);
 * ``reuse``: what a repeated layout costs the engine -- only ``wr_id``s and signal flags
   rewritten (:meth:`SendChain.set_signals`, one signal per 64 WRs);
 * ``pyverbs``: building pyverbs ``SGE``/``SendWR`` objects for the same WRs, the data
@@ -15,6 +16,9 @@ one contiguous remote range (256 WRs of 32 SGEs). For each, in one run:
 
 Targets (issue 14): plan + build of each form within the wire time of 2 MiB at 100 Gb/s
 (168 us; moonshot 400 Gb/s, 42 us), and <= 20 ns per SGE for chains of >= 1000 SGEs.
+Both are reported: plan + build (a new chain: the engine's first layout of a size) and
+plan + refill (the engine's path for a new layout of a size it built before, which fills
+an earlier transfer's idle chain).
 
 With ``--device`` (a verbs device, e.g. in the VM), both forms are also sent by a
 blocking ``put`` between two engines on one device, alternating with ``ib_write_bw``
@@ -132,6 +136,7 @@ def measure(name: str, ld: Descriptor, rd: Descriptor, repeat: int) -> dict[str,
         "reuse_us": t_reuse,
         "pyverbs_us": t_pyverbs,
         "plan_build_us": t_plan + t_build,
+        "plan_refill_us": t_plan + t_refill,
         "build_ns_per_sge": t_build * 1e3 / plan.num_sges,
         "refill_ns_per_sge": t_refill * 1e3 / plan.num_sges,
     }
@@ -183,12 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = []
     for r in results:
         pb = r["plan_build_us"]
+        pr = r["plan_refill_us"]
         cached = r["build_us"]
         verdicts.append(
             {
                 "name": r["name"],
                 "plan_build_us": pb,
                 "plan_build_within_100g": pb <= WIRE_100G_US,
+                "plan_refill_us": pr,
+                "plan_refill_within_100g": pr <= WIRE_100G_US,
                 "build_within_100g": cached <= WIRE_100G_US,
                 "build_within_400g": cached <= WIRE_400G_US,
                 "reuse_within_400g": r["reuse_us"] <= WIRE_400G_US,
@@ -197,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{r['name']}: plan+build {fmt_us(pb)} ({pb / WIRE_100G_US:.2f}x the 100 Gb/s wire "
-            f"time); build alone (plan cached) {fmt_us(cached)} "
+            f"time; a chain of a new size), plan+refill {fmt_us(pr)} "
+            f"({pr / WIRE_100G_US:.2f}x; a new layout of a size built before: the engine "
+            f"fills an idle chain); build alone (plan cached) {fmt_us(cached)} "
             f"({cached / WIRE_100G_US:.2f}x); reuse {fmt_us(r['reuse_us'])} "
             f"({r['reuse_us'] / WIRE_400G_US:.2f}x the 400 Gb/s wire time); "
             f"{r['build_ns_per_sge']:.1f} ns/SGE"
@@ -232,6 +242,7 @@ def native_table(results: list[dict[str, Any]]) -> str:
                 fmt_us(r["build_us"]),
                 fmt_us(r["plan_build_us"]),
                 fmt_us(r["refill_us"]),
+                fmt_us(r.get("plan_refill_us")),
                 fmt_us(r["reuse_us"]),
                 f"{r['build_ns_per_sge']:.1f}",
                 fmt_us(r["pyverbs_us"]),
@@ -246,13 +257,14 @@ def native_table(results: list[dict[str, Any]]) -> str:
             "build",
             "plan + build",
             "refill",
+            "plan + refill",
             "reuse",
             "ns/SGE (build)",
             "pyverbs objects",
             "pyverbs / build",
         ],
         rows,
-        "llrrrrrrrr",
+        "llrrrrrrrrr",
     )
 
 
@@ -272,10 +284,13 @@ def markdown(data: dict[str, Any]) -> str:
             "",
             native_table(results),
             "",
-            "- build: a new chain's C memory allocated and filled by numpy; refill: into an "
-            "existing chain; reuse: what the engine does for a repeated layout (its pooled "
-            "chain's `wr_id`s and signals rewritten); pyverbs objects: the same WRs as "
-            "pyverbs `SGE`/`SendWR` objects, the data path before cffi.",
+            "- build: a new chain's C memory allocated and filled by numpy, what the engine "
+            "pays for the first layout of its size; refill: into an existing chain, what it "
+            "pays for a new layout of a size it built before (it fills the idle chain of an "
+            "earlier transfer, `Diagnostics.chains_refilled`); reuse: what it does for a "
+            "repeated layout (its pooled chain's `wr_id`s and signals rewritten); pyverbs "
+            "objects: the same WRs as pyverbs `SGE`/`SendWR` objects, the data path before "
+            "cffi.",
             "",
         ]
     wire = data.get("wire") or []

@@ -65,6 +65,8 @@ PLAN_CACHE = 512  # planned (descriptor pair, region sizes) kept per engine
 CHAIN_CACHE_WRS = 1 << 18  # WRs (x 128 bytes, plus SGEs) of idle built chains kept per engine
 CHAIN_WRS_PER_KEY = 4096  # WRs of idle chains kept for one layout (at least 4 chains)
 POSTED_BATCHES = 64  # posted batches whose chains wait to be pooled (older ones are dropped)
+SIZED_KEYS = 64  # layouts remembered per chain size for refilling (older ones are dropped)
+SIZED_SIZES = 256  # chain sizes indexed for refilling (the index starts over past this)
 
 
 def signal_interval(sq_depth: int) -> int:
@@ -143,6 +145,12 @@ class Planner:
         self._plans: dict[tuple[Any, ...], Plan] = {}
         self._chains: dict[tuple[Any, ...], list[Built]] = {}  # idle chains by layout
         self._chain_wrs = 0  # WRs held by idle chains (approximate: no lock)
+        # Layouts that were given idle chains, by the chains' (WR, SGE) capacity, newest
+        # last: a request of a new layout refills an idle chain of its size instead of
+        # allocating one (see _take_sized).  Entries may be stale (that pool emptied).
+        self._sized: dict[tuple[int, int], deque[tuple[Any, ...]]] = {}
+        self.chains_built = 0  # chains allocated for a plan (approximate: no lock)
+        self.chains_refilled = 0  # idle chains of another layout refilled for a plan
         # Chunks of posted batches whose chains are not pooled yet (see posted()).
         self._posted: deque[list[Chunk]] = deque(maxlen=POSTED_BATCHES)
 
@@ -217,14 +225,8 @@ class Planner:
                 regions=(t.local,),
             )
             return Built(chain, t.nbytes, t.key, (local_addr, remote_addr))
-        chain = SendChain.for_plan(
-            t.plan,
-            opcode=t.opcode,
-            local_addr=local_addr,
-            lkey=t.local.lkey,
-            remote_addr=remote_addr,
-            rkey=t.rkey,
-            regions=(t.local,),
+        chain = self._chain_for(
+            t.plan, t.opcode, local_addr, t.local.lkey, remote_addr, t.rkey, t.local
         )
         return Built(chain, t.nbytes, t.key, (local_addr, remote_addr))
 
@@ -268,16 +270,69 @@ class Planner:
                 la, ra = idle.bases
                 idle.chain.shift(local_addr - la, remote_addr - ra)
                 return Built(idle.chain, plan.nbytes, key, (local_addr, remote_addr))
-        chain = SendChain.for_plan(
-            plan,
-            opcode=opcode,
-            local_addr=local_addr,
-            lkey=local.lkey,
-            remote_addr=remote_addr,
-            rkey=remote.rkey,
-            regions=(local,),
+        chain = self._chain_for(
+            plan, opcode, local_addr, local.lkey, remote_addr, remote.rkey, local
         )
         return Built(chain, plan.nbytes, key, (local_addr, remote_addr))
+
+    def _chain_for(
+        self,
+        plan: Plan,
+        opcode: int,
+        local_addr: int,
+        lkey: int,
+        remote_addr: int,
+        rkey: int,
+        local: Region,
+    ) -> SendChain:
+        """``plan``'s chain when no idle chain of its layout is pooled: an idle chain of
+        another layout with as many WRs and SGEs, filled anew (no allocation: a fill into
+        memory in use costs well under half of a new chain's, see ``bench_build.py``), or
+        a new chain."""
+        kw: dict[str, Any] = {
+            "opcode": opcode,
+            "local_addr": local_addr,
+            "lkey": lkey,
+            "remote_addr": remote_addr,
+            "rkey": rkey,
+            "regions": (local,),
+        }
+        if plan.num_wrs > 1:
+            idle = self._take_sized((plan.num_wrs, plan.num_sges))
+            if idle is not None:
+                idle.chain.fill_plan(plan, **kw)
+                self.chains_refilled += 1
+                return idle.chain
+        self.chains_built += 1
+        return SendChain.for_plan(plan, **kw)
+
+    def _take_sized(self, size: tuple[int, int]) -> Built | None:
+        """An idle chain of capacity ``size`` (WRs, SGEs) of any layout, or None.  No
+        lock: each pop is atomic, and a layout whose pool emptied is skipped."""
+        keys = self._sized.get(size)
+        if not keys and self._posted:
+            self._reclaim()
+            keys = self._sized.get(size)
+        while keys:
+            try:
+                key = keys.pop()
+            except IndexError:  # another thread took the last one
+                return None
+            pool = self._chains.get(key)
+            if not pool:
+                continue
+            try:
+                idle = pool.pop()
+            except IndexError:
+                continue
+            if (idle.chain.capacity, idle.chain.sge_capacity) != size:
+                pool.append(idle)  # not this size after all: leave it to its layout
+                continue
+            if pool:
+                keys.append(key)  # more of this layout left
+            self._chain_wrs -= idle.chain.capacity
+            return idle
+        return None
 
     def _placed(
         self,
@@ -398,6 +453,7 @@ class Planner:
         capacity = chain.capacity
         if self._chain_wrs + capacity > CHAIN_CACHE_WRS:
             self._chains.clear()
+            self._sized.clear()
             self._chain_wrs = 0
         pool = self._chains.get(key)
         if pool is None:
@@ -405,6 +461,14 @@ class Planner:
         if len(pool) < max(4, CHAIN_WRS_PER_KEY // capacity):
             pool.append(built)
             self._chain_wrs += capacity
+            if capacity > 1:
+                size = (capacity, chain.sge_capacity)
+                keys = self._sized.get(size)
+                if keys is None:
+                    if len(self._sized) >= SIZED_SIZES:
+                        self._sized.clear()  # an index, not the pool: rebuilt as chains return
+                    keys = self._sized[size] = deque(maxlen=SIZED_KEYS)
+                keys.append(key)
 
     def _cached(
         self,

@@ -109,7 +109,11 @@ class Diagnostics:
     those of them that ran on a connection's direct lane.  ``slot_messages`` counts the
     asynchronous single requests written into a lane's ring of slots (see
     :meth:`Engine.put_async`); the messages queued together in one ring count as one
-    pending transfer until they complete.
+    pending transfer until they complete.  ``chains_built`` counts the work-request
+    chains allocated for a transfer's plan (not a single message's) and
+    ``chains_refilled`` the transfers of a new layout that took an idle chain of the
+    same size from an earlier transfer and filled it anew instead (a repeated layout
+    reuses its own chain and counts in neither).
     """
 
     progress_thread_id: int | None
@@ -126,6 +130,8 @@ class Diagnostics:
     direct_posts: int = 0
     lane_posts: int = 0
     slot_messages: int = 0
+    chains_built: int = 0
+    chains_refilled: int = 0
 
 
 class Engine:
@@ -411,6 +417,8 @@ class Engine:
                 direct_posts=self._direct_posts + self._lane_posts,
                 lane_posts=self._lane_posts,
                 slot_messages=self._slot_messages + self._open_messages(),
+                chains_built=self._planner.chains_built,
+                chains_refilled=self._planner.chains_refilled,
             )
 
     def _open_messages(self) -> int:

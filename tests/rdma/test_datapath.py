@@ -263,6 +263,39 @@ def test_one_layout_at_ever_new_offsets_moves_the_right_bytes(
 
 
 @pytest.mark.parametrize("op", ["write", "read"])
+def test_a_new_layout_of_a_known_size_refills_an_idle_chain_and_moves_its_bytes(
+    loose: tuple[Engine, Engine], op: str
+) -> None:
+    """Layouts of one size (as many WRs and SGEs) but of different shapes, one after the
+    other, as a paged KV cache's block lists are: the first allocates its chain, each
+    later one takes the idle chain of the one before and fills it anew
+    (``Diagnostics.chains_refilled``), and every transfer lands exactly its own bytes,
+    none of the layout whose chain it took."""
+    client, server = loose
+    n = 1 << 16
+    r, move, local_mem, remote_mem = _regions_for(op, client, server, n, seed=5)
+    src, dst = (local_mem, remote_mem) if op == "write" else (remote_mem, local_mem)
+    before = client.diagnostics()
+    # 64 rows of 48 B each time (64 WRs of one SGE), at three strides and offsets.
+    for k, (stride, lo, ro) in enumerate([(100, 0, 1000), (160, 3000, 0), (72, 50, 20000)]):
+        dst[:] = 0
+        ldesc = StridedDesc(offset=lo, count=64, size=48, stride=stride, alignment=None)
+        rdesc = StridedDesc(offset=ro, count=64, size=48, stride=stride + 8, alignment=None)
+        move(server.id, r, "mem", local_desc=ldesc, remote_desc=rdesc, timeout=30)
+        lrows = [(lo + stride * i, ro + (stride + 8) * i) for i in range(64)]
+        expect = np.zeros_like(dst)
+        for la, ra in lrows:
+            if op == "write":
+                expect[ra : ra + 48] = src[la : la + 48]
+            else:
+                expect[la : la + 48] = src[ra : ra + 48]
+        assert np.array_equal(dst, expect), f"layout {k} (stride {stride})"
+    after = client.diagnostics()
+    assert after.chains_built - before.chains_built == 1
+    assert after.chains_refilled - before.chains_refilled == 2
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
 def test_ranges_of_one_size_at_new_offsets_move_their_bytes_and_are_checked_each_time(
     pair: tuple[Engine, Engine], op: str
 ) -> None:
