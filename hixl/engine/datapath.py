@@ -307,7 +307,9 @@ class Planner:
         return SendChain.for_plan(plan, **kw)
 
     def _take_sized(self, size: tuple[int, int]) -> Built | None:
-        """An idle chain of capacity ``size`` (WRs, SGEs) of any layout, or None.  No
+        """An idle chain of capacity ``size`` (WRs, SGEs) of any layout, or None.  A
+        layout's chains all have its plan's size (``for_plan`` sizes a chain to its plan,
+        and a refill takes a chain of the same size), so the index holds layouts.  No
         lock: each pop is atomic, and a layout whose pool emptied is skipped."""
         keys = self._sized.get(size)
         if not keys and self._posted:
@@ -318,20 +320,11 @@ class Planner:
                 key = keys.pop()
             except IndexError:  # another thread took the last one
                 return None
-            pool = self._chains.get(key)
-            if not pool:
-                continue
-            try:
-                idle = pool.pop()
-            except IndexError:
-                continue
-            if (idle.chain.capacity, idle.chain.sge_capacity) != size:
-                pool.append(idle)  # not this size after all: leave it to its layout
-                continue
-            if pool:
-                keys.append(key)  # more of this layout left
-            self._chain_wrs -= idle.chain.capacity
-            return idle
+            idle = self._take_idle(key)
+            if idle is not None:
+                if self._chains.get(key):
+                    keys.append(key)  # more of this layout left
+                return idle
         return None
 
     def _placed(
