@@ -454,7 +454,9 @@ class Planner:
         if len(pool) < max(4, CHAIN_WRS_PER_KEY // capacity):
             pool.append(built)
             self._chain_wrs += capacity
-            if capacity > 1:
+            # Indexed when its pool gets its first idle chain, not on every return: a
+            # layout streamed over and over would fill its size's index with itself.
+            if capacity > 1 and len(pool) == 1:
                 size = (capacity, chain.sge_capacity)
                 keys = self._sized.get(size)
                 if keys is None:
