@@ -291,6 +291,72 @@ class Channel:
 
         return call
 
+    def repeat_runner(
+        self, opcode: int, lo: int, ro: int, n: int, remotes: tuple[RemoteRegion, ...]
+    ) -> Callable[[float], bool]:
+        """For a lent channel: the engine's blocking put (or get) of ``n`` bytes at fixed
+        offsets ``lo``/``ro``, as one function of the timeout, on a chain of its own
+        placed once.  True once it completed (its error raised); False, with nothing
+        posted, when it cannot run now (a region was closed or withdrawn -- ``remotes``
+        is the peer's region tuple the engine checked the call against --, the engine or
+        connection is closing or failed, a channel or another call has the lane, the
+        timeout is not > 0): the caller then takes the general path, which checks
+        everything again and raises what is wrong.
+
+        The checks of the engine's general path and of a lent call, in one frame: this is
+        the whole Python cost of a repeated blocking ``Engine.put`` before its post."""
+        assert self._lent
+        chain = self._chain(opcode, self.local, self.remote)
+        chain.place_one(self._lbase + lo, n, self._rbase + ro)
+        post = self._lane.qp.post_and_poll(chain, self._cq)
+        conn, eng, token = self._conn, self._engine, self._token
+        mr, conns, peer = self.local.mr, eng._conns, conn.peer
+        ready = ConnState.READY
+        what = "put" if opcode == verbs.WR_RDMA_WRITE else "get"
+
+        def run(timeout: float) -> bool:
+            if not timeout > 0:
+                return False
+            # Claim the lane and mark it busy first, as a channel's call does (see
+            # _hot_path), then check everything once: a close or drop that comes first is
+            # seen here, one that comes after waits for (or skips) the busy lane.
+            try:
+                token.pop()
+            except IndexError:
+                return False
+            conn.direct_busy = True
+            # Connection._remote is what Connection.remote_regions returns.
+            if (
+                conn.state is not ready
+                or conn._remote is not remotes
+                or mr.closed
+                or conn.channel is not None
+                or eng._closed
+                or conns.get(peer) is not conn
+            ):
+                self._end()
+                return False
+            try:
+                got = post(SPIN_POLLS)
+            except HixlError as exc:
+                self._post_refused(exc)
+                raise
+            except BaseException:
+                self._end(None, "a channel's post was interrupted")
+                raise
+            eng._lane_posts += 1  # after the post: nothing between the checks and it
+            if got is None:
+                got = self._wait(timeout, n, what)
+            if got[0] == 0:
+                conn.direct_busy = False
+                token.append(None)
+                if conn.held or conn.state is not ready:
+                    self._after()
+                return True
+            self._failed(got, what)
+
+        return run
+
     def _failed(self, got: tuple[int, int], what: str) -> NoReturn:
         """End a call whose completion carries an error status, and raise it."""
         conn = self._conn

@@ -297,7 +297,7 @@ class Engine:
         self._templates: dict[tuple[Any, ...], Template] = {}
         self._last_template: tuple[tuple[Any, ...], Template] | None = None
         # The last blocking put and get that ran on a direct lane, as (arguments, run):
-        # the same call again goes straight to ``run`` (see _lane_runner).
+        # the same call again goes straight to ``run`` (see Channel.repeat_runner).
         self._repeat_put: tuple[tuple[Any, ...], Callable[[float], bool]] | None = None
         self._repeat_get: tuple[tuple[Any, ...], Callable[[float], bool]] | None = None
         # The last asynchronous put and get of two ContiguousDesc that went into a lane's
@@ -1677,48 +1677,15 @@ class Engine:
         that :meth:`put` or :meth:`get` with the same arguments runs it again at once."""
         held = t.lane
         if len(held) < 2:
-            held.append(self._lane_runner(t, held[0]))
+            _, dlo, dro, n, ch = held[0]
+            held.append(
+                ch.repeat_runner(t.opcode, t.local_addr + dlo, t.remote_addr + dro, n, t.remotes)
+            )
         entry = (tkey[:1] + tkey[2:], held[1])
         if t.opcode == verbs.WR_RDMA_WRITE:
             self._repeat_put = entry
         else:
             self._repeat_get = entry
-
-    def _lane_runner(self, t: Template, lent: tuple[Any, ...]) -> Callable[[float], bool]:
-        """``t`` at its own offsets on the direct lane, as one function of the timeout:
-        True once it completed (its error raised); False, with nothing posted, when it
-        cannot run there now (the template is stale, a channel or another call has the
-        lane, the timeout is not > 0), and the caller takes the general path, which
-        checks everything again and raises what is wrong.  The checks are those
-        :meth:`_one` makes of a template before it uses the lane."""
-        call, dlo, dro, n = lent
-        lo, ro = t.local_addr + dlo, t.remote_addr + dro
-        conn, remotes, peer = t.conn, t.remotes, t.conn.peer
-        mr = t.local.mr  # what Region.closed reads
-        ready = ConnState.READY
-        conns = self._conns
-
-        def run(timeout: float) -> bool:
-            # Connection._remote is what Connection.remote_regions returns.
-            if not (
-                conn.state is ready
-                and conn._remote is remotes
-                and not mr.closed
-                and conns.get(peer) is conn
-                and timeout > 0
-                and not self._closed
-                and conn.channel is None
-            ):
-                return False
-            self._lane_posts += 1
-            try:
-                call(lo, ro, n, timeout=timeout)
-            except LaneBusy:
-                self._lane_posts -= 1
-                return False
-            return True
-
-        return run
 
     def _on_lane(self, t: Template, la: int, ra: int, timeout: float) -> bool:
         """A blocking request of one WR and one SGE (``t`` placed at ``la``/``ra``) run on
@@ -1732,8 +1699,8 @@ class Engine:
             ch = Channel(self, t.conn, t.local, t.remote, lent=True)
             lo, n, ro = t.single  # type: ignore[misc]
             call = ch._put if t.opcode == verbs.WR_RDMA_WRITE else ch._get
-            held.append((call, lo - t.local.addr, ro - t.remote.addr, n))
-        call, dlo, dro, n = held[0]
+            held.append((call, lo - t.local.addr, ro - t.remote.addr, n, ch))
+        call, dlo, dro, n, _ = held[0]
         # Counted as it starts, as a direct post is (without the lock: approximate when
         # several threads put at once); taken back if the lane was not free.
         self._lane_posts += 1
