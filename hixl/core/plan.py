@@ -168,6 +168,9 @@ class Plan:
     sge_local_offset: I64Array
     sge_length: I64Array
     nbytes: int = field(init=False)
+    # (shortest, longest) SGE length, when known: set by the planners that know it from
+    # their descriptors, else found on first use (see sge_length_range).
+    _length_range: tuple[int, int] | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in (
@@ -201,6 +204,20 @@ class Plan:
                 f"by SGE lengths"
             )
         object.__setattr__(self, "nbytes", total)
+        object.__setattr__(self, "_length_range", None)
+
+    @property
+    def sge_length_range(self) -> tuple[int, int]:
+        """The shortest and longest SGE length, ``(0, 0)`` for a plan without SGEs: known
+        from the descriptors for a layer's rows, else found once and kept (the arrays are
+        read-only).  What a chain's fill checks against the 32-bit length field, and
+        whether it writes one length for all."""
+        known = self._length_range
+        if known is None:
+            ln = self.sge_length
+            known = (int(ln.min()), int(ln.max())) if ln.size else (0, 0)
+            object.__setattr__(self, "_length_range", known)
+        return known
 
     @property
     def num_wrs(self) -> int:
@@ -258,6 +275,7 @@ class Plan:
         sge_local_offset: I64Array,
         sge_length: I64Array,
         nbytes: int,
+        length_range: tuple[int, int] | None = None,
     ) -> Plan:
         """A plan from int64 arrays the planner just made for it and holds nowhere else
         (consistent by construction): made read-only in place, not copied or checked."""
@@ -275,6 +293,7 @@ class Plan:
             arr.setflags(write=False)
             put(plan, name, arr)
         put(plan, "nbytes", nbytes)
+        put(plan, "_length_range", length_range)
         return plan
 
     def __repr__(self) -> str:
@@ -507,7 +526,9 @@ def _plan_strided_rows(
     if rs < 0:  # remote order: the last row first
         ro, lo = ro[::-1], lo[::-1]
     ln = np.full(n, size, dtype=np.int64)
-    return Plan._fresh(op, limits, ro, ln, np.arange(n + 1, dtype=np.int64), lo, ln, n * size)
+    return Plan._fresh(
+        op, limits, ro, ln, np.arange(n + 1, dtype=np.int64), lo, ln, n * size, (size, size)
+    )
 
 
 def _plan_rows_into_range(
@@ -537,7 +558,7 @@ def _plan_rows_into_range(
     wr_len = np.diff(start) * np.int64(size)
     ro += np.int64(remote.offset)
     ln = np.full(n, size, dtype=np.int64)
-    return Plan._fresh(op, limits, ro, wr_len, start, lo, ln, n * size)
+    return Plan._fresh(op, limits, ro, wr_len, start, lo, ln, n * size, (size, size))
 
 
 def plan_transfer(

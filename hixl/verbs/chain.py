@@ -337,7 +337,8 @@ class SendChain:
                 f"chain arrays disagree: {n} WRs, {start.size} sge_start entries (want {n + 1}, "
                 f"from 0 to {m}), {m} SGE addresses, {slen.size} SGE lengths"
             )
-        self._write(opcode, raddr, 0, rkey, start, False, saddr, 0, slen, lkey, regions)
+        lengths = (int(slen.min()), int(slen.max())) if m else (0, 0)
+        self._write(opcode, raddr, 0, rkey, start, False, saddr, 0, slen, lengths, lkey, regions)
 
     def fill_plan(
         self,
@@ -363,6 +364,7 @@ class SendChain:
             plan.sge_local_offset,
             local_addr,
             plan.sge_length,
+            plan.sge_length_range,
             lkey,
             regions,
         )
@@ -378,11 +380,13 @@ class SendChain:
         saddr: npt.NDArray[Any],
         sbase: int,
         slen: npt.NDArray[Any],
+        lengths: tuple[int, int],
         lkey: int,
         regions: tuple[Any, ...],
     ) -> None:
         """:meth:`fill` with the addresses as offsets from ``rbase``/``sbase`` and
-        ``start`` consistent with them; ``one_each``: WR ``i`` has SGE ``i`` alone."""
+        ``start`` consistent with them; ``one_each``: WR ``i`` has SGE ``i`` alone;
+        ``lengths``: the shortest and longest of ``slen``."""
         n, m = int(raddr.size), int(saddr.size)
         if n < 1:
             raise DescriptorError("a chain needs at least one work request, got 0")
@@ -391,10 +395,10 @@ class SendChain:
                 f"chain too small: {n} WRs and {m} SGEs into capacity={self.capacity} "
                 f"sge_capacity={self.sge_capacity}"
             )
-        if m and (int(slen.max()) > _MAX_SGE_LEN or int(slen.min()) < 0):
+        shortest, longest = lengths
+        if longest > _MAX_SGE_LEN or shortest < 0:
             raise DescriptorError(
-                f"SGE lengths must lie in 0..{_MAX_SGE_LEN}, got {int(slen.min())}.."
-                f"{int(slen.max())}"
+                f"SGE lengths must lie in 0..{_MAX_SGE_LEN}, got {shortest}..{longest}"
             )
         if not (0 <= rkey <= 0xFFFF_FFFF and 0 <= lkey <= 0xFFFF_FFFF):
             raise DescriptorError(f"keys must be 32-bit: rkey={rkey:#x} lkey={lkey:#x}")
@@ -439,8 +443,11 @@ class SendChain:
         rdma_words[:n] = pair.view(_PAIR).reshape(n)
         s = sq[:m]
         np.add(saddr, sbase, out=s[:, 0], casting="unsafe")
-        np.copyto(s[:, 1], slen, casting="unsafe")
-        s[:, 1] |= np.uint64(lkey << 32)
+        if shortest == longest:  # one length (a layer's rows): one store per SGE, no read
+            s[:, 1] = shortest | lkey << 32
+        else:
+            np.copyto(s[:, 1], slen, casting="unsafe")
+            s[:, 1] |= np.uint64(lkey << 32)
         q[n - 1, 1] = 0
         self.num_wrs, self.num_sges = n, m
         self.regions = regions

@@ -205,6 +205,7 @@ def test_bytes_conserved_and_limits_hold(
     # WR lengths are the sums of their SGEs.
     sums = np.add.reduceat(plan.sge_length, plan.wr_sge_start[:-1])
     assert np.array_equal(sums, plan.wr_length)
+    assert plan.sge_length_range == (int(plan.sge_length.min()), int(plan.sge_length.max()))
 
 
 @PROPS
@@ -355,6 +356,9 @@ def test_row_descriptors_plan_as_their_segments_do(
     except DescriptorError as exc:
         got = str(exc)
     assert got == want
+    if isinstance(got, Plan):  # the range these planners state is the arrays' own
+        lengths = got.sge_length
+        assert got.sge_length_range == (int(lengths.min()), int(lengths.max()))
 
 
 # --------------------------------------------------------------------------- invalid input
