@@ -273,11 +273,8 @@ class Channel:
                     self._refuse()
             try:
                 got = post(SPIN_POLLS)
-            except HixlError as exc:
-                self._post_refused(exc)
-                raise
-            except BaseException:
-                self._end(None, "a channel's post was interrupted")
+            except BaseException as exc:
+                self._post_raised(exc)
                 raise
             if got is None:
                 got = self._wait(timeout, n, what)
@@ -304,7 +301,9 @@ class Channel:
         everything again and raises what is wrong.
 
         The checks of the engine's general path and of a lent call, in one frame: this is
-        the whole Python cost of a repeated blocking ``Engine.put`` before its post."""
+        the whole Python cost of a repeated blocking ``Engine.put`` before its post.  Its
+        post and its end are written out as in :meth:`_hot_path`'s call, not called from a
+        shared helper: a Python call there costs the round trip it is on."""
         assert self._lent
         chain = self._chain(opcode, self.local, self.remote)
         chain.place_one(self._lbase + lo, n, self._rbase + ro)
@@ -338,11 +337,8 @@ class Channel:
                 return False
             try:
                 got = post(SPIN_POLLS)
-            except HixlError as exc:
-                self._post_refused(exc)
-                raise
-            except BaseException:
-                self._end(None, "a channel's post was interrupted")
+            except BaseException as exc:
+                self._post_raised(exc)
                 raise
             eng._lane_posts += 1  # after the post: nothing between the checks and it
             if got is None:
@@ -367,6 +363,15 @@ class Channel:
         err = CompletionError(f"{what} to {self.peer}", status, name, 1, got[1])
         self._end(err, f"completion error {name}")
         raise err
+
+    def _post_raised(self, exc: BaseException) -> None:
+        """End a call whose post (or its first polls) raised ``exc``, which the caller
+        then re-raises: see :meth:`_post_refused` for an error of the provider's; anything
+        else (an interrupt) fails the connection, whose request may be out."""
+        if isinstance(exc, HixlError):
+            self._post_refused(exc)
+        else:
+            self._end(None, "a channel's post was interrupted")
 
     def _post_refused(self, exc: HixlError) -> None:
         """End a call whose post the provider refused; raises ConnectionFailed when the
