@@ -122,8 +122,17 @@ _WR_SIZE = WR_DTYPE.itemsize
 _SGE_SIZE = SGE_DTYPE.itemsize
 #: Two adjacent 64-bit words copied as raw bytes (:meth:`SendChain.fill`).
 _PAIR = np.dtype((np.void, 16))
-_SG_PAIR_AT = 16  # sg_list, then num_sge and opcode (checked below)
+_LINK_PAIR_AT = 8  # next, then sg_list (checked below)
+_SG_PAIR_AT = 16  # sg_list, then num_sge and opcode
 _RDMA_PAIR_AT = 40  # wr.rdma.remote_addr, then wr.rdma.rkey
+_RADDR_WORD = _RDMA_PAIR_AT // 8
+_RKEY_WORD = _RADDR_WORD + 1
+#: One whole ``struct ibv_send_wr`` as raw bytes (:meth:`SendChain._format`).
+_RECORD = np.dtype((np.void, _WR_SIZE))
+#: :attr:`SendChain._flags` when no WR has a flag set (the empty signal pattern).
+_NO_FLAGS = (0, 0, 1)
+#: cffi's allocator without the memset: for memory whose every byte is written next.
+_UNCLEARED = ffi.new_allocator(should_clear_after_alloc=False)
 
 
 class SendChain:
@@ -141,7 +150,7 @@ class SendChain:
     """
 
     __slots__ = (
-        "_flags_for",
+        "_flags",
         "_dirty",
         "_group_cache",
         "_head0",
@@ -155,6 +164,8 @@ class SendChain:
         "_one_each",
         "_one_each_op",
         "_pair_views",
+        "_rkey",
+        "_rkey_n",
         "_wr_q",
         "_wr_raddr",
         "_wrs",
@@ -174,10 +185,21 @@ class SendChain:
                 f"a chain needs room for >= 1 WR and >= 1 SGE, got capacity={capacity} "
                 f"sge_capacity={sge_capacity}"
             )
+        self._make(capacity, sge_capacity, ffi.new)  # zeroed
+        if capacity > 1:
+            # Every WR links to the next once and for all; only the terminator moves.
+            links = self._words()[0][:, 1]
+            first = self.wr_base + _WR_SIZE
+            links[:] = np.arange(first, first + capacity * _WR_SIZE, _WR_SIZE, dtype=np.uint64)
+            links[-1] = 0
+
+    def _make(self, capacity: int, sge_capacity: int, new: Any) -> None:
+        """Allocate the C memory with ``new`` (cffi's, zeroed, or :data:`_UNCLEARED`) and
+        set the bookkeeping; nothing is linked yet."""
         self.capacity = capacity
         self.sge_capacity = sge_capacity
-        self._wr_mem = ffi.new("struct ibv_send_wr[]", capacity)  # zeroed
-        self._sge_mem = ffi.new("struct ibv_sge[]", sge_capacity)
+        self._wr_mem = new("struct ibv_send_wr[]", capacity)
+        self._sge_mem = new("struct ibv_sge[]", sge_capacity)
         self.head = ffi.cast("struct ibv_send_wr *", self._wr_mem)  # memory owned by _wr_mem
         self._head0 = self.head[0]
         self._rdma0 = self._head0.wr.rdma
@@ -202,17 +224,20 @@ class SendChain:
         # since): fill() clears only the WRs below.  Every method here that writes them
         # raises it to past the last WR it wrote.
         self._dirty = 0
-        if capacity > 1:
-            # Every WR links to the next once and for all; only the terminator moves.
-            links = self._words()[0][:, 1]
-            first = self.wr_base + _WR_SIZE
-            links[:] = np.arange(first, first + capacity * _WR_SIZE, _WR_SIZE, dtype=np.uint64)
-            links[-1] = 0
+        # Word 6 (wr.rdma.rkey and the padding after it) of WRs 0 .. _rkey_n-1 holds _rkey:
+        # a fill with that key writes only the remote addresses.  Whatever else writes the
+        # key resets _rkey_n to 0.
+        self._rkey_n = 0
+        self._rkey = 0
         self.num_wrs = 0
         self.num_sges = 0
         self.regions: tuple[Any, ...] = ()
         self._group_cache: tuple[int, int, npt.NDArray[np.uint64]] | None = None
-        self._flags_for: tuple[int, int, int] | None = None  # (start, stop, every) flags hold
+        # None, or (start, stop, every): every WR's send_flags and imm_data are 0 but the
+        # signaled WRs of that set_signals pattern (_NO_FLAGS: none).  A fill then clears
+        # only those, and set_signals writes only its signaled WRs.  The memory is zeroed
+        # or formatted right after this.
+        self._flags: tuple[int, int, int] | None = _NO_FLAGS
 
     @classmethod
     def single(
@@ -407,7 +432,6 @@ class SendChain:
         if old and old != n:
             q[old - 1, 1] = self.wr_address(old) if old < self.capacity else 0
         self.num_wrs = self.num_sges = 0  # half-written: not postable until the end
-        self._flags_for = None
         # Two strided passes over the WRs (one cache line per WR each, whatever the width
         # written), each storing two adjacent 64-bit words from a small contiguous array:
         # words 2-3 (sg_list; num_sge | opcode << 32) and words 5-6 (wr.rdma.remote_addr;
@@ -419,8 +443,16 @@ class SendChain:
         if dirty:
             w = q[:dirty]
             w[:, 0] = 0
-            w[:, 4] = 0
+            marks = self._flags
+            if marks is None:
+                w[:, 4] = 0
+            elif marks != _NO_FLAGS:  # only the signaled WRs of a known pattern
+                first, stop, every = marks
+                flagged = q[first:stop, 4]
+                flagged[every - 1 :: every] = 0
+                flagged[-1] = 0
             self._dirty = 0
+            self._flags = _NO_FLAGS
         sg_words, rdma_words = self._pairs()
         pair = np.empty((n, 2), dtype=np.uint64)
         op_word = (opcode & 0xFFFF_FFFF) << 32
@@ -438,9 +470,14 @@ class SendChain:
             pair[:, 1] = op_word | 1
             sg_words[:n] = pair.view(_PAIR).reshape(n)
             self._one_each, self._one_each_op = n, op_word
-        np.add(raddr, rbase, out=pair[:, 0], casting="unsafe")
-        pair[:, 1] = rkey
-        rdma_words[:n] = pair.view(_PAIR).reshape(n)
+        if self._rkey == rkey and self._rkey_n >= n:  # the keys are in place
+            np.add(raddr, rbase, out=q[:n, _RADDR_WORD], casting="unsafe")
+        else:
+            np.add(raddr, rbase, out=pair[:, 0], casting="unsafe")
+            pair[:, 1] = rkey
+            rdma_words[:n] = pair.view(_PAIR).reshape(n)
+            self._rkey_n = max(self._rkey_n, n) if self._rkey == rkey else n
+            self._rkey = rkey
         s = sq[:m]
         np.add(saddr, sbase, out=s[:, 0], casting="unsafe")
         if shortest == longest:  # one length (a layer's rows): one store per SGE, no read
@@ -453,11 +490,67 @@ class SendChain:
         self.regions = regions
 
     @classmethod
-    def for_plan(cls, plan: Any, **kwargs: Any) -> SendChain:
-        """A new chain sized for ``plan`` and filled from it (see :meth:`fill_plan`)."""
-        chain = cls(max(plan.num_wrs, 1), max(plan.num_sges, 1))
-        chain.fill_plan(plan, **kwargs)
+    def for_plan(
+        cls,
+        plan: Any,
+        *,
+        opcode: int,
+        local_addr: int,
+        lkey: int,
+        remote_addr: int,
+        rkey: int,
+        regions: tuple[Any, ...] = (),
+    ) -> SendChain:
+        """A new chain sized for ``plan`` and filled from it (see :meth:`fill_plan`).
+
+        It reads exactly as ``SendChain(plan.num_wrs, plan.num_sges)`` filled by
+        :meth:`fill_plan`, but its memory is written once instead of zeroed first: see
+        :meth:`_format`."""
+        chain = cls.__new__(cls)
+        chain._make(max(plan.num_wrs, 1), max(plan.num_sges, 1), _UNCLEARED)
+        chain._format(opcode, rkey, plan.num_sges == plan.num_wrs)
+        chain.fill_plan(
+            plan,
+            opcode=opcode,
+            local_addr=local_addr,
+            lkey=lkey,
+            remote_addr=remote_addr,
+            rkey=rkey,
+            regions=regions,
+        )
         return chain
+
+    def _format(self, opcode: int, rkey: int, one_each: bool) -> None:
+        """Write every byte of every WR of memory fresh from :data:`_UNCLEARED`, in two
+        passes: one contiguous store of a prototype WR (zeros; ``rkey``; and, when
+        ``one_each``, one SGE and ``opcode``), then the words that differ per WR --
+        ``next`` and, when ``one_each``, ``sg_list = &sges[i]``.  What a fill then writes
+        besides is the remote addresses and the SGEs.  ``__init__``'s path (a memset,
+        then the links, then the fill's passes) walks the memory three times more.  The
+        SGE memory is left as it came: a fill writes the SGEs it uses."""
+        cap = self.capacity
+        one_each = one_each and self.sge_capacity >= cap
+        op_word = (opcode & 0xFFFF_FFFF) << 32
+        rkey &= 0xFFFF_FFFF  # a bad key is refused by the fill that follows
+        proto = np.zeros(_WR_SIZE // 8, np.uint64)
+        proto[_RKEY_WORD] = rkey
+        if one_each:
+            proto[_SG_PAIR_AT // 8 + 1] = op_word | 1
+        buf = ffi.buffer(self._wr_mem)
+        np.frombuffer(buf, _RECORD)[:] = proto.view(_RECORD)[0]
+        pair = np.empty((cap, 2), np.uint64)
+        first = self.wr_base + _WR_SIZE
+        pair[:, 0] = np.arange(first, first + cap * _WR_SIZE, _WR_SIZE, dtype=np.uint64)
+        pair[-1, 0] = 0
+        if one_each:
+            sb = self.sge_base
+            pair[:, 1] = np.arange(sb, sb + cap * _SGE_SIZE, _SGE_SIZE, dtype=np.uint64)
+            self._one_each, self._one_each_op = cap, op_word
+        else:
+            pair[:, 1] = 0
+        links = np.ndarray((cap,), _PAIR, buf, _LINK_PAIR_AT, (_WR_SIZE,))
+        links[:] = pair.view(_PAIR).reshape(cap)
+        self._rkey_n, self._rkey = cap, rkey
 
     def shift(self, local_by: int, remote_by: int) -> None:
         """Move every SGE address by ``local_by`` and every remote address by ``remote_by``
@@ -496,11 +589,13 @@ class SendChain:
         m = stop - start
         if first_id < 0 or first_id + (m - 1) // every > 0xFFFF_FFFF_FFFF_FFFF:
             raise ArgumentError(f"wr_id {first_id} does not fit 64 bits for {m} WRs")
-        self._dirty = max(self._dirty, stop)
+        dirty = self._dirty
+        self._dirty = max(dirty, stop)
+        marks = self._flags
         if m == 1:  # a single WR (notifications): no arrays needed
             w1 = self.head[start]
             w1.wr_id, w1.send_flags = first_id, SEND_SIGNALED
-            self._flags_for = None
+            self._flags = (start, stop, 1) if marks in (_NO_FLAGS, (start, stop, 1)) else None
             return 1
         cache = self._group_cache
         if cache is None or cache[0] != m or cache[1] != every:
@@ -508,12 +603,19 @@ class SendChain:
             self._group_cache = cache
         w = self._views()[0][start:stop]
         np.add(cache[2], np.uint64(first_id), out=w["wr_id"])
-        if self._flags_for != (start, stop, every):  # a reused chain keeps its flags
+        if marks != (start, stop, every):  # a reused chain keeps its flags
             flags = w["send_flags"]
-            flags[:] = 0
+            if marks != _NO_FLAGS:
+                flags[:] = 0
             flags[every - 1 :: every] = SEND_SIGNALED
             flags[m - 1] = SEND_SIGNALED
-            self._flags_for = (start, stop, every)
+            # Known everywhere only when no WR outside the range can hold a flag.
+            known = (
+                marks == _NO_FLAGS
+                or (start == 0 and stop >= dirty)
+                or (marks is not None and start <= marks[0] and marks[1] <= stop)
+            )
+            self._flags = (start, stop, every) if known else None
         return (m + every - 1) // every
 
     def signal_one(self, wr_id: int) -> None:
@@ -523,7 +625,7 @@ class SendChain:
         w = self._head0
         w.wr_id = wr_id
         w.send_flags = SEND_SIGNALED
-        self._flags_for = None
+        self._flags = (0, 1, 1) if self._flags in (_NO_FLAGS, (0, 1, 1)) else None
         self._dirty = max(self._dirty, 1)
 
     def place_one(self, local_addr: int, nbytes: int, remote_addr: int) -> None:
@@ -550,7 +652,7 @@ class SendChain:
         if not 0 <= index < self.num_wrs:
             raise ArgumentError(f"unsignal: WR {index} outside the chain's 0..{self.num_wrs}")
         self.head[index].send_flags &= ~SEND_SIGNALED
-        self._flags_for = None
+        self._flags = None
         self._dirty = max(self._dirty, index + 1)
 
     def signal(self, index: int) -> None:
@@ -558,7 +660,7 @@ class SendChain:
         if not 0 <= index < self.num_wrs:
             raise ArgumentError(f"signal: WR {index} outside the chain's 0..{self.num_wrs}")
         self.head[index].send_flags |= SEND_SIGNALED
-        self._flags_for = None
+        self._flags = None
         self._dirty = max(self._dirty, index + 1)
 
     def fence(self, index: int) -> None:
@@ -569,7 +671,7 @@ class SendChain:
         if not 0 <= index < self.num_wrs:
             raise ArgumentError(f"fence: WR {index} outside the chain's 0..{self.num_wrs}")
         self.head[index].send_flags |= SEND_FENCE
-        self._flags_for = None
+        self._flags = None
         self._dirty = max(self._dirty, index + 1)
 
     def check_regions(self) -> None:
@@ -619,6 +721,7 @@ if not (
     and ffi.offsetof("struct ibv_send_wr", "qp_type") + 4 <= SLOT_SGE_OFFSET
     and SLOT_SGE_OFFSET + _SGE_SIZE <= _WR_SIZE
     and SLOT_SGE_OFFSET % 8 == 0
+    and _WR_FIELDS["next"][1] == _LINK_PAIR_AT
     and _WR_FIELDS["sg_list"][1] == _SG_PAIR_AT
     and _WR_FIELDS["remote_addr"][1] == _RDMA_PAIR_AT
 ):  # pragma: no cover - a libibverbs ABI change
@@ -676,6 +779,8 @@ class SlotRing:
         self.sge_lists = [int(x) for x in wrs["sg_list"]]
         self.wr_mem = memoryview(ffi.buffer(chain._wr_mem))
         chain._dirty = capacity  # the slots' wr_ids are written here, not by the chain
+        chain._one_each = chain._rkey_n = 0  # and their sg_lists and keys
+        chain._flags = None
 
     def write(
         self,

@@ -18,7 +18,7 @@ from hixl.core.descriptors import ContiguousDesc, StridedDesc
 from hixl.core.plan import DeviceLimits, Op, Plan, plan_transfer
 from hixl.errors import ArgumentError, DescriptorError, RegistrationError
 from hixl.verbs._ffi import address, ffi
-from hixl.verbs.chain import SEND_SIGNALED, SendChain
+from hixl.verbs.chain import SEND_FENCE, SEND_SIGNALED, WR_BYTES, SendChain
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -211,27 +211,131 @@ def test_refill_with_another_plan_reuses_the_memory(a: Plan, b: Plan) -> None:
 @PROPS
 @given(
     steps=st.lists(
-        st.tuples(plans(), st.sampled_from([0, 4]), st.booleans()), min_size=2, max_size=5
-    )
+        st.tuples(plans(), st.sampled_from([0, 4]), st.booleans(), st.sampled_from([8, 9])),
+        min_size=2,
+        max_size=5,
+    ),
+    made_for=st.booleans(),
 )
 def test_any_sequence_of_refills_reads_as_a_fresh_chain(
-    steps: list[tuple[Plan, int, bool]],
+    steps: list[tuple[Plan, int, bool, int]], made_for: bool
 ) -> None:
-    """Whatever a chain held before (other plans, opcodes, signals), a fill leaves it
-    reading exactly as a new chain filled the same way: every field, every link."""
-    chain = SendChain(max(p.num_wrs for p, _, _ in steps), max(p.num_sges for p, _, _ in steps))
-    for plan, opcode, signal in steps:
-        kw: dict[str, Any] = {
-            "opcode": opcode,
-            "local_addr": LADDR,
-            "lkey": 9,
-            "remote_addr": RADDR,
-            "rkey": 8,
-        }
+    """Whatever a chain held before (other plans, opcodes, keys, signals), a fill leaves it
+    reading exactly as a new chain filled the same way: every field, every link; whether
+    the chain was made empty or for its first plan."""
+    kws: list[dict[str, Any]] = [
+        {"opcode": opcode, "local_addr": LADDR, "lkey": 9, "remote_addr": RADDR, "rkey": rkey}
+        for _, opcode, _, rkey in steps
+    ]
+    plans_ = [plan for plan, _, _, _ in steps]
+    if made_for:  # sized for the largest plan, made for it
+        big = max(range(len(plans_)), key=lambda i: (plans_[i].num_wrs, plans_[i].num_sges))
+        chain = SendChain.for_plan(plans_[big], **kws[big])
+        if any(p.num_sges > chain.sge_capacity for p in plans_):
+            chain = SendChain(chain.capacity, max(p.num_sges for p in plans_))
+    else:
+        chain = SendChain(max(p.num_wrs for p in plans_), max(p.num_sges for p in plans_))
+    for (plan, _, signal, _), kw in zip(steps, kws, strict=True):
         chain.fill_plan(plan, **kw)
         assert walk(chain) == walk(SendChain.for_plan(plan, **kw))
         if signal:
             chain.set_signals(5, 2)
+
+
+def rows(count: int) -> Plan:
+    """A plan of ``count`` WRs of one 8-byte SGE each (a layer's rows)."""
+    desc = StridedDesc(offset=0, count=count, size=8, stride=16, alignment=None)
+    return plan_transfer(desc, desc, Op.WRITE, DeviceLimits())
+
+
+@PROPS
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=3), data=st.data())
+def test_ids_and_flags_follow_any_sequence_of_fills_and_signals(
+    sizes: list[int], data: st.DataObject
+) -> None:
+    """Fills, signal patterns (whole chain or a range), and single WRs signaled,
+    unsignaled or fenced, in any order: after each step every WR's ``wr_id`` and flags
+    are what the calls say (a model), the WRs a shorter fill hid included."""
+    chain = SendChain.for_plan(
+        rows(max(sizes)), opcode=0, local_addr=LADDR, lkey=1, remote_addr=RADDR, rkey=2
+    )
+    model = [(0, 0)] * chain.capacity  # (wr_id, flags) of every WR the chain has room for
+    n = chain.num_wrs
+    for _ in range(data.draw(st.integers(1, 12))):
+        step = data.draw(st.sampled_from(["fill", "signals", "range", "one", "flag"]))
+        if step == "fill":
+            n = data.draw(st.sampled_from(sizes))
+            chain.fill_plan(rows(n), opcode=0, local_addr=LADDR, lkey=1, remote_addr=RADDR, rkey=2)
+            model[:n] = [(0, 0)] * n
+        elif step in ("signals", "range", "one"):
+            start, stop = 0, n
+            if step == "range":
+                start = data.draw(st.integers(0, n - 1))
+                stop = data.draw(st.integers(start + 1, n))
+            elif step == "one":
+                start = data.draw(st.integers(0, n - 1))
+                stop = start + 1
+            every = data.draw(st.integers(1, 9))
+            first = data.draw(st.integers(0, 1000))
+            chain.set_signals(first, every, start, stop)
+            for i in range(start, stop):
+                k = i - start
+                last = (k + 1) % every == 0 or i == stop - 1
+                model[i] = (first + k // every, SEND_SIGNALED if last else 0)
+        else:
+            i = data.draw(st.integers(0, n - 1))
+            how = data.draw(st.sampled_from(["signal", "unsignal", "fence"]))
+            wr_id, flags = model[i]
+            if how == "signal":
+                chain.signal(i)
+                flags |= SEND_SIGNALED
+            elif how == "unsignal":
+                chain.unsignal(i)
+                flags &= ~SEND_SIGNALED
+            else:
+                chain.fence(i)
+                flags |= SEND_FENCE
+            model[i] = (wr_id, flags)
+        assert [(g["wr_id"], g["flags"]) for g in walk(chain)] == model[:n]
+
+
+def wr_words(chain: SendChain) -> np.ndarray:
+    """Every byte of the chain's filled WRs as 64-bit words, read through ``head``, with
+    the pointers (``next``, ``sg_list``) made relative to the chain's own arrays."""
+    n = chain.num_wrs
+    words = np.frombuffer(ffi.buffer(chain.head, n * WR_BYTES), np.uint64).reshape(n, -1).copy()
+    for col, base in ((1, chain.wr_base), (2, chain.sge_base)):
+        nonzero = words[:, col] != 0
+        words[nonzero, col] -= np.uint64(base)
+    return words
+
+
+@PROPS
+@given(
+    plan=plans(),
+    lkey=st.integers(0, 2**32 - 1),
+    rkey=st.integers(0, 2**32 - 1),
+    opcode=st.sampled_from([0, 4]),
+)
+def test_a_chain_made_for_a_plan_is_byte_for_byte_an_empty_chain_filled(
+    plan: Plan, lkey: int, rkey: int, opcode: int
+) -> None:
+    """``for_plan`` writes its memory once instead of zeroing it first: every byte of
+    every WR (the unions hixl does not use included) and of every SGE is what a zeroed
+    chain filled from the same plan holds."""
+    kw: dict[str, Any] = {
+        "opcode": opcode,
+        "local_addr": LADDR,
+        "lkey": lkey,
+        "remote_addr": RADDR,
+        "rkey": rkey,
+    }
+    made = SendChain.for_plan(plan, **kw)
+    filled = SendChain(made.capacity, made.sge_capacity)
+    filled.fill_plan(plan, **kw)
+    assert np.array_equal(wr_words(made), wr_words(filled))
+    assert made.sges.tobytes() == filled.sges.tobytes()
+    assert wr_words(made)[-1, 1] == 0  # the last WR ends the chain
 
 
 def test_numpy_views_alias_the_c_memory() -> None:
