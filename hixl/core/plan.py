@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -277,8 +278,9 @@ class Plan:
         nbytes: int,
         length_range: tuple[int, int] | None = None,
     ) -> Plan:
-        """A plan from int64 arrays the planner just made for it and holds nowhere else
-        (consistent by construction): made read-only in place, not copied or checked."""
+        """A plan from int64 arrays the planner just made for it and holds nowhere else,
+        or read-only ones it shares (:func:`_counting`, :func:`_constant`); consistent by
+        construction: made read-only in place, not copied or checked."""
         plan = object.__new__(cls)
         put = object.__setattr__
         put(plan, "op", op)
@@ -500,6 +502,24 @@ def _plan_separate_blocks(
     return Plan(op, limits, ro, ln, np.arange(n + 1, dtype=np.int64), lo, ln)
 
 
+@functools.lru_cache(maxsize=16)
+def _counting(n: int) -> I64Array:
+    """``0, 1, .., n`` as a read-only int64 array, shared by every plan of ``n`` WRs of
+    one SGE each (their ``wr_sge_start``): made once per count."""
+    out = np.arange(n + 1, dtype=np.int64)
+    out.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _constant(n: int, value: int) -> I64Array:
+    """``n`` times ``value`` as a read-only int64 array, shared by every plan of ``n``
+    rows of ``value`` bytes (their lengths): made once per shape."""
+    out = np.full(n, value, dtype=np.int64)
+    out.setflags(write=False)
+    return out
+
+
 def _row_offsets(n: int, offset: int, stride: int) -> I64Array:
     """``offset + i * stride`` for ``i < n``, as int64 (one pass)."""
     if stride == 0:
@@ -522,13 +542,12 @@ def _plan_strided_rows(
     if abs(rs) <= size or (op is Op.READ and abs(ls) < size):
         return None
     ro = _row_offsets(n, remote.offset, rs)
-    lo = _row_offsets(n, local.offset, ls)
+    # The same rows on both sides (one cache layout on both engines): one array for both.
+    lo = ro if (local.offset, ls) == (remote.offset, rs) else _row_offsets(n, local.offset, ls)
     if rs < 0:  # remote order: the last row first
         ro, lo = ro[::-1], lo[::-1]
-    ln = np.full(n, size, dtype=np.int64)
-    return Plan._fresh(
-        op, limits, ro, ln, np.arange(n + 1, dtype=np.int64), lo, ln, n * size, (size, size)
-    )
+    ln = _constant(n, size)
+    return Plan._fresh(op, limits, ro, ln, _counting(n), lo, ln, n * size, (size, size))
 
 
 def _plan_rows_into_range(
@@ -557,8 +576,9 @@ def _plan_rows_into_range(
     ro = start[:-1] * np.int64(size)
     wr_len = np.diff(start) * np.int64(size)
     ro += np.int64(remote.offset)
-    ln = np.full(n, size, dtype=np.int64)
-    return Plan._fresh(op, limits, ro, wr_len, start, lo, ln, n * size, (size, size))
+    return Plan._fresh(
+        op, limits, ro, wr_len, start, lo, _constant(n, size), n * size, (size, size)
+    )
 
 
 def plan_transfer(

@@ -314,7 +314,8 @@ def test_strided_against_contiguous(
     st.integers(1, 16),
     st.integers(-40, 40),
     st.integers(-40, 40),
-    st.sampled_from(["strided", "contiguous"]),
+    st.sampled_from(["strided", "same", "contiguous"]),
+    st.integers(0, 3),
     limits_st,
     st.sampled_from([Op.WRITE, Op.READ]),
 )
@@ -324,17 +325,18 @@ def test_row_descriptors_plan_as_their_segments_do(
     lstride: int,
     rstride: int,
     remote_kind: str,
+    moved: int,
     limits: DeviceLimits,
     op: Op,
 ) -> None:
-    """A :class:`StridedDesc` beside another or a :class:`ContiguousDesc` (one KV layer,
-    or its rows gathered into one range) is planned from the descriptors' numbers; the
-    plan, or the error, is the one the general planner gives for the same bytes as
-    :class:`Segments`."""
+    """A :class:`StridedDesc` beside another (the same rows included) or a
+    :class:`ContiguousDesc` (one KV layer, or its rows gathered into one range) is
+    planned from the descriptors' numbers; the plan, or the error, is the one the
+    general planner gives for the same bytes as :class:`Segments`."""
 
-    def rows(stride: int) -> StridedDesc:  # the lowest row at offset 0 or above
+    def rows(stride: int, moved: int = 0) -> StridedDesc:  # the lowest row at moved or above
         return StridedDesc(
-            offset=max(0, -(count - 1) * stride),
+            offset=max(0, -(count - 1) * stride) + moved,
             count=count,
             size=size,
             stride=stride,
@@ -345,6 +347,8 @@ def test_row_descriptors_plan_as_their_segments_do(
     remote: StridedDesc | ContiguousDesc
     if remote_kind == "strided":
         remote = rows(rstride)
+    elif remote_kind == "same":  # the same rows on both sides, or moved by a few bytes
+        remote = rows(lstride, moved)
     else:
         remote = ContiguousDesc(offset=3, nbytes=count * size, alignment=None)
     try:
