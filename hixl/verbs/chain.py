@@ -436,9 +436,11 @@ class SendChain:
         # written), each storing two adjacent 64-bit words from a small contiguous array:
         # words 2-3 (sg_list; num_sge | opcode << 32) and words 5-6 (wr.rdma.remote_addr;
         # wr.rdma.rkey and the union's padding after it).  Words 0 (wr_id) and 4
-        # (send_flags | imm_data) only when a signal was set since the last fill, words
-        # 2-3 not when they hold one SGE per WR for this opcode already.  An SGE is two
-        # words: addr, length | lkey << 32.  The offsets are checked at import.
+        # (send_flags | imm_data) only when a signal was set since the last fill (word 4
+        # only at the signaled WRs when the flags are a known pattern), words 2-3 not when
+        # they hold one SGE per WR for this opcode already, word 6 not when every WR
+        # holds the key already.  An SGE is two words: addr, length | lkey << 32.  The
+        # offsets are checked at import.
         dirty = self._dirty
         if dirty:
             w = q[:dirty]
@@ -525,9 +527,10 @@ class SendChain:
         passes: one contiguous store of a prototype WR (zeros; ``rkey``; and, when
         ``one_each``, one SGE and ``opcode``), then the words that differ per WR --
         ``next`` and, when ``one_each``, ``sg_list = &sges[i]``.  What a fill then writes
-        besides is the remote addresses and the SGEs.  ``__init__``'s path (a memset,
-        then the links, then the fill's passes) walks the memory three times more.  The
-        SGE memory is left as it came: a fill writes the SGEs it uses."""
+        besides is the remote addresses (one column) and the SGEs: three passes over the
+        WRs, where ``__init__``'s path and a first fill make four (a memset, the links,
+        the two pairs).  The SGE memory is left as it came: a fill writes the SGEs it
+        uses."""
         cap = self.capacity
         one_each = one_each and self.sge_capacity >= cap
         op_word = (opcode & 0xFFFF_FFFF) << 32

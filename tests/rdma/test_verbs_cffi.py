@@ -369,7 +369,10 @@ def test_other_threads_run_during_a_long_post_and_a_blocking_wait(dev: ibv.Devic
         f"during a {wait_s * 1e3:.0f} ms wait {during_wait:.0f}/s"
     )
     assert np.array_equal(dst, src)
-    assert during_wait > 0.5 * idle
+    # With the GIL held through the wait the counter would not count at all.  Its share
+    # otherwise moves with the host's load: 0.44 of the idle rate in one CI run under
+    # emulation (2026-12-05), so the bound is set well below that and well above zero.
+    assert during_wait > 0.25 * idle
     if post_s > 0.05:  # too short a post says nothing about the GIL
         assert during_post > 0.2 * idle
 
