@@ -76,18 +76,6 @@ def cases(rows: int, size: int, stride: int) -> list[tuple[str, Descriptor, Desc
     ]
 
 
-def timed(fn: Callable[[], object], repeat: int, warmup: int = 3) -> float:
-    """Median wall time of ``fn`` in microseconds."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e6)
-    return median_of(out)
-
-
 def timed_after(
     before: Callable[[], object], fn: Callable[[], object], repeat: int, warmup: int = 3
 ) -> float:
@@ -103,6 +91,11 @@ def timed_after(
         fn()
         out.append((time.perf_counter() - t0) * 1e6)
     return median_of(out)
+
+
+def timed(fn: Callable[[], object], repeat: int, warmup: int = 3) -> float:
+    """Median wall time of ``fn`` in microseconds."""
+    return timed_after(lambda: None, fn, repeat, warmup)
 
 
 def _pyverbs(plan: Plan) -> Callable[[], object] | None:

@@ -85,6 +85,15 @@ def plans(draw: st.DrawFn) -> Plan:
     return plan_transfer(local, remote, op, limits)
 
 
+#: A plan and the keys and opcode to fill a chain from it with.
+FILLS = given(
+    plan=plans(),
+    lkey=st.integers(0, 2**32 - 1),
+    rkey=st.integers(0, 2**32 - 1),
+    opcode=st.sampled_from([0, 4]),
+)
+
+
 def expected(plan: Plan, lkey: int, rkey: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
     out = []
     for roff, sges in plan.wrs():
@@ -93,12 +102,7 @@ def expected(plan: Plan, lkey: int, rkey: int) -> list[tuple[int, int, list[tupl
 
 
 @PROPS
-@given(
-    plan=plans(),
-    lkey=st.integers(0, 2**32 - 1),
-    rkey=st.integers(0, 2**32 - 1),
-    opcode=st.sampled_from([0, 4]),
-)
+@FILLS
 def test_filled_chain_equals_the_plan(plan: Plan, lkey: int, rkey: int, opcode: int) -> None:
     chain = SendChain.for_plan(
         plan, opcode=opcode, local_addr=LADDR, lkey=lkey, remote_addr=RADDR, rkey=rkey
@@ -311,12 +315,7 @@ def wr_words(chain: SendChain) -> np.ndarray:
 
 
 @PROPS
-@given(
-    plan=plans(),
-    lkey=st.integers(0, 2**32 - 1),
-    rkey=st.integers(0, 2**32 - 1),
-    opcode=st.sampled_from([0, 4]),
-)
+@FILLS
 def test_a_chain_made_for_a_plan_is_byte_for_byte_an_empty_chain_filled(
     plan: Plan, lkey: int, rkey: int, opcode: int
 ) -> None:
