@@ -159,10 +159,11 @@ class Engine:
     ``lanes`` is how many queue pairs a connection sends its work over (as many as both
     ends allow); ``direct_lane`` makes each connection one more, with a completion queue of
     its own, for a :meth:`channel` (connected when the peer made as many queue pairs).
-    ``gil_switch_interval`` (seconds) lowers the interpreter's GIL switch interval
-    (:func:`sys.setswitchinterval`, 5 ms by default) for the whole process when it is
-    longer, so the thread that posts and reaps gets the GIL back soon after a system
-    call while the application thread runs Python; None leaves it alone.
+    ``gil_switch_interval`` (seconds) is for an application that asks for it: it lowers
+    the interpreter's GIL switch interval (:func:`sys.setswitchinterval`, 5 ms by
+    default) for the whole process when that is longer, so the thread that posts and
+    reaps gets the GIL back sooner while the application thread runs Python.  The
+    default, None, leaves the process's interval alone.
 
     Without a token any client that reaches the port learns the rkeys of
     every remotely accessible region; an engine listening on an address
@@ -200,7 +201,7 @@ class Engine:
         max_notifications_per_peer: int = 1024,
         max_notifications: int = 16384,
         completion_events: bool = True,
-        gil_switch_interval: float | None = 0.0005,
+        gil_switch_interval: float | None = None,
         name: str | None = None,
         registry: str | Registry | None = None,
         role: str = "engine",
