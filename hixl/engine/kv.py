@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,6 +38,7 @@ import numpy as np
 
 from hixl.core import wire
 from hixl.core.kvblocks import (
+    I64Array,
     KVGeometry,
     TensorGeometry,
     block_ids,
@@ -56,7 +57,7 @@ from hixl.verbs.chain import SendChain
 if TYPE_CHECKING:
     from hixl.engine.connection import Connection
 
-__all__ = ["KV_PREFIX", "BlocksHandle", "KVBlocks", "KVCache", "KVHost"]
+__all__ = ["KV_PREFIX", "BlocksHandle", "KVBlocks", "KVCache", "KVHost", "build_request"]
 
 log = logging.getLogger("hixl.kv")
 
@@ -527,23 +528,8 @@ class KVBlocks:
         conn = host.connection(peer)
         conn.check_ready()
         rkv = self._remote_cache(conn, peer, _name(remote_name), timeout)
-        pairs = pair_tensors(kv.geometry, rkv.geometry, tensors, heads, remote_heads)
-        lgeo, rgeo = kv.geometry.tensors, rkv.geometry.tensors
-        lnum = min(lgeo[i].num_blocks for i, _, _ in pairs)
-        rnum = min(rgeo[i].num_blocks for i, _, _ in pairs)
-        lids = block_ids("local_blocks", local_blocks, lnum)
-        rids = block_ids("remote_blocks", remote_blocks, rnum)
-        if lids.size != rids.size:
-            raise DescriptorError(
-                f"local_blocks has {lids.size} ids and remote_blocks {rids.size}: they pair"
-            )
-        if op is Op.WRITE:
-            check_unique("remote_blocks", rids)
-        else:
-            check_unique("local_blocks", lids)
-        need = wire.REMOTE_WRITE if op is Op.WRITE else wire.REMOTE_READ
         for r in rkv.regions:
-            if not r.access & need:
+            if not r.access & (wire.REMOTE_WRITE if op is Op.WRITE else wire.REMOTE_READ):
                 verb = "writable" if op is Op.WRITE else "readable"
                 raise RegistrationError(
                     f"peer {peer}'s KV cache {remote_name!r}: region {r.name!r} is not "
@@ -551,32 +537,26 @@ class KVBlocks:
                 )
         if op is Op.READ and not all(r.access & Access.LOCAL_WRITE for r in kv.regions):
             raise RegistrationError(f"{kv!r}: get_blocks needs LOCAL_WRITE access")
-        lregs, rregs = kv.regions, rkv.regions
-        items = []
-        for i, lp, rp in pairs:
-            lt, rt = lgeo[i], rgeo[i]
-            lr, rr = lregs[lt.region], rregs[rt.region]
-            items.append((lp, rp, lr.addr + lt.offset, rr.addr + rt.offset, lr.lkey, rr.rkey))
-        plan = plan_request(items, lids, rids, op, host.limits)
-        key = ("kv", _pow2(plan.num_wrs), _pow2(plan.num_sges))
-        chain = host._idle_chain(key)
-        if chain is None:
-            chain = SendChain(key[1], key[2])
-        chain.fill_keyed(
-            opcode=verbs.WR_RDMA_WRITE if op is Op.WRITE else verbs.WR_RDMA_READ,
-            remote_addr=plan.wr_remote,
-            rkeys=plan.wr_key,
-            sge_start=plan.sge_start,
-            sge_addr=plan.sge_addr,
-            sge_length=plan.sge_length,
-            lkeys=plan.sge_key,
-            lengths=plan.lengths,
-            regions=lregs,
+        req = build_request(
+            op,
+            kv.geometry,
+            [(r.addr, r.lkey) for r in kv.regions],
+            rkv.geometry,
+            [(r.addr, r.rkey) for r in rkv.regions],
+            local_blocks,
+            remote_blocks,
+            tensors=tensors,
+            heads=heads,
+            remote_heads=remote_heads,
+            limits=host.limits,
+            idle=host._idle_chain,
+            regions=kv.regions,
         )
+        chain, nbytes, key, lids, rids = req
         inner = host._queue_chain(
             conn,
             chain,
-            plan.nbytes,
+            nbytes,
             key,
             notify,
             notify_message,
@@ -585,3 +565,53 @@ class KVBlocks:
             now,
         )
         return BlocksHandle(inner, notify, lids.tolist(), rids.tolist())
+
+
+def build_request(
+    op: Op,
+    local: KVGeometry,
+    local_regions: Sequence[tuple[int, int]],
+    remote: KVGeometry,
+    remote_regions: Sequence[tuple[int, int]],
+    local_blocks: object,
+    remote_blocks: object,
+    *,
+    tensors: Sequence[int] | range | None,
+    heads: tuple[int, int] | None,
+    remote_heads: tuple[int, int] | None,
+    limits: DeviceLimits,
+    idle: Callable[[tuple[Any, ...]], SendChain | None] = lambda key: None,
+    regions: tuple[Any, ...] = (),
+) -> tuple[SendChain, int, tuple[Any, ...], I64Array, I64Array]:
+    """The checks, the plan and the chain of one request (no I/O): what a ``put_blocks``
+    costs before the engine queues it.  ``local_regions``/``remote_regions`` are each
+    region's ``(address, key)``; ``idle`` returns a pooled chain for a size key.  Returns
+    the chain, its bytes, its pool key and the two block id arrays.  Raises
+    :class:`DescriptorError` before anything is built."""
+    pairs = pair_tensors(local, remote, tensors, heads, remote_heads)
+    lgeo, rgeo = local.tensors, remote.tensors
+    lnum = min(lgeo[i].num_blocks for i, _, _ in pairs)
+    rnum = min(rgeo[i].num_blocks for i, _, _ in pairs)
+    lids = block_ids("local_blocks", local_blocks, lnum)
+    rids = block_ids("remote_blocks", remote_blocks, rnum)
+    if lids.size != rids.size:
+        raise DescriptorError(
+            f"local_blocks has {lids.size} ids and remote_blocks {rids.size}: they pair"
+        )
+    check_unique(
+        "remote_blocks" if op is Op.WRITE else "local_blocks", rids if op is Op.WRITE else lids
+    )
+    items = []
+    for i, lp, rp in pairs:
+        lt, rt = lgeo[i], rgeo[i]
+        la, lkey = local_regions[lt.region]
+        ra, rkey = remote_regions[rt.region]
+        items.append((lp, rp, la + lt.offset, ra + rt.offset, lkey, rkey))
+    plan = plan_request(items, lids, rids, op, limits)
+    key = ("kv", _pow2(plan.num_wrs), _pow2(plan.num_sges))
+    opcode = verbs.WR_RDMA_WRITE if op is Op.WRITE else verbs.WR_RDMA_READ
+    chain = idle(key)
+    if chain is None:
+        chain = SendChain.blank(key[1], key[2], opcode)
+    chain.fill_tiles(opcode, plan.tiles, regions)
+    return chain, plan.nbytes, key, lids, rids
