@@ -567,6 +567,42 @@ class KVBlocks:
         return BlocksHandle(inner, notify, lids.tolist(), rids.tolist())
 
 
+#: Pairings of two caches' tensors, by the caches' identities and the selection (a cache
+#: of immutable values: an entry is used only for the very geometry objects it holds).
+_PAIRS: dict[tuple[Any, ...], tuple[KVGeometry, KVGeometry, list[Any]]] = {}
+_PAIRS_MAX = 256
+
+
+def _paired(
+    local: KVGeometry,
+    remote: KVGeometry,
+    tensors: Sequence[int] | range | None,
+    heads: tuple[int, int] | None,
+    remote_heads: tuple[int, int] | None,
+) -> list[Any]:
+    """:func:`pair_tensors`, remembered for a repeated selection between two caches."""
+    try:
+        chosen = None if tensors is None else tuple(tensors)
+        key = (
+            id(local),
+            id(remote),
+            chosen,
+            None if heads is None else tuple(heads),
+            None if remote_heads is None else tuple(remote_heads),
+        )
+        hash(key)
+    except TypeError:
+        return pair_tensors(local, remote, tensors, heads, remote_heads)
+    known = _PAIRS.get(key)
+    if known is not None and known[0] is local and known[1] is remote:
+        return known[2]
+    pairs = pair_tensors(local, remote, tensors, heads, remote_heads)
+    if len(_PAIRS) >= _PAIRS_MAX:
+        _PAIRS.clear()
+    _PAIRS[key] = (local, remote, pairs)
+    return pairs
+
+
 def build_request(
     op: Op,
     local: KVGeometry,
@@ -588,7 +624,7 @@ def build_request(
     region's ``(address, key)``; ``idle`` returns a pooled chain for a size key.  Returns
     the chain, its bytes, its pool key and the two block id arrays.  Raises
     :class:`DescriptorError` before anything is built."""
-    pairs = pair_tensors(local, remote, tensors, heads, remote_heads)
+    pairs = _paired(local, remote, tensors, heads, remote_heads)
     lgeo, rgeo = local.tensors, remote.tensors
     lnum = min(lgeo[i].num_blocks for i, _, _ in pairs)
     rnum = min(rgeo[i].num_blocks for i, _, _ in pairs)
