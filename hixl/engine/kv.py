@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -306,12 +307,27 @@ class BlocksHandle(TransferHandle):
         return self._inner.done()
 
     def wait(self, timeout: float | None = None) -> None:
-        """As :meth:`TransferHandle.wait`; a failure raises :attr:`error`."""
-        try:
-            self._inner.wait(timeout)
-        except HixlError:
-            if self._inner.status is TransferStatus.PENDING:
-                raise  # this wait's own timeout: the transfer goes on
+        """As :meth:`TransferHandle.wait`; a failure raises :attr:`error`.
+
+        Without a ``timeout`` this returns or raises only once the transfer is final: a
+        transfer past its deadline is failed by the engine, which first moves the
+        connection's queue pairs to the error state, so no write of it lands after its
+        :class:`TransferTimeout` is raised here.  (A plain handle's waiter gives up on
+        its own a second after the deadline, whether or not the engine has done so.)
+        """
+        inner = self._inner
+        while True:
+            try:
+                if timeout is not None:
+                    inner.wait(timeout)
+                else:
+                    inner.wait(max(0.05, inner.deadline - time.monotonic() + 0.05))
+            except HixlError:
+                if inner.status is TransferStatus.PENDING:
+                    if timeout is not None:
+                        raise  # this wait's own timeout: the transfer goes on
+                    continue  # past the deadline: the engine fails it (progress thread)
+            break
         err = self.error
         if err is not None:
             raise err

@@ -116,6 +116,14 @@ def test_head_ranges_both_splits(engines: tuple[Engine, Engine]) -> None:
     assert dst_full[dids][:, :, 6:8].tobytes() == part[sids].tobytes()
     assert not dst_full[dids][:, :, :6].any()
     assert not dst_full[rest].any()
+    # and a READ of a head range: heads 6..7 of the 8-head cache into the 2-head one
+    before = part.copy()
+    prefill.get_blocks(
+        decode.id, kv_part, "dfull", [20, 21], [dids[0], dids[1]], remote_heads=(6, 8)
+    )
+    assert part[[20, 21]].tobytes() == dst_full[dids[:2]][:, :, 6:8].tobytes()
+    others = [j for j in range(NB) if j not in (20, 21)]
+    assert part[others].tobytes() == before[others].tobytes()
 
 
 def test_torch_separate_k_v_tensors_bf16_and_a_layer_subset(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -96,4 +97,21 @@ def test_a_failed_handle_names_the_request_and_its_blocks() -> None:
     assert err.request == "req-7"  # type: ignore[attr-defined]
     assert err.remote_blocks == [8, 9]  # type: ignore[attr-defined]
     assert h.error is err and h.done()
+    assert h.status.value == "failed"
+
+
+def test_a_blocking_wait_returns_only_once_the_engine_has_failed_the_transfer() -> None:
+    """Past its deadline (and its waiter's grace), a blocks handle still waits for the
+    engine to fail the transfer (which stops its queue pairs first) before raising."""
+    inner = TransferHandle("peer-1", 4096, 2, time.monotonic() - 5)
+    h = BlocksHandle(inner, "req-8", [1], [2])
+    engine_error = TransferTimeout("transfer to peer-1 did not complete within its deadline")
+    timer = threading.Timer(0.3, inner.finish, args=(engine_error,))
+    timer.start()
+    try:
+        with pytest.raises(TransferTimeout) as info:
+            h.wait()
+    finally:
+        timer.cancel()
+    assert info.value.__cause__ is engine_error
     assert h.status.value == "failed"
