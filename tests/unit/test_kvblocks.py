@@ -19,7 +19,7 @@ from hixl.core.kvblocks import (
 )
 from hixl.core.plan import DeviceLimits, Op
 from hixl.errors import DescriptorError
-from hixl.verbs.chain import SendChain
+from hixl.verbs.chain import WR_DTYPE, SendChain
 
 Arr = np.ndarray[Any, Any]
 
@@ -145,6 +145,9 @@ def test_request_plan_moves_exactly_the_blocks(case: tuple[Any, ...]) -> None:
     chain.set_signals(5, 2)  # a pooled chain was signalled for its last transfer
     chain.fill_tiles(7, plan.tiles)
     assert not chain.wrs["wr_id"].any() and not chain.wrs["send_flags"].any()
+    links = chain.wrs["next"].astype(np.int64)
+    assert links[-1] == 0
+    assert (links[:-1] == chain.wr_base + WR_DTYPE.itemsize * np.arange(1, plan.num_wrs)).all()
     wrs, sges = chain.wrs, chain.sges
     assert wrs.size == plan.num_wrs and sges.size == plan.num_sges
     assert (wrs["remote_addr"] == wr_remote.astype(np.uint64)).all()
