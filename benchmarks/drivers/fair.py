@@ -75,6 +75,36 @@ RD_PER_QP = 16  # the reads in flight hixl's queue pairs ask for (QueuePair.conn
 LAYER_ROWS, LAYER_BYTES, LAYER_STRIDE = 8192, 256, 320
 LAYER_POST_LIST = 64
 MARK = "FAIR-JSON "
+DEFAULT_ROW = "hixl (GIL interval as the process has it)"
+FIRST_LAYER = "hixl layer put, first in a fresh process (plan + build included)"
+LAT_ROW = "hixl put ping-pong, a new offset every call"
+#: The targets: (case, size, row, yardstick or None for the best, bound, higher is better).
+TARGETS = (
+    ("write", 64 * 1024, DEFAULT_ROW, None, 0.95, True),
+    ("write", 4 * 1024, DEFAULT_ROW, None, 0.6, True),
+    ("layer", 2 * MIB, FIRST_LAYER, "ib_write_bw -s 256 -n 8192 -t 128 -l 64", 0.9, True),
+    ("lat", 4 * 1024, LAT_ROW, None, 1.5, False),
+)
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per target measured in ``rows``: the ratio, its yardstick, met or not."""
+    out = []
+    for case, size, row, stick, bound, higher in TARGETS:
+        for r in rows:
+            if (r["case"], r["size"], r["row"]) != (case, size, row) or r["ratio"] is None:
+                continue
+            if stick is not None and r["yardstick"] != stick:
+                continue
+            met = r["ratio"] >= bound if higher else r["ratio"] <= bound
+            sign = ">=" if higher else "<="
+            out.append(
+                f"{case} {fmt_size(size)}, {row}: {fmt_ratio(r['ratio'])} of "
+                f"`{r['yardstick']}` (target {sign} {bound}x): "
+                f"{'**met**' if met else '**not met**'}"
+            )
+            break
+    return out
 
 
 # --------------------------------------------------------------------------- hixl streams
@@ -199,7 +229,7 @@ def bw_case(
                 return stream(pair1, op, s, d, rng)
 
             hixl_rows = {
-                "hixl (GIL interval as the process has it)": h_default,
+                DEFAULT_ROW: h_default,
                 "hixl, GIL switch interval 0.5 ms": h_switch,
                 "hixl, the same arguments repeated": h_repeat,
                 "hixl lanes=1": h_lanes1,
@@ -359,7 +389,7 @@ def layer_case(args: argparse.Namespace, perftest: Perftest, log: Any) -> list[d
         c_rounds.append(cr)
     rows = []
     for name, vals in (
-        ("hixl layer put, first in a fresh process (plan + build included)", first),
+        (FIRST_LAYER, first),
         ("hixl layer put, second (warm)", second),
     ):
         best = against_best(vals, c_rounds)
@@ -508,7 +538,7 @@ def lat_case(
                 log(f"  hixl put ping-pong, new offset each: {fmt_us(h[-1])}")
         c_rounds.append(cr)
     y = against_best(h, c_rounds, higher_is_better=False)
-    return [_row("lat", size, "hixl put ping-pong, a new offset every call", h, y, {}, "us")]
+    return [_row("lat", size, LAT_ROW, h, y, {name: name}, "us")]
 
 
 # --------------------------------------------------------------------------- report
@@ -543,6 +573,43 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return markdown_table(headers, body, "lrlrlrrr")
 
 
+def report_markdown(data: dict[str, Any], targets: bool = True) -> str:
+    """The table, the targets (unless ``targets`` is False), the command of every chunk."""
+    chunks = data.get("chunks") or [data]
+    lines = [markdown(data["rows"]), ""]
+    v = verdicts(data["rows"]) if targets else []
+    if v:
+        lines += ["Targets:", "", *[f"- {x}" for x in v], ""]
+    lines.append(
+        "Ratios: median over rounds of hixl / the named C configuration in the same round "
+        "(latency: time, lower is better); the named one had the best median of those "
+        "tried (plain, `-l` at the same depth, as many pairs at once as hixl has lanes). "
+        "Every hixl byte was checked after the clock, every round."
+    )
+    lines.append("")
+    for c in chunks:
+        lines.append(
+            f"- `{c.get('command')}` ({c['setup'].get('date_utc')}, guest load "
+            f"{c.get('load', 'n/a')})"
+        )
+    return "\n".join(lines)
+
+
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """Chunks of one boot's worth of cases, run one after another, as one result."""
+    chunks = [json.loads(p.read_text()) for p in paths]
+    if not chunks:
+        raise BenchError("nothing to merge")
+    return {
+        "benchmark": "fair",
+        "setup": chunks[0]["setup"],
+        "command": "; ".join(str(c["command"]) for c in chunks),
+        "rows": [r for c in chunks for r in c["rows"]],
+        "chunks": [{k: v for k, v in c.items() if k != "rows"} for c in chunks],
+        "targets": verdicts([r for c in chunks for r in c["rows"]]),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -556,6 +623,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lat-iters", type=int, default=200, help="round trips per latency run")
     ap.add_argument("--perftest-timeout", type=float, default=60.0, help="seconds per try")
     ap.add_argument("--json", default=None, help="write results here ('-' = stdout line)")
+    ap.add_argument("--quick", action="store_true", help="one round, 64 KiB, 1 MiB streams")
+    ap.add_argument(
+        "--merge", nargs="+", type=Path, default=None, help="join these runs' JSON into --json"
+    )
     ap.add_argument("--layer-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--pong-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -564,6 +635,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.pong_child:
         return pong_child()
     quiet_logs()
+    if args.merge:
+        merged = merge(args.merge)
+        print(report_markdown(merged))
+        if args.json:
+            write_json(Path(args.json), merged)
+        return 0
+    if args.quick:
+        args.repeat, args.sizes, args.bytes, args.lat_iters = 1, "64K", "1M", 20
     cases = [c for c in args.cases.split(",") if c]
     if set(cases) - set(CASES):
         ap.error(f"--cases: unknown {sorted(set(cases) - set(CASES))}")
@@ -602,11 +681,13 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "fair",
         "setup": setup,
         "command": command_line(),
+        "load": round(os.getloadavg()[0], 2),
+        "targets": verdicts(rows),
         "rows": rows,
         "params": {k: v for k, v in vars(args).items() if not k.endswith("child")},
     }
     print()
-    print(markdown(rows))
+    print(report_markdown(data))
     if args.json == "-":
         print(MARK + json.dumps(data, default=str), flush=True)
     elif args.json:

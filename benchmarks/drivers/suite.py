@@ -43,13 +43,16 @@ from typing import Any
 from .. import entry
 from ..common import REPO, fmt_size, git_commit, quiet_logs, setup_lines
 from . import build as bench_build
+from . import cold as bench_cold
+from . import fair as bench_fair
 from . import layer as bench_layer
 from . import overhead as bench_overhead
 from . import peers as bench_peers
 from . import transfer as bench_transfer
 
 SECTIONS = {
-    "transfer": ("bench_transfer", "(a) Bandwidth and latency against perftest"),
+    "fair": ("bench_fair", "(a) Against the best C configuration, every byte checked"),
+    "transfer": ("bench_transfer", "(a') Bandwidth and latency against plain perftest"),
     "layer": ("bench_layer", "(b) Four ways to send a KV layer"),
     "overhead": ("bench_overhead", "(c) Overheads: planning and per-work-request cost"),
     "peers": ("bench_peers", "(d) Beside the peers: Mooncake Transfer Engine, NIXL"),
@@ -57,9 +60,11 @@ SECTIONS = {
         "bench_build",
         "(e) One KV layer in one call: its work requests built (natively), and on the wire",
     ),
+    "cold": ("bench_cold", "(f) The engine's own path natively: cold, refill, repeated"),
 }
 #: What runs unless --sections says otherwise (the peers need their own venv: opt in).
-DEFAULT_SECTIONS = ("transfer", "layer", "overhead", "build")
+#: ``cold`` is measured natively by ``hixl bench`` on the host (see BUILD_NATIVE).
+DEFAULT_SECTIONS = ("fair", "layer", "overhead", "build")
 #: The build section's native half, measured on the host by ``hixl bench`` before the VM
 #: boots (``bench_build.py --json RUN_DIR/build-native.json``): under emulation those
 #: costs would say nothing.
@@ -149,7 +154,8 @@ def _setup_block(setup: dict[str, Any], host: dict[str, Any]) -> str:
 
 
 def _verdicts(data: dict[str, dict[str, Any]]) -> list[str]:
-    out = []
+    out = list(bench_fair.verdicts(data.get("fair", {}).get("rows", [])))
+    out += bench_cold.verdicts(data.get("cold", {}).get("rows", []))
     t = data.get("transfer", {}).get("targets", {}).get("put_vs_ib_write_bw")
     if t:
         if t["met"]:
@@ -255,6 +261,8 @@ def render(
     if plot_name:
         parts += [f"![benchmark ratios]({plot_name})", ""]
     renderers = {
+        "fair": lambda d: bench_fair.report_markdown(d, targets=False),
+        "cold": bench_cold.report_markdown,
         "transfer": bench_transfer.markdown,
         "layer": bench_layer.markdown,
         "overhead": bench_overhead.markdown,
