@@ -304,6 +304,11 @@ def plot(data: dict[str, dict[str, Any]], path: Path) -> bool:
     except ImportError:
         print("report: matplotlib is not installed (pip install -e '.[plot]'); no plot")
         return False
+    if not {"transfer", "layer", "overhead"} & set(data):
+        fair = data.get("fair")
+        if not fair:
+            return False
+        return _plot_fair(plt, fair, path)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     setup = next(iter(data.values()))["setup"]
     fig.suptitle(
@@ -383,6 +388,34 @@ def plot(data: dict[str, dict[str, Any]], path: Path) -> bool:
     ax.set_title("(c) planning overhead", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_fair(plt: Any, fair: dict[str, Any], path: Path) -> bool:
+    """One bar per row of section (a): hixl against the yardstick named on its label."""
+    rows = [r for r in fair.get("rows", []) if r.get("ratio") is not None]
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(11, 0.42 * len(rows) + 1.6))
+    labels = [f"{r['case']} {fmt_size(r['size'])}: {r['row']}  vs  {r['yardstick']}" for r in rows]
+    colors = ["tab:orange" if r["unit"] == "us" else "tab:blue" for r in rows]
+    ax.barh(range(len(rows)), [r["ratio"] for r in rows], color=colors)
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel(
+        "hixl / best C configuration (blue: bandwidth, higher is better; "
+        "orange: latency, lower is better)"
+    )
+    setup = fair["setup"]
+    ax.set_title(
+        f"hixl against the best C configuration, same boot — {setup['date_utc'][:10]}, "
+        f"{setup.get('where')}, commit {setup.get('commit')}",
+        fontsize=9,
+    )
+    fig.subplots_adjust(left=0.45, right=0.98, top=0.93, bottom=0.12)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
