@@ -12,10 +12,13 @@ chain) -- for two requests of vLLM's FlashAttention layout, ``(2, num_blocks, 16
 
 Every request draws a new scattered block list (``--blocks`` of ``--num-blocks`` on each
 side). *Cold* is the first request in a fresh process (a child per form, run
-``--cold-runs`` times: the median; the child first makes one small chain, as opening an
-engine does, so cffi has parsed its C types); *warm* the median of ``--repeat`` requests after it.
-Minor page faults are counted per request (``getrusage``). The target: software time <=
-the request's wire time at 100 Gb/s (moonshot: 400 Gb/s).
+``--cold-runs`` times: the median; the child first does what opening an engine and
+``register_kv`` do anyway: the engine's planner, with its kept chain memory, and the
+cache's warm-up); *warm* the median of ``--repeat`` requests after it.
+Minor page faults are counted per request (``getrusage``). Chains come from and go
+back to a real :class:`hixl.engine.datapath.Planner`'s pool and memory, as in the
+engine. The target: software time <= the request's wire time at 100 Gb/s (moonshot:
+400 Gb/s).
 
 With ``--device`` (in the VM: ``hixl run -- ... --device``), the same shape scaled down
 (``--device-layers``, ``--device-blocks``) is moved by ``put_blocks`` between two engines
@@ -83,11 +86,16 @@ def geometry(layers: int, num_blocks: int, heads: int) -> KVGeometry:
 
 
 def form(name: str, layers: int, num_blocks: int) -> dict[str, Any]:
-    """The two caches and the head ranges of a form."""
+    """The two caches, their regions' (address, key) and the head range of a form."""
     local = geometry(layers, num_blocks, HEADS)
+    out: dict[str, Any] = {
+        "local": local,
+        "lreg": [(0x7F00_0000_0000 + k * (1 << 32), 0x1000 + k) for k in range(layers)],
+        "rreg": [(0x5500_0000_0000 + k * (1 << 32), 0x2000 + k) for k in range(layers)],
+    }
     if name == "full":
-        return {"local": local, "remote": local, "heads": None}
-    return {"local": local, "remote": geometry(layers, num_blocks, 2), "heads": (2, 4)}
+        return {**out, "remote": local, "heads": None}
+    return {**out, "remote": geometry(layers, num_blocks, 2), "heads": (2, 4)}
 
 
 def wire_us(nbytes: int, gbps: float) -> float:
@@ -99,65 +107,61 @@ def _faults() -> int:
 
 
 def one_request(
-    f: dict[str, Any], rng: np.random.Generator, blocks: int, num_blocks: int
+    f: dict[str, Any], rng: np.random.Generator, blocks: int, num_blocks: int, plan: Any
 ) -> tuple[float, int, Any]:
-    """Time the engine's path for one request with a new scattered block list."""
+    """Time the engine's path for one request with a new scattered block list; the chain
+    goes back to ``plan``'s pool (the engine's :class:`Planner`) as a posted one does."""
+    from hixl.engine.datapath import Built
     from hixl.engine.kv import build_request
 
     lids = rng.choice(num_blocks, blocks, replace=False)
     rids = rng.choice(num_blocks, blocks, replace=False)
-    layers = len(f["local"].tensors)
-    lreg = [(0x7F00_0000_0000 + k * (1 << 32), 0x1000 + k) for k in range(layers)]
-    rreg = [(0x5500_0000_0000 + k * (1 << 32), 0x2000 + k) for k in range(layers)]
-    pool = POOL
     f0 = _faults()
     t0 = time.perf_counter()
     chain, nbytes, key, _, _ = build_request(
         Op.WRITE,
         f["local"],
-        lreg,
+        f["lreg"],
         f["remote"],
-        rreg,
+        f["rreg"],
         lids,
         rids,
         tensors=None,
         heads=f["heads"],
         remote_heads=None,
         limits=LIMITS,
-        idle=pool.pop,
+        idle=lambda k: _chain_of(plan.take(k)),
+        memory=plan.memory,
     )
     dt = (time.perf_counter() - t0) * 1e6
     faults = _faults() - f0
-    pool.keep(key, chain)  # as the engine pools a posted chain
+    plan.give_back(Built(chain, nbytes, key, (0, 0)))
     return dt, faults, (chain.num_wrs, chain.num_sges, nbytes)
 
 
-class _Pool:
-    """The engine's chain pool, reduced to one idle chain per size key."""
-
-    def __init__(self) -> None:
-        self.idle: dict[tuple[Any, ...], Any] = {}
-
-    def pop(self, key: tuple[Any, ...]) -> Any:
-        return self.idle.pop(key, None)
-
-    def keep(self, key: tuple[Any, ...], chain: Any) -> None:
-        self.idle[key] = chain
+def _chain_of(built: Any) -> Any:
+    return None if built is None else built.chain
 
 
-POOL = _Pool()
+def planner() -> Any:
+    """What opening an engine makes for this path: its planner, with the chain pool and
+    the kept, touched chain memory (and its warm-up of the chain code)."""
+    from hixl.engine.datapath import Planner
+
+    return Planner(LIMITS, 64)
 
 
 def cold_child(name: str, blocks: int, num_blocks: int, layers: int, seed: int) -> None:
-    """The first request of a fresh process, as one JSON line.  Before it, what opening an
-    engine does for this path anyway: one small chain of work requests (the engine's
-    notification slots), which makes cffi parse the C types once."""
-    from hixl.verbs.chain import SendChain
+    """The first request of a fresh process, as one JSON line.  Before it, what opening
+    an engine and ``register_kv`` do anyway: the engine's planner (kept chain memory,
+    touched; its warm-up) and the cache's warm-up (:func:`hixl.engine.kv.warm_up`)."""
+    from hixl.engine.kv import warm_up
 
-    SendChain(1, 1)
+    plan = planner()
     f = form(name, layers, num_blocks)
+    warm_up(f["local"], f["lreg"], LIMITS, plan.memory)
     dt, faults, (wrs, sges, nbytes) = one_request(
-        f, np.random.default_rng(seed), blocks, num_blocks
+        f, np.random.default_rng(seed), blocks, num_blocks, plan
     )
     print(json.dumps({"us": dt, "faults": faults, "wrs": wrs, "sges": sges, "nbytes": nbytes}))
 
@@ -184,12 +188,13 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         cold.append(json.loads(out.stdout.strip().splitlines()[-1]))
     f = form(name, args.layers, args.num_blocks)
     rng = np.random.default_rng(1234)
+    plan = planner()
     for _ in range(args.warmup):
-        one_request(f, rng, args.blocks, args.num_blocks)
+        one_request(f, rng, args.blocks, args.num_blocks, plan)
     warm, faults = [], []
     shape: Any = None
     for _ in range(args.repeat):
-        dt, pf, shape = one_request(f, rng, args.blocks, args.num_blocks)
+        dt, pf, shape = one_request(f, rng, args.blocks, args.num_blocks, plan)
         warm.append(dt)
         faults.append(pf)
     wrs, sges, nbytes = shape

@@ -53,7 +53,7 @@ from hixl.engine.handles import TransferHandle, TransferStatus
 from hixl.engine.regions import Access, Region
 from hixl.errors import ArgumentError, DescriptorError, HixlError, RegistrationError
 from hixl.verbs import adapter as verbs
-from hixl.verbs.chain import SendChain
+from hixl.verbs.chain import ChainMemory, SendChain
 
 if TYPE_CHECKING:
     from hixl.engine.connection import Connection
@@ -377,8 +377,9 @@ class KVBlocks:
     it). ``_remote`` is a cache of read-only values replaced whole: read without a lock.
     """
 
-    def __init__(self, host: KVHost) -> None:
+    def __init__(self, host: KVHost, memory: ChainMemory | None = None) -> None:
         self._host = host
+        self._memory = memory
         self._lock = threading.Lock()
         self._caches: dict[str, KVCache] = {}
         self._remote: dict[tuple[int, str], _RemoteKV] = {}
@@ -456,6 +457,10 @@ class KVBlocks:
         cache = KVCache(self, name, objs, geometry, tuple(regions), meta, meta_buffer)
         with self._lock:
             self._caches[name] = cache
+        try:
+            warm_up(geometry, [(r.addr, r.lkey) for r in regions], host.limits, self._memory)
+        except HixlError as exc:  # only a cost moved earlier: the transfer says what is wrong
+            log.debug("warming up %r: %s", cache, exc)
         log.debug("registered %r", cache)
         return cache
 
@@ -567,6 +572,7 @@ class KVBlocks:
             limits=host.limits,
             idle=host._idle_chain,
             regions=kv.regions,
+            memory=self._memory,
         )
         chain, nbytes, key, lids, rids = req
         inner = host._queue_chain(
@@ -581,6 +587,22 @@ class KVBlocks:
             now,
         )
         return BlocksHandle(inner, notify, lids.tolist(), rids.tolist())
+
+
+def warm_up(
+    geometry: KVGeometry,
+    regions: Sequence[tuple[int, int]],
+    limits: DeviceLimits,
+    memory: ChainMemory | None = None,
+) -> None:
+    """Build (and drop) the chain of a one-block request of a cache into itself: the
+    first run of the checks, the planner and the chain code in a process costs several
+    times a later one (numpy's first calls, the cached block patterns and run plans),
+    and :meth:`Engine.register_kv` pays that rather than the first transfer."""
+    build_request(
+        Op.WRITE, geometry, regions, geometry, regions, [0], [0],
+        tensors=None, heads=None, remote_heads=None, limits=limits, memory=memory,
+    )  # fmt: skip
 
 
 #: Pairings of two caches' tensors, by the caches' identities and the selection (a cache
@@ -634,10 +656,12 @@ def build_request(
     limits: DeviceLimits,
     idle: Callable[[tuple[Any, ...]], SendChain | None] = lambda key: None,
     regions: tuple[Any, ...] = (),
+    memory: ChainMemory | None = None,
 ) -> tuple[SendChain, int, tuple[Any, ...], I64Array, I64Array]:
     """The checks, the plan and the chain of one request (no I/O): what a ``put_blocks``
     costs before the engine queues it.  ``local_regions``/``remote_regions`` are each
-    region's ``(address, key)``; ``idle`` returns a pooled chain for a size key.  Returns
+    region's ``(address, key)``; ``idle`` returns a pooled chain for a size key, and a
+    new chain takes its memory from ``memory`` (the engine's kept, touched memory).  Returns
     the chain, its bytes, its pool key and the two block id arrays.  Raises
     :class:`DescriptorError` before anything is built."""
     pairs = _paired(local, remote, tensors, heads, remote_heads)
@@ -664,6 +688,6 @@ def build_request(
     opcode = verbs.WR_RDMA_WRITE if op is Op.WRITE else verbs.WR_RDMA_READ
     chain = idle(key)
     if chain is None:
-        chain = SendChain.blank(key[1], key[2], opcode)
+        chain = SendChain.blank(key[1], key[2], opcode, memory)
     chain.fill_tiles(opcode, plan.tiles, regions)
     return chain, plan.nbytes, key, lids, rids

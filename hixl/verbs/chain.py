@@ -683,17 +683,24 @@ class SendChain:
         return chain
 
     @classmethod
-    def blank(cls, capacity: int, sge_capacity: int, opcode: int = 0) -> SendChain:
+    def blank(
+        cls,
+        capacity: int,
+        sge_capacity: int,
+        opcode: int = 0,
+        memory: ChainMemory | None = None,
+    ) -> SendChain:
         """A new chain of this capacity, its WRs formatted and linked and nothing filled:
         what :meth:`fill_tiles` writes into (its memory is written once, not zeroed
-        first; see :meth:`_format`)."""
+        first; see :meth:`_format`).  ``memory``: where its arrays come from (default:
+        the C heap)."""
         if capacity < 1 or sge_capacity < 1:
             raise ArgumentError(
                 f"a chain needs room for >= 1 WR and >= 1 SGE, got capacity={capacity} "
                 f"sge_capacity={sge_capacity}"
             )
         chain = cls.__new__(cls)
-        chain._make(capacity, sge_capacity, _UNCLEARED)
+        chain._make(capacity, sge_capacity, _UNCLEARED if memory is None else memory.allocator)
         chain._format(opcode, 0, False)
         return chain
 
