@@ -22,9 +22,10 @@ engine. The target: software time <= the request's wire time at 100 Gb/s (moonsh
 
 With ``--device`` (in the VM: ``hixl run -- ... --device``), the same shape scaled down
 (``--device-layers``, ``--device-blocks``) is moved by ``put_blocks`` between two engines
-on one device, alternating with ``ib_write_bw`` moving the same bytes in the same number
-of work requests, once with a post list (``-l``, the WRs of one request posted in one
-call) and once plain; the ratio of the medians is reported for each.
+on one device, alternating round by round with ``ib_write_bw`` moving the same bytes in
+the same number of work requests of the same size, in every configuration of the C
+yardstick (``benchmarks/common/yardstick.py``: plain, a post list ``-l``, one process
+pair per lane); the ratio against the best configuration, paired by round.
 
     python benchmarks/bench_kv.py                      # native: cold and warm, both forms
     python benchmarks/bench_kv.py --json results/kv.json --repeat 50

@@ -7,21 +7,24 @@ from typing import Any
 
 import numpy as np
 
-from ..common import BenchError, fmt_ratio, gather_setup, median, quiet_logs, ratio
+from ..common import BenchError, fmt_ratio, gather_setup, median, quiet_logs
 
 TOKENS, HEADS, HEAD_DIM = 16, 8, 128
-POST_LIST = 16
+DEPTH = 128  # WRs in flight of the C configurations (perftest -t, and -l for the post list)
+LANES = 2  # the engine's queue pairs per connection (Engine(lanes=2), the default)
 
 
 def device_section(layers: int, blocks: int, repeat: int) -> list[dict[str, Any]]:
     """Both forms (all heads; a quarter of them into a 2-head cache) moved by
-    ``put_blocks`` with a new scattered block list per request, alternating with
-    ``ib_write_bw`` moving the same bytes in as many WRs of the same size, plain and with
-    a post list of :data:`POST_LIST`; ratios of the medians."""
+    ``put_blocks`` with a new scattered block list per request, alternating round by
+    round with ``ib_write_bw`` moving the same bytes in as many WRs of the same size, in
+    every configuration of :func:`~benchmarks.common.yardstick.bw_configs` (plain, a post
+    list, one pair per lane); the ratio against the best, paired by round."""
     from hixl.engine import Engine
     from hixl.testbed.net import free_tcp_port
 
-    from ..backends.perftest import Perftest, bw_wall_check, parse_bw
+    from ..backends.perftest import Perftest, bw_wall_check, sum_bw
+    from ..common.yardstick import CConfig, against_best, bw_configs
 
     quiet_logs()
     setup = gather_setup(need_device=True)
@@ -65,30 +68,31 @@ def device_section(layers: int, blocks: int, repeat: int) -> list[dict[str, Any]
                 last = (lids, rids)
                 return dt
 
-            put()  # the first request's plan and chain
-            hixl_bps: list[float] = []
-            plain_bps: list[float] = []
-            listed_bps: list[float] = []
+            put()  # the first request's geometry read
+            configs = bw_configs("ib_write_bw", wr_bytes, wrs, min(DEPTH, wrs), LANES)
+            hixl_bps: list[float | None] = []
+            c_rounds: list[dict[str, float]] = []
             for i in range(repeat):
-                order = (0, 1, 2) if i % 2 == 0 else (2, 1, 0)
-                for turn in order:
-                    if turn == 1:
+                items: list[CConfig | None] = [None, *configs]
+                if i % 2:
+                    items.reverse()
+                rnd: dict[str, float] = {}
+                for cfg in items:
+                    if cfg is None:
                         hixl_bps.append(nbytes / put())
                         continue
-                    args = ["-s", str(wr_bytes), "-n", str(wrs), "-t", "128"]
-                    if turn == 2:
-                        args += ["-l", str(POST_LIST)]
-                    run = perftest.run("ib_write_bw", args, check=bw_wall_check(wr_bytes, wrs))
-                    (plain_bps if turn == 0 else listed_bps).append(parse_bw(run.output).avg_Bps)
+                    pr = perftest.run_pairs(
+                        cfg.tool, cfg.args, cfg.pairs, check=bw_wall_check(wr_bytes, wrs)
+                    )
+                    rnd[cfg.name] = sum_bw([r.output for r in pr.runs])
+                c_rounds.append(rnd)
             lids, rids = last
             hs = slice(None) if heads is None else slice(*heads)
             for s, d in zip(src, dst, strict=True):
                 if d[:, rids].tobytes() != np.ascontiguousarray(s[:, lids, :, hs]).tobytes():
                     raise BenchError(f"{name}: destination blocks differ from the source")
-            h = median(hixl_bps) or 0.0
-            pl = median(plain_bps) or 0.0
-            ls = median(listed_bps) or 0.0
-            best = max(pl, ls)
+            best = against_best(hixl_bps, c_rounds)
+            h = median([x for x in hixl_bps if x is not None]) or 0.0
             row = {
                 "form": name,
                 "layers": layers,
@@ -97,20 +101,18 @@ def device_section(layers: int, blocks: int, repeat: int) -> list[dict[str, Any]
                 "wr_bytes": wr_bytes,
                 "nbytes": nbytes,
                 "hixl_Bps": h,
-                "ib_write_bw_Bps": pl,
-                "ib_write_bw_post_list_Bps": ls,
-                "ratio_best": ratio(h, best),
-                "ratio_plain": ratio(h, pl),
-                "ratio_post_list": ratio(h, ls),
-                "pairs": repeat,
+                "c_medians_Bps": dict(best.medians),
+                "yardstick": best.winner,
+                "ratio": best.ratio,
+                "rounds": best.rounds,
             }
             out.append(row)
+            others = ", ".join(f"{k}: {v / 1e6:.1f} MB/s" for k, v in best.medians.items())
             print(
-                f"{name}: put_blocks {layers} layers x (K,V) x {blocks} scattered blocks = "
-                f"{nbytes} B in {wrs} WRs of {wr_bytes} B: {h / 1e6:.1f} MB/s; ib_write_bw -s "
-                f"{wr_bytes} -n {wrs}: {pl / 1e6:.1f} MB/s (ratio {fmt_ratio(ratio(h, pl))}), "
-                f"with -l {POST_LIST}: {ls / 1e6:.1f} MB/s (ratio {fmt_ratio(ratio(h, ls))}); "
-                f"vs the best: {fmt_ratio(ratio(h, best))} ({repeat} alternating triples)"
+                f"{name}: put_blocks of {layers} layers x (K,V) x {blocks} scattered blocks = "
+                f"{nbytes} B in {wrs} WRs of {wr_bytes} B: {h / 1e6:.1f} MB/s; C ({others}); "
+                f"against the best ({best.winner}, same bytes and WR count): "
+                f"{fmt_ratio(best.ratio)} (median of {best.rounds} paired rounds)"
             )
     finally:
         client.close()
