@@ -101,7 +101,7 @@ def _ints(where: str, values: object, lo: int, hi: int = INT64_MAX) -> tuple[int
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorGeometry:
-    """One KV tensor as its engine registered it.
+    """One KV tensor as its engine registered it (and as its peers learn it).
 
     ``dtype`` is the element type's name (``"float16"``, ``"bfloat16"``, ``"uint8"``...)
     and ``itemsize`` its bytes; ``shape`` the extents; ``strides`` the byte steps per axis
@@ -209,15 +209,17 @@ class TensorGeometry:
             "region": self.region,
             "block_axis": self.block_axis,
             "heads_axis": self.heads_axis,
+            "block_bytes": self.block_bytes,
         }
 
     @classmethod
     def from_json(cls, where: str, obj: object) -> TensorGeometry:
         keys = ("dtype", "itemsize", "shape", "strides", "offset", "region", "block_axis")
-        if not isinstance(obj, dict) or set(obj) != {*keys, "heads_axis"}:
-            raise DescriptorError(f"{where}: expected an object with keys {keys} + heads_axis")
+        extra = ("heads_axis", "block_bytes")
+        if not isinstance(obj, dict) or set(obj) != {*keys, *extra}:
+            raise DescriptorError(f"{where}: expected an object with keys {keys + extra}")
         try:
-            return cls(
+            geom = cls(
                 dtype=obj["dtype"],
                 itemsize=obj["itemsize"],
                 shape=_ints(f"{where}.shape", obj["shape"], 1),
@@ -229,6 +231,12 @@ class TensorGeometry:
             )
         except DescriptorError as exc:
             raise DescriptorError(f"{where}: {exc}") from None
+        if obj["block_bytes"] != geom.block_bytes:
+            raise DescriptorError(
+                f"{where}: block_bytes={obj['block_bytes']!r} but its shape makes "
+                f"{geom.block_bytes} bytes per block"
+            )
+        return geom
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -228,6 +228,9 @@ def test_geometry_document_round_trips_and_refuses_bad_input() -> None:
     for bad in (b"", b"[]", b'{"version":1}', geo.to_bytes().replace(b'"region"', b'"regio"')):
         with pytest.raises(DescriptorError):
             KVGeometry.from_bytes(bad)
+    lying = geo.to_bytes().replace(b'"block_bytes":', b'"block_bytes":1')
+    with pytest.raises(DescriptorError, match="bytes per block"):
+        KVGeometry.from_bytes(lying)
     short = geo.to_bytes().replace(str(a.nbytes).encode(), b"64")
     with pytest.raises(DescriptorError, match="ends at byte"):
         KVGeometry.from_bytes(short)
