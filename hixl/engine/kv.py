@@ -68,6 +68,8 @@ KV_PREFIX = "hixl.kv:"
 MAX_NAME = 96
 #: Largest geometry document read from a peer.
 MAX_GEOMETRY_BYTES = 1 << 20
+#: Longest a transfer waits for a peer's cache to be announced (it may be registering it).
+ANNOUNCE_WAIT_S = 2.0
 #: Block ids shown in an error message (the exception's attributes hold them all).
 _SHOWN_IDS = 16
 
@@ -480,8 +482,20 @@ class KVBlocks:
             return known
         by_name = {r.name: r for r in remotes if r.name.startswith(KV_PREFIX + name)}
         meta = by_name.get(KV_PREFIX + name)
+        # A cache the peer registered a moment ago may not be announced yet: look again
+        # for a little while (no lock is held; the announced tuple is swapped whole).
+        deadline = time.monotonic() + min(timeout, ANNOUNCE_WAIT_S)
+        while meta is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+            conn.check_ready()
+            remotes = conn.remote_regions
+            by_name = {r.name: r for r in remotes if r.name.startswith(KV_PREFIX + name)}
+            meta = by_name.get(KV_PREFIX + name)
         if meta is None:
-            raise RegistrationError(f"peer {peer} has no KV cache named {name!r}")
+            raise RegistrationError(
+                f"peer {peer} has no KV cache named {name!r} (none announced within "
+                f"{min(timeout, ANNOUNCE_WAIT_S)} s)"
+            )
         if known is not None and known.meta == meta:
             geometry = known.geometry
         else:
