@@ -27,7 +27,6 @@ is registered by address), until :meth:`KVCache.close`.
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -255,6 +254,21 @@ def _show(ids: list[int]) -> str:
     return f"[{head}{more}]"
 
 
+def _annotated(err: HixlError, message: str) -> HixlError:
+    """A copy of ``err`` (same class and attributes) whose message is ``message``.  Made
+    without calling the class's constructor, whose arguments differ from class to class
+    (a :class:`CompletionError` takes the operation and the completion status)."""
+    cls = type(err)
+    out = cls.__new__(cls)
+    out.__dict__.update(err.__dict__)
+    # errno lives in OSError's own field (str() formats it once it is set, even to None)
+    if isinstance(err, OSError) and err.errno is not None:
+        assert isinstance(out, OSError)
+        out.errno = err.errno
+    out.args = (message,)
+    return out
+
+
 class BlocksHandle(TransferHandle):
     """The :class:`TransferHandle` of a ``put_blocks_async``/``get_blocks_async``.
 
@@ -291,9 +305,9 @@ class BlocksHandle(TransferHandle):
         if err is None:
             return None
         if self._failed is None:
-            out = copy.copy(err)
             what = f"request {self.request!r}" if self.request is not None else "request"
-            out.args = (
+            out = _annotated(
+                err,
                 f"{err}; {what}: blocks not known to have landed: local "
                 f"{_show(self.local_blocks)}, remote {_show(self.remote_blocks)}",
             )

@@ -12,7 +12,13 @@ from hixl.core.kvblocks import KVGeometry, TensorGeometry
 from hixl.core.plan import DeviceLimits, Op
 from hixl.engine.handles import TransferHandle, TransferStatus
 from hixl.engine.kv import BlocksHandle, build_request
-from hixl.errors import DescriptorError, TransferTimeout
+from hixl.errors import (
+    CompletionError,
+    ConnectionFailed,
+    DescriptorError,
+    HixlError,
+    TransferTimeout,
+)
 
 
 def flash_attention(layers: int, blocks: int, heads: int) -> KVGeometry:
@@ -115,3 +121,27 @@ def test_a_blocking_wait_returns_only_once_the_engine_has_failed_the_transfer() 
         timer.cancel()
     assert info.value.__cause__ is engine_error
     assert h.status.value == "failed"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        CompletionError("post_send", 10, "IBV_WC_REM_ACCESS_ERR", 5),
+        ConnectionFailed("connection to peer-1 failed: a transfer timed out"),
+        TransferTimeout("transfer to peer-1 did not complete within its deadline"),
+    ],
+)
+def test_every_transfer_error_is_annotated_keeping_its_class_and_fields(
+    error: HixlError,
+) -> None:
+    inner = TransferHandle("peer-1", 4096, 2, time.monotonic() + 30)
+    h = BlocksHandle(inner, "req-9", list(range(40)), list(range(40, 80)))
+    inner.finish(error)
+    err = h.error
+    assert type(err) is type(error) and err.__cause__ is error
+    text = str(err)
+    assert text.startswith(str(error)) and "request 'req-9'" in text
+    assert "local [0, 1, 2" in text and "... (40 in all)" in text
+    if isinstance(error, CompletionError):
+        assert isinstance(err, CompletionError)
+        assert (err.status_name, err.wr_id, err.op) == ("IBV_WC_REM_ACCESS_ERR", 5, "post_send")
