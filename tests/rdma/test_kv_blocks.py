@@ -147,6 +147,11 @@ def test_torch_separate_k_v_tensors_bf16_and_a_layer_subset(
             assert got.tobytes() == src[t][sids].view(torch.int16).numpy().tobytes()
         else:
             assert not got.any()
+    # layer 0 here into layer 3 there (a layer range remapped)
+    prefill.put_blocks(decode.id, kv_p, "d", [0, 1], [0, 1], tensors=[0, 1], remote_tensors=[6, 7])
+    for t in (0, 1):
+        got = dst[6 + t][[0, 1]].view(torch.int16).numpy().tobytes()
+        assert got == src[t][[0, 1]].view(torch.int16).numpy().tobytes()
 
 
 def test_mismatches_fail_before_posting(engines: tuple[Engine, Engine]) -> None:
