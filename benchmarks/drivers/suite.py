@@ -178,8 +178,9 @@ def _diagnosis_block(transfer: dict[str, Any]) -> str:
     out = [
         bench_transfer.diagnosis_markdown(diag),
         "",
-        "- Each row: `ib_write_bw`, the hixl put stream (at the 0.5 ms GIL switch interval "
-        'every engine sets), the same at Python\'s own 5 ms ("same again": once more at '
+        "- Each row: `ib_write_bw`, the hixl put stream (at a 0.5 ms GIL switch interval, "
+        "as an application may ask of the engine), the same at Python's own 5 ms "
+        '("same again": once more at '
         "0.5 ms, in runs before 2026-12-04), and ib_write_bw's loop written in Python over "
         "hixl's verbs adapter "
         "(one thread, no engine), run back to back; ratios against that `ib_write_bw`. CPU "
