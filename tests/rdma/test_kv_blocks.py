@@ -6,8 +6,11 @@ untouched blocks included.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -113,6 +116,14 @@ def test_head_ranges_both_splits(engines: tuple[Engine, Engine]) -> None:
     assert dst_full[dids][:, :, 6:8].tobytes() == part[sids].tobytes()
     assert not dst_full[dids][:, :, :6].any()
     assert not dst_full[rest].any()
+    # and a READ of a head range: heads 6..7 of the 8-head cache into the 2-head one
+    before = part.copy()
+    prefill.get_blocks(
+        decode.id, kv_part, "dfull", [20, 21], [dids[0], dids[1]], remote_heads=(6, 8)
+    )
+    assert part[[20, 21]].tobytes() == dst_full[dids[:2]][:, :, 6:8].tobytes()
+    others = [j for j in range(NB) if j not in (20, 21)]
+    assert part[others].tobytes() == before[others].tobytes()
 
 
 def test_torch_separate_k_v_tensors_bf16_and_a_layer_subset(
@@ -136,6 +147,11 @@ def test_torch_separate_k_v_tensors_bf16_and_a_layer_subset(
             assert got.tobytes() == src[t][sids].view(torch.int16).numpy().tobytes()
         else:
             assert not got.any()
+    # layer 0 here into layer 3 there (a layer range remapped)
+    prefill.put_blocks(decode.id, kv_p, "d", [0, 1], [0, 1], tensors=[0, 1], remote_tensors=[6, 7])
+    for t in (0, 1):
+        got = dst[6 + t][[0, 1]].view(torch.int16).numpy().tobytes()
+        assert got == src[t][[0, 1]].view(torch.int16).numpy().tobytes()
 
 
 def test_mismatches_fail_before_posting(engines: tuple[Engine, Engine]) -> None:
@@ -165,9 +181,9 @@ def test_mismatches_fail_before_posting(engines: tuple[Engine, Engine]) -> None:
 
 def test_no_write_lands_after_a_transfer_timeout(engines: tuple[Engine, Engine]) -> None:
     prefill, decode = engines
-    nb, big = 64, (64, 16, 8, 128)  # 64 blocks of 32 KiB per tensor
-    src = [np.ones(big, np.float16) for _ in range(16)]
-    dst = [np.zeros(big, np.float16) for _ in range(16)]
+    nb, big = 64, (64, 16, 8, 128)  # 64 blocks of 32 KiB per tensor: 16 MiB in all
+    src = [np.ones(big, np.float16) for _ in range(8)]
+    dst = [np.zeros(big, np.float16) for _ in range(8)]
     kv = prefill.register_kv("p", src)
     decode.register_kv("d", dst)
     prefill.connect(decode.id, timeout=30)
@@ -180,3 +196,73 @@ def test_no_write_lands_after_a_transfer_timeout(engines: tuple[Engine, Engine])
     snap = [d.copy() for d in dst]
     time.sleep(0.5)
     assert all(np.array_equal(a, b) for a, b in zip(snap, dst, strict=True))
+
+
+def test_layouts_registered_by_storage_mla_permuted_views_and_float8(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """MLA blocks, K/V views of one storage (one region), a dense permuted view (HND
+    storage seen as NHD), and torch float8 as its own dtype and as uint8 views."""
+    prefill, decode = engines
+    mla = filled((NB, BS, 64), seed=11)
+    kvbuf = filled((2, NB, BS, H, D), seed=12)
+    hnd = filled((NB, H, BS, D), seed=13)
+    nhd_view = hnd.transpose(0, 2, 1, 3)  # (NB, BS, H, D) over HND storage
+    dst_mla = np.zeros_like(mla)
+    dst_kv = np.zeros((2, NB, BS, H, D), np.float16)
+    dst_nhd = np.zeros((NB, BS, H, D), np.float16)
+    src = prefill.register_kv("p", [mla, kvbuf[0], kvbuf[1], nhd_view])
+    assert len(src.regions) == 3  # kvbuf's two views share their storage's region
+    decode.register_kv("d", [dst_mla, dst_kv[0], dst_kv[1], dst_nhd])
+    prefill.connect(decode.id, timeout=30)
+    sids, dids = [0, 5, 6, 7, 20], [1, 2, 3, 10, 23]
+    prefill.put_blocks(decode.id, src, "d", sids, dids)
+    assert dst_mla[dids].tobytes() == mla[sids].tobytes()
+    assert dst_kv[:, dids].tobytes() == kvbuf[:, sids].tobytes()
+    assert (
+        np.ascontiguousarray(dst_nhd[dids]).tobytes()
+        == np.ascontiguousarray(nhd_view[sids]).tobytes()
+    )
+    rest = [j for j in range(NB) if j not in dids]
+    assert not dst_mla[rest].any() and not dst_kv[:, rest].any() and not dst_nhd[rest].any()
+
+    torch = pytest.importorskip("torch")
+    f8 = torch.arange(NB * BS * H * D, dtype=torch.int64).remainder(251).to(torch.uint8)
+    f8 = f8.view(torch.float8_e4m3fn).reshape(NB, BS, H, D)
+    out8 = torch.zeros(NB, BS, H, D, dtype=torch.float8_e4m3fn)
+    out_u8 = torch.zeros(NB, BS, H, D, dtype=torch.uint8)
+    k8 = prefill.register_kv("f8", [f8, f8.view(torch.uint8)])
+    decode.register_kv("d8", [out8, out_u8])
+    deadline = time.monotonic() + 30
+    while True:  # registered after connecting: wait for the announcement
+        try:
+            prefill.put_blocks(decode.id, k8, "d8", sids, dids)
+            break
+        except RegistrationError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    want = f8.view(torch.uint8)[sids].numpy().tobytes()
+    assert out8.view(torch.uint8)[dids].numpy().tobytes() == want
+    assert out_u8[dids].numpy().tobytes() == want
+    assert not out_u8[rest].numpy().any()
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("script", ["kv_pull.py", "kv_push.py"])
+def test_connector_examples_run_and_check_every_byte(script: str) -> None:
+    """The pull (NixlConnector-like, leases) and push (Mooncake-like, layer by layer)
+    examples: two processes each, exit 0 only when every checked byte is right."""
+    # A lease long enough for a request to be pulled under emulation; the abandoned
+    # request's blocks are freed when it ends.
+    extra = ["--lease", "8"] if script == "kv_pull.py" else []
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--requests", "3", "--layers", "3", *extra],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
