@@ -19,6 +19,7 @@ from hixl.core.kvblocks import (
 )
 from hixl.core.plan import DeviceLimits, Op
 from hixl.errors import DescriptorError
+from hixl.verbs.chain import WR_DTYPE, SendChain
 
 Arr = np.ndarray[Any, Any]
 
@@ -38,10 +39,11 @@ def geometry(a: Arr, base: Arr, block_axis: int, heads_axis: int | None) -> Tens
 def run(plan: Any, src: Arr, dst: Arr) -> None:
     """Execute a RequestPlan as WRITEs from src's buffer into dst's (addresses = offsets)."""
     s, d = src.view(np.uint8).reshape(-1), dst.view(np.uint8).reshape(-1)
+    wr_remote, _, sge_start, sge_addr, sge_length, _ = plan.arrays()
     for w in range(plan.num_wrs):
-        r = int(plan.wr_remote[w])
-        for j in range(int(plan.sge_start[w]), int(plan.sge_start[w + 1])):
-            a, n = int(plan.sge_addr[j]), int(plan.sge_length[j])
+        r = int(wr_remote[w])
+        for j in range(int(sge_start[w]), int(sge_start[w + 1])):
+            a, n = int(sge_addr[j]), int(sge_length[j])
             d[r : r + n] = s[a : a + n]
             r += n
 
@@ -127,15 +129,37 @@ def test_request_plan_moves_exactly_the_blocks(case: tuple[Any, ...]) -> None:
     rgeo = KVGeometry(
         region_lengths=(rbuf.size,), tensors=tuple(geometry(a, rbuf, baxis, haxis) for a in rt)
     )
-    pairs = pair_tensors(lgeo, rgeo, None, heads, rheads)
+    # the local tensors in order, paired with the remote ones in a shuffled order
+    perm = [int(x) for x in np.random.default_rng(len(lids) + nt).permutation(nt)]
+    pairs = pair_tensors(lgeo, rgeo, range(nt), heads, rheads, remote_tensors=perm)
     lid = block_ids("local_blocks", lids, nb_l)
     rid = block_ids("remote_blocks", rids, nb_r)
-    items = [(lp, rp, lgeo.tensors[i].offset, rgeo.tensors[i].offset, 1, 2) for i, lp, rp in pairs]
+    items = [
+        (lp, rp, lgeo.tensors[i].offset, rgeo.tensors[j].offset, 1, 2) for i, j, lp, rp in pairs
+    ]
     plan = plan_request(items, lid, rid, op, limits)
-    assert int(plan.sge_length.max()) <= limits.max_msg_sz
-    per_wr = np.diff(plan.sge_start)
+    wr_remote, wr_key, sge_start, sge_addr, sge_length, sge_key = plan.arrays()
+    assert int(sge_length.max()) <= limits.max_msg_sz
+    per_wr = np.diff(sge_start)
     assert per_wr.min() >= 1 and per_wr.max() <= limits.sge_limit(op)
-    assert (plan.wr_key == 2).all() and (plan.sge_key == 1).all()
+    assert (wr_key == 2).all() and (sge_key == 1).all()
+    # The chain the engine posts holds exactly these work requests.
+    chain = SendChain.blank(plan.num_wrs + 3, plan.num_sges + 5)
+    chain.fill_tiles(7, plan.tiles)
+    chain.set_signals(5, 2)  # a pooled chain was signalled for its last transfer
+    chain.fill_tiles(7, plan.tiles)
+    assert not chain.wrs["wr_id"].any() and not chain.wrs["send_flags"].any()
+    links = chain.wrs["next"].astype(np.int64)
+    assert links[-1] == 0
+    assert (links[:-1] == chain.wr_base + WR_DTYPE.itemsize * np.arange(1, plan.num_wrs)).all()
+    wrs, sges = chain.wrs, chain.sges
+    assert wrs.size == plan.num_wrs and sges.size == plan.num_sges
+    assert (wrs["remote_addr"] == wr_remote.astype(np.uint64)).all()
+    assert (wrs["rkey"] == 2).all() and (wrs["opcode"] == 7).all()
+    assert (wrs["num_sge"] == per_wr).all()
+    assert (wrs["sg_list"] == chain.sge_base + 16 * sge_start[:-1].astype(np.uint64)).all()
+    assert (sges["addr"] == sge_addr.astype(np.uint64)).all()
+    assert (sges["length"] == sge_length).all() and (sges["lkey"] == 1).all()
 
     def sel(a: Arr, ids: list[int], hr: tuple[int, int] | None) -> Arr:
         b = np.take(a, ids, axis=baxis)
@@ -148,7 +172,8 @@ def test_request_plan_moves_exactly_the_blocks(case: tuple[Any, ...]) -> None:
     # plan is executed as a copy from local to remote either way.
     src, dst, dst_t, src_t = lbuf, rbuf.copy(), rt, lt
     expect_dst = [a.copy() for a in dst_t]
-    for e, s in zip(expect_dst, src_t, strict=True):
+    for t, s in enumerate(src_t):
+        e = expect_dst[perm[t]]
         sub = sel(s, lids, heads)
         # write sub into e at (rids, rheads)
         view = np.moveaxis(e, baxis, 0)
@@ -168,7 +193,7 @@ def test_request_plan_moves_exactly_the_blocks(case: tuple[Any, ...]) -> None:
     ]
     for g, e in zip(got, expect_dst, strict=True):
         assert g.tobytes() == e.tobytes()  # moved blocks and untouched ones
-    assert plan.nbytes == len(lids) * nt * pairs[0][1].nbytes
+    assert plan.nbytes == len(lids) * nt * pairs[0][2].nbytes
 
 
 def test_incompatible_caches_name_the_mismatch() -> None:
@@ -188,8 +213,17 @@ def test_incompatible_caches_name_the_mismatch() -> None:
     assert len(pair_tensors(g(a), g(b), [1, 3], (4, 8), None)) == 2
     with pytest.raises(DescriptorError, match=r"heads=\(4, 9\)"):
         pair_tensors(g(a), g(b), None, (4, 9), None)
-    with pytest.raises(DescriptorError, match="tensor 7 is outside"):
+    with pytest.raises(DescriptorError, match=r"tensor 7 \(peer's 7\) is outside"):
         pair_tensors(g(a), g(b), [7], (0, 4), None)
+    # a layer range of one cache into another range of the other
+    pairs = pair_tensors(g(a), g(b), range(2, 4), (4, 8), None, remote_tensors=[0, 1])
+    assert [(i, j) for i, j, _, _ in pairs] == [(2, 0), (3, 1)]
+    with pytest.raises(DescriptorError, match="lists 2 tensors and remote_tensors= 1"):
+        pair_tensors(g(a), g(b), [2, 3], (4, 8), None, remote_tensors=[0])
+    with pytest.raises(DescriptorError, match=r"tensor 3 \(peer's 1\) is listed twice"):
+        pair_tensors(g(a), g(b), [2, 3], (4, 8), None, remote_tensors=[1, 1])
+    with pytest.raises(DescriptorError, match="remote_tensors= needs tensors="):
+        pair_tensors(g(a), g(b), None, (4, 8), None, remote_tensors=[1])
 
 
 def test_block_lists_are_checked() -> None:
@@ -208,6 +242,9 @@ def test_geometry_document_round_trips_and_refuses_bad_input() -> None:
     for bad in (b"", b"[]", b'{"version":1}', geo.to_bytes().replace(b'"region"', b'"regio"')):
         with pytest.raises(DescriptorError):
             KVGeometry.from_bytes(bad)
+    lying = geo.to_bytes().replace(b'"block_bytes":', b'"block_bytes":1')
+    with pytest.raises(DescriptorError, match="bytes per block"):
+        KVGeometry.from_bytes(lying)
     short = geo.to_bytes().replace(str(a.nbytes).encode(), b"64")
     with pytest.raises(DescriptorError, match="ends at byte"):
         KVGeometry.from_bytes(short)
