@@ -49,11 +49,16 @@ way makes the proof fail. What that gives:
 * **The server's answer is authentic.** Ps covers the ACCEPT the client acts on (its QP
   number, PSN, GID and every region with its rkey).
 
+* **The server is the one dialled.** The client checks that the CHALLENGE names the engine
+  id it dialled (a relay at another address that passes the handshake on is refused).
+* **Messages after the handshake are authentic.** Both ends derive a key per connection
+  and direction from the token and the transcript, and seal every later message with a
+  sequence number and a MAC (:mod:`hixl.core.seal`, :meth:`session`).
+
 What the token does not protect: the bytes are not encrypted (an on-path observer sees the
-regions and their rkeys, and RoCE packets carry no authentication at all), messages after
-the handshake are not authenticated, and a client that connects to an impostor hands the
-impostor Pc, against which a weak token can be guessed offline. Use a random token
-(``hixl token`` prints 256 bits) and a private fabric.
+regions and their rkeys, and RoCE packets carry no authentication at all), and a client
+that connects to an impostor hands the impostor Pc, against which a weak token can be
+guessed offline. Use a random token (``hixl token`` prints 256 bits) and a private fabric.
 
 Without a token every proof is empty. An end with a token refuses an empty proof and an end
 without one refuses a non-empty proof, each with a message that says which side lacks it.
@@ -67,6 +72,7 @@ import hashlib
 import hmac
 
 from hixl.core import wire
+from hixl.core.seal import Opener, Sealer, session_keys
 from hixl.errors import AuthenticationError, HandshakeError
 
 __all__ = [
@@ -167,6 +173,21 @@ class _Machine:
         """True once the handshake completed on this end."""
         return self._step is _Step.DONE
 
+    _token: bytes | None
+    _transcript: tuple[wire.Hello, wire.Challenge, wire.Info, wire.Accept] | None = None
+
+    def session(self) -> tuple[Sealer, Opener]:
+        """This end's :class:`Sealer` and :class:`Opener` for the messages after the
+        handshake (keys from :func:`hixl.core.seal.session_keys`); once ACCEPT is settled."""
+        if self._transcript is None:
+            raise HandshakeError(
+                f"{self.role} handshake: no session before ACCEPT (state {self._step.value})"
+            )
+        cs, sc = session_keys(self._token, *self._transcript)
+        if self.role == "client":
+            return Sealer(cs), Opener(sc)
+        return Sealer(sc), Opener(cs)
+
 
 class ClientHandshake(_Machine):
     """The connecting end. Use in this order::
@@ -179,7 +200,9 @@ class ClientHandshake(_Machine):
         send(hs.ready())
 
     ``token`` is the shared secret (non-empty bytes) or None. ``peer`` names the server in
-    error messages. ``nonce`` is for tests; by default a fresh one is drawn.
+    error messages. ``expect_id``, when given, is the engine id the client dialled: a
+    CHALLENGE naming another one is refused (:class:`AuthenticationError`). ``nonce`` is
+    for tests; by default a fresh one is drawn.
     """
 
     role = "client"
@@ -190,19 +213,32 @@ class ClientHandshake(_Machine):
         token: bytes | None,
         *,
         peer: str = "the server",
+        expect_id: str | None = None,
         nonce: bytes | None = None,
     ) -> None:
         _check_token(token)
         self._token = token
         self.peer = peer
+        self.expect_id = expect_id
         self.hello = wire.Hello(engine_id=engine_id, nonce=nonce or wire.make_nonce())
         self.challenge: wire.Challenge | None = None
         self._info: wire.Info | None = None
         self._step = _Step.HELLO
 
     def on_challenge(self, msg: wire.Challenge) -> None:
-        """Take the server's CHALLENGE (its id and nonce)."""
+        """Take the server's CHALLENGE (its id and nonce).
+
+        Raises :class:`AuthenticationError` when it names another engine than
+        ``expect_id``.
+        """
         self._advance(_Step.HELLO, _Step.CHALLENGE, "CHALLENGE")
+        if self.expect_id is not None and msg.engine_id != self.expect_id:
+            raise self._fail(
+                AuthenticationError(
+                    f"{self.peer} answered as engine {msg.engine_id!r}, not the "
+                    f"{self.expect_id!r} dialled: a relay or a misdirected address"
+                )
+            )
         self.challenge = msg
 
     def info(self, draft: wire.Info) -> wire.Info:
@@ -233,6 +269,7 @@ class ClientHandshake(_Machine):
                         "token: give Engine(token=...) the same token on both ends"
                     )
                 )
+            self._transcript = (self.hello, self.challenge, self._info, msg)
             return msg
         expected = server_proof(self._token, self.hello, self.challenge, self._info, msg)
         if not msg.proof:
@@ -249,6 +286,7 @@ class ClientHandshake(_Machine):
                     "different token, or the handshake was altered on the way"
                 )
             )
+        self._transcript = (self.hello, self.challenge, self._info, msg)
         return msg
 
     def ready(self) -> wire.Ready:
@@ -338,7 +376,9 @@ class ServerHandshake(_Machine):
         assert self.hello is not None and self._challenge is not None
         assert self._info is not None
         proof = server_proof(self._token, self.hello, self._challenge, self._info, draft)
-        return dataclasses.replace(draft, proof=proof)
+        accept = dataclasses.replace(draft, proof=proof)
+        self._transcript = (self.hello, self._challenge, self._info, accept)
+        return accept
 
     def on_ready(self, msg: wire.Ready) -> None:
         """Take the client's READY: the handshake is complete."""

@@ -15,10 +15,13 @@ except where a method says otherwise.  It keeps three things behind methods:
   pair with a completion queue of its own, reserved for a :class:`~hixl.engine.channel.Channel`
   (one caller thread posts one work request and polls that queue itself: no window, no
   progress thread, no engine lock around the wait);
-* the *control channel*: the TCP socket the handshake ran on, its decoder, and an outbox
-  of encoded control messages.  Messages are queued under the engine lock and written by
-  the progress thread with non-blocking sends, so no caller ever blocks on a peer that
-  stops reading; an outbox that grows past :data:`MAX_OUTBOX` fails the connection.
+* the *control channel*: the TCP socket the handshake ran on, its decoder, the session's
+  :class:`~hixl.core.seal.Sealer` and :class:`~hixl.core.seal.Opener`, and an outbox of
+  sealed control messages.  Messages are sealed and queued under the engine lock (so their
+  numbers follow the outbox order) and written by the progress thread with non-blocking
+  sends, so no caller ever blocks on a peer that stops reading; an outbox that grows past
+  :data:`MAX_OUTBOX` fails the connection.  Received bytes are decoded and opened by the
+  progress thread alone, outside the engine lock (:meth:`Connection.take_control`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from hixl.core import notify, wire
+from hixl.core.seal import Opener, Sealer
 from hixl.core.states import ConnEvent, ConnState, next_state
 from hixl.core.window import Batch, SendWindow
 from hixl.core.wire import RemoteRegion
@@ -175,6 +179,8 @@ class Connection:
             raise
         self.sock: socket.socket | None = None
         self.decoder: wire.Decoder | None = None
+        self.sealer: Sealer | None = None
+        self.opener: Opener | None = None
         self._outbox = bytearray()
 
     # -- what users read -----------------------------------------------------------------
@@ -321,19 +327,54 @@ class Connection:
         self.lane_cycle = itertools.cycle(self.lanes)
         self.set_remote_regions(remote.regions)
 
-    def attach(self, sock: socket.socket, decoder: wire.Decoder) -> None:
-        """Keep the handshake socket as the control channel (non-blocking from now on)."""
+    def attach(
+        self, sock: socket.socket, decoder: wire.Decoder, session: tuple[Sealer, Opener]
+    ) -> None:
+        """Keep the handshake socket as the control channel (non-blocking from now on),
+        with the session's sealer and opener."""
         sock.setblocking(False)
         self.sock = sock
         self.decoder = decoder
+        self.sealer, self.opener = session
 
     # -- control channel -----------------------------------------------------------------
     def queue_control(self, data: bytes) -> bool:
-        """Queue an encoded control message; False when the peer has left too much unread."""
-        if len(self._outbox) + len(data) > MAX_OUTBOX:
+        """Seal and queue an encoded control message (engine lock); False when the peer has
+        left too much unread (nothing is queued then)."""
+        if self.sealer is None or len(self._outbox) + len(data) + wire.SEAL_OVERHEAD > MAX_OUTBOX:
             return False
-        self._outbox += data
+        self._outbox += self.sealer.seal(data)
         return True
+
+    def take_control(self, data: bytes) -> tuple[list[wire.Message], HandshakeError | None]:
+        """Decode and open what the peer sent: the messages in order, and the error that
+        stopped the decoding (a malformed frame, a failed MAC or sequence check), if any.
+
+        Progress thread only (or the adopting thread before the socket is watched); needs
+        no engine lock: the decoder and opener are this connection's alone.
+        """
+        assert self.decoder is not None and self.opener is not None
+        out: list[wire.Message] = []
+        try:
+            for msg in self.decoder.feed(data):
+                out.append(self.opener.open(msg))
+        except HandshakeError as exc:
+            return out, exc
+        return out, None
+
+    def open_control(
+        self, msgs: list[wire.Message]
+    ) -> tuple[list[wire.Message], HandshakeError | None]:
+        """:meth:`take_control` for messages already decoded (those that came with the
+        handshake's last message)."""
+        assert self.opener is not None
+        out: list[wire.Message] = []
+        try:
+            for msg in msgs:
+                out.append(self.opener.open(msg))
+        except HandshakeError as exc:
+            return out, exc
+        return out, None
 
     @property
     def wants_write(self) -> bool:

@@ -18,12 +18,13 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from hixl.core import notify, wire
 from hixl.core.descriptors import ContiguousDesc, Descriptor
 from hixl.core.notify import Notification
 from hixl.core.plan import DeviceLimits
+from hixl.core.seal import IntegrityError, Opener, Sealer
 from hixl.core.states import ConnEvent, ConnState
 from hixl.core.window import MAX_BATCHES, Batch, Chunk
 from hixl.core.wire import MAX_LANES, RemoteRegion
@@ -47,7 +48,14 @@ from hixl.engine.handles import (
     TransferRequest,
     TransferStatus,
 )
-from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
+from hixl.engine.handshake import (
+    PROBE_S,
+    Admission,
+    Listener,
+    client_handshake,
+    error_frame,
+    printable,
+)
 from hixl.engine.names import Names
 from hixl.engine.progress import POLL_BATCH, Progress
 from hixl.engine.regions import Access, Region, buffer_span
@@ -616,8 +624,16 @@ class Engine:
         self._progress.wake()
 
     # -- connections ---------------------------------------------------------------------
-    def connect(self, peer: str, timeout: float = 10.0) -> Connection:
+    def connect(
+        self, peer: str, timeout: float = 10.0, *, address: str | None = None
+    ) -> Connection:
         """Connect to the engine listening at ``peer`` (``"ip:port"``, or a name).
+
+        The engine that answers must call itself ``peer`` (or, for a name, the id the
+        registry gives): one that names another id is refused with
+        :class:`AuthenticationError`, so a relay at another address gets nothing.
+        ``address`` (``"host:port"``) is where to dial when that is not ``peer``'s own
+        address (a port forward or tunnel); the answer must still name ``peer``.
 
         A name (no ``:``) is resolved through the engine's registry each time; the
         returned connection is then also found under that name (``put("decode-1", ...)``).
@@ -668,6 +684,11 @@ class Engine:
             raise ArgumentError(f"bad peer id {peer!r}: {exc}{hint}") from exc
         if port == 0:
             raise ArgumentError(f"peer {peer!r} does not listen (port 0)")
+        if address is not None:
+            try:
+                host, port = wire.parse_engine_id(address)
+            except ValueError as exc:
+                raise ArgumentError(f"bad address {address!r}: {exc}") from exc
         with self._lock:
             old = self._conns.get(peer)
             if old is not None and old.state is ConnState.READY:
@@ -720,6 +741,14 @@ class Engine:
                 )
             old = self._conns.get(peer)
             if old is not None and old.state is ConnState.READY:
+                since = time.monotonic() - old.pong_at
+                if since < PROBE_S / 2:  # answered a probe just now: no new one
+                    return Admission(
+                        code=wire.ErrorCode.ALREADY_CONNECTED,
+                        message=f"{peer} is already connected to {self.id} and answered a "
+                        f"liveness probe {since:.2f} s ago; a connection keeps its id until "
+                        "it fails or disconnects",
+                    )
                 self._start_probe(old)
                 return Admission(probe=old)
             count = len(self._conns) - (old is not None) + len(claims - set(self._conns))
@@ -747,10 +776,18 @@ class Engine:
         return Admission(conn=conn)
 
     def _start_probe(self, conn: Connection) -> None:
-        """Ask a READY connection whether it is alive: PING on its control channel."""
+        """Ask a READY connection whether it is alive: PING on its control channel.
+
+        One probe at a time per connection: while one is out (less than ``PROBE_S`` old),
+        later claims of the id wait for its answer instead of sending another PING, so a
+        stream of claims can neither flood the peer nor make its answer stale.
+        """
+        now = time.monotonic()
+        if conn.probe_nonce is not None and now - conn.probe_started < PROBE_S:
+            return
         nonce = wire.make_nonce()
         conn.probe_nonce = nonce
-        conn.probe_started = time.monotonic()
+        conn.probe_started = now
         self._queue_control(conn, wire.encode(wire.Ping(nonce=nonce)))
 
     def _probe_outcome(self, conn: Connection, expired: bool) -> str | None:
@@ -786,10 +823,12 @@ class Engine:
         sock: socket.socket,
         decoder: wire.Decoder,
         pending: list[wire.Message],
+        session: tuple[Sealer, Opener],
     ) -> None:
         """Make a handshaken connection live: index it and watch its control socket.
 
-        ``pending`` are control messages that arrived with the handshake's last one.
+        ``pending`` are control messages that arrived with the handshake's last one;
+        ``session`` seals what we send from now on and opens what we receive.
         """
         with self._lock:
             self._check_open()
@@ -799,11 +838,12 @@ class Engine:
                     raise ConnectionFailed(f"{conn.peer} got connected meanwhile")
                 self._drop(old, "replaced by a new connection", send_bye=False)
             conn.transition(ConnEvent.ESTABLISHED)
-            conn.attach(sock, decoder)
+            conn.attach(sock, decoder, session)
             self._conns[conn.peer] = conn
+            # Opened before the socket is watched: the progress thread opens the rest.
+            msgs, problem = conn.open_control(pending)
             self._progress.watch(conn)
-            for msg in pending:
-                self._on_control(conn, msg)
+            self._on_controls(conn, msgs, problem, eof=False)
             # Regions registered or released since the handshake carried ours were announced
             # only to live connections, which this one was not yet: tell the peer now.
             sent = {(r.rkey, r.addr): r for r in conn.sent_regions}
@@ -875,6 +915,7 @@ class Engine:
         *,
         culprit: TransferHandle | None = None,
         expected: bool = False,
+        tell: tuple[wire.ErrorCode, str] | Literal["bye"] | None = "bye",
     ) -> None:
         """Mark ``conn`` failed: flush its queue pair and fail its pending transfers.
 
@@ -882,7 +923,9 @@ class Engine:
         a caller woken by its handle already sees the state.  ``culprit`` (the transfer
         that caused the failure) gets ``error``; every other pending transfer gets
         :class:`ConnectionFailed` naming ``reason``.  ``expected`` (a peer's orderly
-        goodbye) logs at INFO instead of WARNING.
+        goodbye) logs at INFO instead of WARNING.  The peer is told, so that it does not
+        keep a connection we gave up: with ``tell="bye"`` a BYE naming ``reason``, with a
+        ``(code, message)`` an ERROR, with None nothing (the peer left already).
         """
         if conn.state in (ConnState.FAILED, ConnState.CLOSED):
             if culprit is not None and error is not None:
@@ -897,6 +940,15 @@ class Engine:
             conn.peer,
             reason,
         )
+        if tell is not None and conn.sock is not None:
+            text = printable(f"connection failed at {self.id}: {reason}", 1000)
+            if isinstance(tell, tuple):
+                frame = error_frame(tell[0], text)
+            else:
+                frame = wire.encode(wire.Bye(reason=text))
+            if conn.queue_control(frame):  # best effort: a peer that reads nothing is gone
+                self._outgoing.add(conn)
+                self._progress.wake()
         if culprit is not None and error is not None:
             culprit.finish(error)
             self._handles.discard(culprit)
@@ -2081,9 +2133,7 @@ class Engine:
                     f"(max_notifications={self._max_notes})"
                 )
             reason = f"notification queue full at {self.id}: {why}; the sender is cut off"
-            if conn.state is ConnState.READY and conn.sock is not None:
-                self._queue_control(conn, error_frame(wire.ErrorCode.OVERFLOW, reason))
-            self._fail(conn, reason)
+            self._fail(conn, reason, tell=(wire.ErrorCode.OVERFLOW, reason))
             return
         self._notes.append(note)
         self._note_counts[note.peer] = queued + 1
@@ -2205,38 +2255,70 @@ class Engine:
         except OSError as exc:
             with self._lock:
                 self._progress.unwatch(conn)
-                self._fail(conn, f"control connection lost: {exc}")
+                self._fail(conn, f"control connection lost: {exc}", tell=None)
+                self._let_go(conn, f"control connection lost: {exc}")
             return
         with self._lock:
             if conn.state is not ConnState.CLOSED and conn.sock is not None:
                 self._progress.watch(conn)  # write interest only while output is left
 
     def _read_control(self, conn: Connection) -> None:
-        """Read and handle what ``conn``'s peer sent on its control socket; never blocks."""
+        """Read and handle what ``conn``'s peer sent on its control socket; never blocks.
+
+        The bytes are decoded and each message's MAC and number checked outside the engine
+        lock (this thread owns the decoder); only the handling takes the lock.
+        """
         if conn.sock is None or conn.decoder is None:
             return
         try:
             data = conn.read_control()
         except OSError as exc:
             data = b""
-            log.debug("control socket of %s: %s", conn.peer, exc)
+            log.debug("control socket of %s: %s", conn.peer, printable(str(exc), 200))
         if data is None:
             return
+        msgs, problem = conn.take_control(data) if data else ([], None)
         with self._lock:
-            if conn.state is ConnState.CLOSED:
-                return
-            if not data:
-                self._progress.unwatch(conn)
-                self._fail(conn, "peer closed the control connection (process gone?)")
-                return
-            try:
-                msgs = conn.decoder.feed(data)
-            except HandshakeError as exc:
-                self._progress.unwatch(conn)
-                self._fail(conn, f"malformed control message: {exc}")
-                return
-            for msg in msgs:
-                self._on_control(conn, msg)
+            if conn.state is not ConnState.CLOSED:
+                self._on_controls(conn, msgs, problem, eof=not data)
+
+    def _on_controls(
+        self,
+        conn: Connection,
+        msgs: list[wire.Message],
+        problem: HandshakeError | None,
+        *,
+        eof: bool,
+    ) -> None:
+        """Handle opened control messages, then what ended the read (lock held)."""
+        for msg in msgs:
+            self._on_control(conn, msg)
+        if problem is not None:
+            self._progress.unwatch(conn)
+            if isinstance(problem, IntegrityError):
+                what = f"control message integrity check failed: {problem}"
+                code = wire.ErrorCode.INTEGRITY
+            else:
+                what = f"malformed control message: {problem}"
+                code = wire.ErrorCode.MALFORMED
+            self._fail(conn, what, tell=(code, what))
+            self._let_go(conn, what)
+        elif eof:
+            self._peer_left(conn, "peer closed the control connection (process gone?)")
+
+    def _peer_left(self, conn: Connection, reason: str, *, expected: bool = False) -> None:
+        """The peer said goodbye, gave up or closed its socket (lock held): fail ``conn``
+        and let it go if the peer connected to us."""
+        self._progress.unwatch(conn)
+        self._fail(conn, reason, expected=expected, tell=None)
+        self._let_go(conn, reason)
+
+    def _let_go(self, conn: Connection, reason: str) -> None:
+        """Release a failed connection the peer opened (lock held): its queue pairs, memory,
+        socket and ``max_peers`` slot.  A connection we opened stays, FAILED, for the
+        application to see, until it disconnects or connects again."""
+        if not conn.outbound and conn.state is ConnState.FAILED:
+            self._drop(conn, reason, send_bye=False)
 
     def _on_control(self, conn: Connection, msg: wire.Message) -> None:
         if isinstance(msg, wire.Regions):
@@ -2244,7 +2326,9 @@ class Engine:
                 conn.update_remote_regions(msg.add, msg.remove)
             except HandshakeError as exc:
                 self._progress.unwatch(conn)
-                self._fail(conn, f"bad REGIONS update: {exc}")
+                what = f"bad REGIONS update: {exc}"
+                self._fail(conn, what, tell=(wire.ErrorCode.MALFORMED, what))
+                self._let_go(conn, what)
         elif isinstance(msg, wire.Ping):
             self._queue_control(conn, wire.encode(wire.Pong(nonce=msg.nonce)))
         elif isinstance(msg, wire.Pong):
@@ -2257,12 +2341,21 @@ class Engine:
             # send completed here, maybe before this thread reaped it (same select round).
             self._reap_recv(self.recv_cq.poll(64))
             self._reap_send(self.send_cq.poll_rows(POLL_BATCH))
-            self._progress.unwatch(conn)
-            self._fail(conn, f"peer said goodbye: {msg.reason}", expected=True)
+            self._peer_left(conn, f"peer said goodbye: {_escape(msg.reason)}", expected=True)
         elif isinstance(msg, wire.Error):
-            self._fail(conn, f"peer reported {msg.code}: {msg.message}")
+            self._peer_left(conn, f"peer reported {msg.code}: {_escape(msg.message)}")
         else:
-            self._fail(conn, f"unexpected {type(msg).__name__} on the control channel")
+            what = f"unexpected {type(msg).__name__} on the control channel"
+            self._fail(conn, what, tell=(wire.ErrorCode.MALFORMED, what))
+            self._let_go(conn, what)
+
+
+def _escape(text: str, limit: int = 300) -> str:
+    """Peer text made safe for one log line: non-printable characters (newlines too)
+    escaped, cut to ``limit`` characters."""
+    cut = text[:limit]
+    out = cut.encode("unicode_escape").decode("ascii") if not cut.isprintable() else cut
+    return out + ("..." if len(text) > limit else "")
 
 
 def _deadline_error(h: TransferHandle) -> TransferTimeout:

@@ -249,14 +249,14 @@ def _client_attempt(
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         chan = Channel(sock, peer, abort)
-        hs = ClientHandshake(engine.id, token, peer=peer)
+        hs = ClientHandshake(engine.id, token, peer=peer, expect_id=peer)
         chan.send(hs.hello, deadline)
         hs.on_challenge(chan.expect(wire.Challenge, deadline))
         conn = engine._new_connection(peer, outbound=True)
         chan.send(hs.info(conn.local_info(wire.Info, b"", engine._exposed())), deadline)
         conn.establish(hs.on_accept(chan.expect(wire.Accept, deadline)))
         chan.send(hs.ready(), deadline)
-        engine._adopt(conn, chan.sock, chan.decoder, list(chan.pending))
+        engine._adopt(conn, chan.sock, chan.decoder, list(chan.pending), hs.session())
         return conn
     except BaseException:
         if conn is not None:
@@ -517,7 +517,7 @@ class Listener:
         self._forget(inc)
         conn, inc.conn = inc.conn, None
         try:
-            self._engine._adopt(conn, inc.sock, inc.decoder, rest)
+            self._engine._adopt(conn, inc.sock, inc.decoder, rest, inc.hs.session())
         except HixlError as exc:
             log.info("handshake from %s: not adopted: %s", inc.peer, exc)
             self._engine._discard(conn)

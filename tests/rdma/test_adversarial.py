@@ -30,6 +30,7 @@ import pytest
 from hixl import (
     Access,
     ArgumentError,
+    AuthenticationError,
     CompletionError,
     ConnectionFailed,
     ConnState,
@@ -84,6 +85,9 @@ class Proxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.id = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.socks: list[socket.socket] = []
+        self.out: dict[str, socket.socket] = {}  # the last connection's socket per direction
+        self.seen: dict[str, list[wire.Message]] = {"up": [], "down": []}
+        self._send_lock = threading.Lock()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -94,6 +98,7 @@ class Proxy:
                 up = socket.create_connection(addr_of(self.upstream), timeout=10)
                 up.settimeout(None)
                 self.socks += [down, up]
+                self.out = {"up": up, "down": down}
                 for src, dst, way in ((down, up, "up"), (up, down, "down")):
                     threading.Thread(target=self._relay, args=(src, dst, way), daemon=True).start()
 
@@ -102,9 +107,16 @@ class Proxy:
         with contextlib.suppress(OSError, HandshakeError):
             while data := src.recv(65536):
                 for msg in dec.feed(data):
-                    dst.sendall(wire.encode(self.tamper(way, msg)))
+                    self.seen[way].append(msg)
+                    with self._send_lock:
+                        dst.sendall(wire.encode(self.tamper(way, msg)))
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
+
+    def inject(self, way: str, data: bytes) -> None:
+        """Send ``data`` (whole frames) on the last connection, ``"up"`` or ``"down"``."""
+        with self._send_lock:
+            self.out[way].sendall(data)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -465,11 +477,12 @@ def test_tampered_transcript_is_rejected(case: str | None) -> None:
         srv.register(np.zeros(4096, np.uint8), access=RW, name="dst")
         proxy = Proxy(srv.id, passthrough if case is None else _tamperer(case))
         try:
+            # Dialled through the proxy as a port forward: the answer names srv.id.
             if case is None:  # the proxy itself changes nothing that matters
-                cli.connect(proxy.id, timeout=10)
+                cli.connect(srv.id, timeout=10, address=proxy.id)
                 return
             with pytest.raises(HandshakeError):
-                cli.connect(proxy.id, timeout=10)
+                cli.connect(srv.id, timeout=10, address=proxy.id)
             assert cli.peers == []
         finally:
             proxy.close()
@@ -674,3 +687,161 @@ def test_listening_without_token_off_loopback_warns(caplog: pytest.LogCaptureFix
     assert [warnings_of(e) for e in quiet] == [[], []]
     warned = warnings_of(loud)
     assert len(warned) == 1 and "token" in warned[0], warned
+
+
+# --------------------------------------------------------------------------- 8. after the handshake
+
+LET_GO_S = 1.0  # the side that stays lets a departed peer go this soon, seconds
+
+
+def _wait(cond: Callable[[], bool], timeout: float) -> float:
+    """Seconds until ``cond()`` held; ``timeout`` + 1 if it never did within ``timeout``."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            return timeout + 1
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def test_relay_at_another_address_is_refused() -> None:
+    """A relay without the token, at its own address, passing the handshake on unchanged."""
+    token = secrets.token_hex(32)
+    with Engine(f"127.0.0.1:{free_tcp_port()}", token=token) as srv, Engine(token=token) as cli:
+        srv.register(np.zeros(4096, np.uint8), access=RW, name="dst")
+        proxy = Proxy(srv.id, passthrough)
+        try:
+            with pytest.raises(AuthenticationError, match=rf"answered as engine '{srv.id}'"):
+                cli.connect(proxy.id, timeout=10)
+            rkeys = [
+                r.rkey for m in proxy.seen["down"] if isinstance(m, wire.Accept) for r in m.regions
+            ]
+        finally:
+            proxy.close()
+        assert cli.peers == []
+        assert rkeys == [], f"the relay read {len(rkeys)} rkeys"
+        assert _wait(lambda: not srv.peers, LET_GO_S) <= LET_GO_S, srv.peers
+
+
+def _on_path(token: str) -> tuple[Engine, Engine, Proxy, np.ndarray, np.ndarray]:
+    """A server exposing "dst" and "other", a client connected to it through an on-path
+    relay (dialled as a port forward), and both regions' arrays."""
+    srv = Engine(f"127.0.0.1:{free_tcp_port()}", token=token)
+    cli = Engine("127.0.0.1:0", token=token)
+    dst, other = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+    srv.register(dst, access=RW, name="dst")
+    srv.register(other, access=RW, name="other")
+    proxy = Proxy(srv.id, passthrough)
+    cli.connect(srv.id, timeout=10, address=proxy.id)
+    return srv, cli, proxy, dst, other
+
+
+@pytest.mark.parametrize("how", ["unsealed", "forged-mac", "replayed"])
+def test_injected_regions_cannot_redirect_puts(how: str) -> None:
+    srv, cli, proxy, dst, other = _on_path(secrets.token_hex(32))
+    try:
+        src = cli.register(np.full(4096, 5, np.uint8), access=Access.NONE)
+        conn = cli.connection(srv.id)
+        real, decoy = conn.remote_region("dst"), conn.remote_region("other")
+        # "dst" now names the memory of "other": the put would land there.
+        evil = wire.Regions(remove=(real,), add=(dataclasses.replace(decoy, name="dst"),))
+        frame = wire.encode(evil)
+        if how == "forged-mac":
+            frame = wire.encode(wire.Sealed(seq=0, mac=secrets.token_bytes(32), frame=frame))
+        elif how == "replayed":
+            srv.register(np.zeros(4096, np.uint8), access=RW, name="late")  # one sealed REGIONS
+            assert _wait(lambda: len(conn.remote_regions) == 3, 5) <= 5
+            sealed = [m for m in proxy.seen["down"] if isinstance(m, wire.Sealed)]
+            assert sealed, proxy.seen["down"]
+            frame = wire.encode(sealed[-1])
+        proxy.inject("down", frame)
+        failed = _wait(lambda: conn.state is not ConnState.READY, 5)
+        with contextlib.suppress(ConnectionFailed):
+            cli.put(srv.id, src, "dst", timeout=5)
+        let_go = _wait(lambda: not srv.peers, 5)
+        redirected = int(np.count_nonzero(other))
+        print(f"{how}: client failed after {failed:.3f} s, server let go after {let_go:.3f} s")
+        assert redirected == 0, f"{redirected} of 4096 bytes landed in the other region"
+        assert conn.state is ConnState.FAILED and "integrity" in (conn.failure or ""), (
+            conn.state,
+            conn.failure,
+        )
+        assert failed < 1.0, f"the injection was noticed after {failed:.2f} s"
+        assert let_go <= LET_GO_S, f"the server kept the connection {let_go:.2f} s: {srv.peers}"
+    finally:
+        proxy.close()
+        cli.close()
+        srv.close()
+
+
+def test_forged_bye_leaves_no_half_open_connection() -> None:
+    srv, cli, proxy, _, _ = _on_path(secrets.token_hex(32))
+    try:
+        conn = cli.connection(srv.id)
+        proxy.inject("down", wire.encode(wire.Bye(reason="forged\nINFO all is well")))
+        failed = _wait(lambda: conn.state is not ConnState.READY, 5)
+        let_go = _wait(lambda: not srv.peers, 5)
+        print(f"forged BYE: client failed after {failed:.3f} s, server after {let_go:.3f} s")
+        assert conn.state is ConnState.FAILED
+        assert "goodbye" not in (conn.failure or "") and "integrity" in (conn.failure or "")
+        assert let_go <= LET_GO_S, f"the server still holds {srv.peers} after {let_go:.2f} s"
+    finally:
+        proxy.close()
+        cli.close()
+        srv.close()
+
+
+def test_a_claimed_peer_answering_its_probes_keeps_its_id(server: Engine) -> None:
+    """Claims of a live peer's id every 0.1 s never displace it (one probe at a time)."""
+    with Engine("127.0.0.1:0") as b:
+        b.connect(server.id)
+        src = b.register(np.full(4096, 3, np.uint8), access=Access.NONE)
+        codes: list[str] = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 4 * 2.0:  # four probe deadlines
+            thief = raw_handshake(server.id, b.id, server.device.gid, timeout=5)
+            codes += [e.code for e in errors(thief)]
+            assert not accepted(thief), "the impostor was ACCEPTED"
+            thief.close()
+            time.sleep(0.1)
+        assert server.connection(b.id).state is ConnState.READY
+        assert b.connection(server.id).state is ConnState.READY
+        b.put(server.id, src, "dst", timeout=5)
+        assert codes and set(codes) == {wire.ErrorCode.ALREADY_CONNECTED}, codes
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+SOAK_CYCLES = int(os.environ.get("HIXL_SOAK_CYCLES", "40"))
+SOAK_WARMUP = 5
+SOAK_RSS_BOUND = 24 << 20  # RSS growth allowed over all cycles after the warm-up, bytes
+SOAK_FD_BOUND = 4  # descriptors allowed over the warm-up's count
+
+
+def test_clients_that_close_are_let_go(server: Engine) -> None:
+    """connect -> put -> close by a fresh client engine each cycle: the server lets each go
+    within LET_GO_S, and its peers, fds and RSS stay flat (``make soak``: 1000 cycles)."""
+    worst, fds0, rss0 = 0.0, 0, 0
+    for i in range(SOAK_CYCLES + SOAK_WARMUP):
+        with Engine("127.0.0.1:0") as cli:
+            src = cli.register(np.full(4096, i % 251, np.uint8), access=Access.NONE)
+            cli.connect(server.id, timeout=10)
+            cli.put(server.id, src, "dst", timeout=10)
+        took = _wait(lambda: not server.peers, 5)
+        assert took <= LET_GO_S, (
+            f"cycle {i}: the server still holds {server.peers} after {took:.2f} s"
+        )
+        worst = max(worst, took)
+        if i + 1 == SOAK_WARMUP:
+            gc.collect()
+            fds0, rss0 = _fds(), rss_bytes()
+    gc.collect()
+    fds, grown = _fds() - fds0, rss_bytes() - rss0
+    print(
+        f"{SOAK_CYCLES} cycles: slowest let-go {worst:.3f} s, fds {fds:+d}, "
+        f"RSS {grown / 2**20:+.1f} MiB"
+    )
+    assert fds <= SOAK_FD_BOUND, f"{fds} more fds after {SOAK_CYCLES} cycles"
+    assert grown <= SOAK_RSS_BOUND, f"RSS grew {grown / 2**20:.1f} MiB in {SOAK_CYCLES} cycles"
