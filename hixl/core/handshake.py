@@ -70,6 +70,7 @@ import dataclasses
 import enum
 import hashlib
 import hmac
+import ipaddress
 
 from hixl.core import wire
 from hixl.core.seal import Opener, Sealer, session_keys
@@ -78,6 +79,8 @@ from hixl.errors import AuthenticationError, HandshakeError
 __all__ = [
     "ClientHandshake",
     "ServerHandshake",
+    "claim_mismatch",
+    "source_for",
     "client_proof",
     "server_proof",
 ]
@@ -134,6 +137,52 @@ def server_proof(
     32 bytes, or ``b""`` without a token. Raises :class:`ValueError` for an empty token.
     """
     return _mac(token, b"server", (hello, challenge, _unproven(info), _unproven(accept)))
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(text.partition("%")[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def claim_mismatch(claim: str, source: str) -> str | None:
+    """Why a client connecting from the IP address ``source`` may not use the engine id
+    ``claim``, or None when it may.
+
+    A listening id (``host:port``, port not 0) whose host is an IP address must be the
+    address the connection comes from: otherwise anyone could take the id of an engine
+    that is not connected yet and receive what is meant for it. Not checked: ids that do
+    not listen (port 0: nobody dials them, and their random suffix keeps them apart) and
+    ids that name their host by name (no name lookups here).
+    """
+    host, port = wire.parse_engine_id(claim)
+    claimed, src = _ip(host), _ip(source)
+    if port == 0 or claimed is None or src is None or claimed == src:
+        return None
+    return (
+        f"the client claims engine id {claim}, but its connection comes from {source}, "
+        f"not {host}: an engine's id must be the address it connects from (an engine "
+        "behind NAT or a proxy needs Engine(trust_peer_hosts=True) on the server)"
+    )
+
+
+def source_for(engine_id: str, dest_host: str) -> str | None:
+    """The local address a client with ``engine_id`` binds before dialling ``dest_host``,
+    so that the server sees it come from its id's host (see :func:`claim_mismatch`), or
+    None to let the system choose: for an id that does not listen, a host name, the
+    unspecified address, or an address of another family or scope (loopback or not)
+    than the destination."""
+    host, port = wire.parse_engine_id(engine_id)
+    own, dest = _ip(host), _ip(dest_host)
+    if port == 0 or own is None or dest is None or own.is_unspecified:
+        return None
+    if own.version != dest.version or own.is_loopback != dest.is_loopback:
+        return None
+    return host
 
 
 def _matches(expected: bytes, got: bytes) -> bool:

@@ -31,6 +31,7 @@ ERROR       ``code`` (one of :class:`ErrorCode`), ``message``
 BYE         ``reason``
 PING        ``nonce`` (16 bytes)
 PONG        ``nonce`` (16 bytes)
+CREDIT      ``notes`` (1..2**31: notifications the receiver lets the sender add)
 SEALED      binary, not JSON: ``seq`` (u64, big-endian), ``mac`` (32 bytes), then one
             whole frame of another type (see :mod:`hixl.core.seal`)
 ==========  ==========================================================================
@@ -51,7 +52,8 @@ under a key of this connection's (see :mod:`hixl.core.seal`); a frame that is no
 or whose MAC or number is wrong, fails the connection. Inside, the connection carries,
 in either direction, REGIONS (regions the
 sender has started or stopped exposing since its last message: ``remove`` applies first,
-then ``add``), PING (answered by a PONG with the same nonce: a liveness probe), ERROR and
+then ``add``), PING (answered by a PONG with the same nonce: a liveness probe), CREDIT (the
+sender may send that many more notifications: see :mod:`hixl.engine.inbox`), ERROR and
 BYE. Either side may answer a message it cannot accept with ERROR and close:
 ``VERSION`` (another protocol version), ``MALFORMED`` (a bad frame), ``AUTH`` (a proof
 that does not match), ``ALREADY_CONNECTED`` (a live connection holds the claimed id),
@@ -95,6 +97,7 @@ __all__ = [
     "Accept",
     "Bye",
     "Challenge",
+    "Credit",
     "Decoder",
     "Error",
     "ErrorCode",
@@ -123,7 +126,7 @@ __all__ = [
 #: 3: the handshake proofs are keyed with SHA-256 of the token (see hixl.core.handshake).
 #: 4: INFO and ACCEPT carry ``lanes``, the sender's extra queue pairs (see :class:`QpInfo`).
 #: 5: INFO and ACCEPT carry ``direct``: whether the last extra queue pair is a direct lane.
-#: 6: every message after the handshake is SEALED (sequence number and MAC).
+#: 6: every message after the handshake is SEALED (sequence number and MAC); CREDIT.
 PROTOCOL_VERSION = 6
 #: Most queue pairs (lanes) one connection may have, the first included.
 MAX_LANES = 8
@@ -180,6 +183,7 @@ class MsgType(enum.IntEnum):
     PING = 10
     PONG = 11
     SEALED = 12
+    CREDIT = 13
 
 
 class ErrorCode(enum.StrEnum):
@@ -625,6 +629,18 @@ class Pong:
         _set(self, "nonce", _bytes("Pong.nonce", self.nonce, (NONCE_SIZE,)))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Credit:
+    """Either direction, after READY: the sender of this message lets its peer send
+    ``notes`` (1..2**31) more notifications (flow control, see :mod:`hixl.engine.inbox`)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CREDIT
+    notes: int
+
+    def __post_init__(self) -> None:
+        _set(self, "notes", _int("Credit.notes", self.notes, 1, 1 << 31))
+
+
 #: Bytes a SEALED frame adds around the frame it carries: its own header, ``seq``, ``mac``.
 SEAL_OVERHEAD = HEADER_SIZE + 8 + PROOF_SIZE
 _SEALED_HEAD = struct.Struct("!Q32s")
@@ -656,11 +672,37 @@ class Sealed:
         _set(self, "frame", frame)
 
 
-Message = Hello | Challenge | Info | Accept | Ready | Regions | Error | Bye | Ping | Pong | Sealed
+Message = (
+    Hello
+    | Challenge
+    | Info
+    | Accept
+    | Ready
+    | Regions
+    | Error
+    | Bye
+    | Ping
+    | Pong
+    | Sealed
+    | Credit
+)
 
 _CLASSES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Challenge, Info, Accept, Ready, Regions, Error, Bye, Ping, Pong, Sealed)
+    for cls in (
+        Hello,
+        Challenge,
+        Info,
+        Accept,
+        Ready,
+        Regions,
+        Error,
+        Bye,
+        Ping,
+        Pong,
+        Sealed,
+        Credit,
+    )
 }
 assert set(_CLASSES) == set(MsgType)
 

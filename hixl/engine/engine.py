@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -54,8 +53,10 @@ from hixl.engine.handshake import (
     Listener,
     client_handshake,
     error_frame,
+    escape,
     printable,
 )
+from hixl.engine.inbox import Inbox
 from hixl.engine.names import Names
 from hixl.engine.progress import POLL_BATCH, Progress
 from hixl.engine.regions import Access, Region, buffer_span
@@ -133,6 +134,7 @@ class Diagnostics:
     handshakes: int = 0
     refused_busy: int = 0
     notifications: int = 0
+    notifications_dropped: int = 0
     send_posts: int = 0
     posted_wrs: int = 0
     direct_posts: int = 0
@@ -158,10 +160,13 @@ class Engine:
     handshakes under way, in all and from one IP address (over either, a
     client is answered ERROR(BUSY) and asks again); ``handshake_timeout``
     bounds a whole handshake, each of its steps has a shorter deadline.
-    ``max_notifications_per_peer`` and ``max_notifications`` cap
-    notifications received and not yet taken, from one peer and in all: a
-    peer that would pass either has its connection failed (it is told
-    ERROR(OVERFLOW)).  ``completion_events=False`` makes the progress thread
+    ``max_notifications_per_peer`` and ``max_notifications`` bound
+    notifications received and not yet taken, from one peer and in all: each
+    connection is granted ``min(max_notifications_per_peer, max_notifications //
+    max_peers)`` credits, a sender out of credits waits for the application here
+    to take some (its call fails with TransferTimeout at its deadline; nothing
+    else fails), and at the total the peer holding the most loses its oldest
+    (see :mod:`hixl.engine.inbox`).  ``completion_events=False`` makes the progress thread
     poll the CQs instead of sleeping on completion channels (a test hook).
     ``lanes`` is how many queue pairs a connection sends its work over (as many as both
     ends allow); ``direct_lane`` makes each connection one more, with a completion queue of
@@ -170,6 +175,11 @@ class Engine:
     (:func:`sys.setswitchinterval`, 5 ms by default) for the whole process when it is
     longer, so the thread that posts and reaps gets the GIL back soon after a system
     call while the application thread runs Python; None leaves it alone.
+
+    A client whose id names a listening ``ip:port`` must connect from that ip, so that
+    nobody takes the id of an engine not connected yet (the client side binds its socket
+    to its id's address); ``trust_peer_hosts=True`` lifts that for peers behind NAT or a
+    proxy, whose connections come from another address than their id names.
 
     Without a token any client that reaches the port learns the rkeys of
     every remotely accessible region; an engine listening on an address
@@ -212,6 +222,7 @@ class Engine:
         registry: str | Registry | None = None,
         role: str = "engine",
         capacity: int = 0,
+        trust_peer_hosts: bool = False,
     ) -> None:
         self._closed = True  # until fully built, so __del__ stays quiet on failure
         try:
@@ -262,6 +273,7 @@ class Engine:
         self._max_peers = max_peers
         self._lock = threading.RLock()
         self._notify_cv = threading.Condition(self._lock)
+        self._credit_cv = threading.Condition(self._lock)  # notification credits came back
         try:
             self._dev = verbs.open_device(device, port, gid_index)
         except BaseException:
@@ -317,8 +329,8 @@ class Engine:
         self._conns: dict[str, Connection] = {}
         self._by_qpn: dict[int, Lane] = {}  # every lane made, connected or not
         self._handles: set[TransferHandle] = set()
-        self._notes: deque[Notification] = deque()
-        self._note_counts: dict[str, int] = {}  # notifications queued, per peer
+        # Unread notifications and the credits that bound them (see hixl.engine.inbox).
+        self._inbox = Inbox(max_notifications_per_peer, max_notifications, max_peers)
         # What peers see: every remotely accessible region, by (rkey, addr), in
         # registration order, and the bytes they take in a handshake message.
         self._exposed_map: dict[tuple[int, int], RemoteRegion] = {}
@@ -353,6 +365,7 @@ class Engine:
                 max_handshakes=max_handshakes,
                 max_per_source=max_handshakes_per_source,
                 timeout=handshake_timeout,
+                trust_hosts=trust_peer_hosts,
             )
         self._closed = False
         self._progress.start()
@@ -419,7 +432,8 @@ class Engine:
                 regions=len(self._regions),
                 handshakes=self._incoming.pending if self._incoming is not None else 0,
                 refused_busy=self._incoming.refused_busy if self._incoming is not None else 0,
-                notifications=len(self._notes),
+                notifications=len(self._inbox),
+                notifications_dropped=self._inbox.dropped,
                 send_posts=self._send_posts + self._direct_posts + self._lane_posts,
                 posted_wrs=self._posted_wrs + self._direct_posts + self._lane_posts,
                 direct_posts=self._direct_posts + self._lane_posts,
@@ -851,6 +865,7 @@ class Engine:
             removed = tuple(r for k, r in sent.items() if k not in self._exposed_map)
             if added or removed:
                 self._queue_control(conn, wire.encode(wire.Regions(add=added, remove=removed)))
+            self._queue_control(conn, wire.encode(wire.Credit(notes=self._inbox.grant)))
 
     def disconnect(self, peer: str) -> None:
         """Close the connection to ``peer``; its pending transfers fail.  Unknown peers: no-op."""
@@ -934,6 +949,7 @@ class Engine:
             return
         conn.transition(ConnEvent.FAIL)
         conn.failure = reason
+        self._credit_cv.notify_all()  # senders waiting for its credits give up
         log.log(
             logging.INFO if expected else logging.WARNING,
             "connection to %s failed: %s",
@@ -985,6 +1001,8 @@ class Engine:
                 log.debug("moving qp of %s to ERR failed: %s", conn.peer, exc)
         self._fail_pending(conn, ConnectionFailed(f"connection to {conn.peer} closed: {reason}"))
         conn.transition(ConnEvent.CLOSE)
+        self._credit_cv.notify_all()
+        self._inbox.closed(conn.note_key)
         self._progress.unwatch(conn)
         self._outgoing.discard(conn)
         for qpn in conn.qpns:
@@ -1350,6 +1368,8 @@ class Engine:
             try:
                 self._check_open()
                 conn.check_ready()
+                if payload is not None:  # may wait (lock released): before any id is taken
+                    self._take_credit(conn, handle.deadline, timeout)
             except HixlError:
                 for b in built:
                     self._planner.give_back(b)
@@ -2079,10 +2099,7 @@ class Engine:
     def notifications(self) -> list[Notification]:
         """Take every notification received so far (oldest first)."""
         with self._lock:
-            out = list(self._notes)
-            self._notes.clear()
-            self._note_counts.clear()
-            return out
+            return self._inbox.take_all(self._return_credits)
 
     def wait_notification(self, name: str, timeout: float, peer: str | None = None) -> Notification:
         """Wait up to ``timeout`` s for a notification called ``name`` (from ``peer``).
@@ -2095,10 +2112,11 @@ class Engine:
         deadline = time.monotonic() + timeout
         with self._notify_cv:
             while True:
-                for note in self._notes:
+                for note in self._inbox.notes:
                     if note.name == name and (peer is None or note.peer == peer):
-                        self._notes.remove(note)
-                        self._note_taken(note.peer)
+                        owed = self._inbox.take(note)
+                        if owed is not None:
+                            self._return_credits(*owed)
                         return note
                 if self._closed or self._broken is not None:
                     self._check_open()
@@ -2111,32 +2129,42 @@ class Engine:
             f"no notification {name!r}{' from ' + peer if peer else ''} within {timeout} s"
         )
 
-    def _note_taken(self, peer: str) -> None:
-        left = self._note_counts.get(peer, 1) - 1
-        if left > 0:
-            self._note_counts[peer] = left
-        else:
-            self._note_counts.pop(peer, None)
+    def _return_credits(self, key: int, credits: int) -> None:
+        """Give ``credits`` back to the connection ``key`` if it is live (lock held)."""
+        for conn in self._conns.values():
+            if conn.note_key == key:
+                if conn.state is ConnState.READY and conn.sock is not None:
+                    self._queue_control(conn, wire.encode(wire.Credit(notes=credits)))
+                return
+
+    def _take_credit(self, conn: Connection, deadline: float, timeout: float) -> None:
+        """Take one of ``conn``'s notification credits, waiting for the peer to grant one
+        until ``deadline`` (lock held; the wait releases it).
+
+        Raises :class:`TransferTimeout` naming the backlog (the connection stays up), or
+        the connection's or engine's error if either fails meanwhile.
+        """
+        while conn.credits <= 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(
+                    f"notification to {conn.peer} not sent within {timeout} s: no credit "
+                    f"left; {conn.peer} has not taken the notifications sent before (its "
+                    f"backlog: up to {conn.credit_grant or 'its grant of'} unread from us); "
+                    "the connection stays up"
+                )
+            self._credit_cv.wait(left)
+            self._check_open()
+            conn.check_ready()
+        conn.credits -= 1
 
     def _queue_note(self, conn: Connection, note: Notification) -> None:
-        """Keep a received notification, or fail its sender past a cap (caller holds lock)."""
-        queued = self._note_counts.get(note.peer, 0)
-        if queued >= self._max_notes_per_peer or len(self._notes) >= self._max_notes:
-            if queued >= self._max_notes_per_peer:
-                why = (
-                    f"{queued} notifications from {note.peer} are not taken yet "
-                    f"(max_notifications_per_peer={self._max_notes_per_peer})"
-                )
-            else:
-                why = (
-                    f"{len(self._notes)} notifications are not taken yet "
-                    f"(max_notifications={self._max_notes})"
-                )
-            reason = f"notification queue full at {self.id}: {why}; the sender is cut off"
+        """Keep a received notification, or fail a sender past its credits (lock held)."""
+        overrun = self._inbox.arrive(conn.note_key, note)
+        if overrun is not None:
+            reason = f"notification queue full at {self.id}: {overrun}; the sender is cut off"
             self._fail(conn, reason, tell=(wire.ErrorCode.OVERFLOW, reason))
             return
-        self._notes.append(note)
-        self._note_counts[note.peer] = queued + 1
         self._notify_cv.notify_all()
 
     # -- progress thread callbacks (all but the socket reads run under the lock) -----------
@@ -2278,6 +2306,9 @@ class Engine:
         if data is None:
             return
         msgs, problem = conn.take_control(data) if data else ([], None)
+        pause = conn.inflow.charge(len(data), len(msgs), time.monotonic())
+        if pause > 0:  # over its budget: not read again until it is back
+            self._progress.pause(conn, pause)
         with self._lock:
             if conn.state is not ConnState.CLOSED:
                 self._on_controls(conn, msgs, problem, eof=not data)
@@ -2331,6 +2362,10 @@ class Engine:
                 self._let_go(conn, what)
         elif isinstance(msg, wire.Ping):
             self._queue_control(conn, wire.encode(wire.Pong(nonce=msg.nonce)))
+        elif isinstance(msg, wire.Credit):
+            conn.credits += msg.notes
+            conn.credit_grant = conn.credit_grant or msg.notes  # the first is the grant
+            self._credit_cv.notify_all()
         elif isinstance(msg, wire.Pong):
             if msg.nonce == conn.probe_nonce:
                 conn.pong_at = time.monotonic()
@@ -2341,21 +2376,13 @@ class Engine:
             # send completed here, maybe before this thread reaped it (same select round).
             self._reap_recv(self.recv_cq.poll(64))
             self._reap_send(self.send_cq.poll_rows(POLL_BATCH))
-            self._peer_left(conn, f"peer said goodbye: {_escape(msg.reason)}", expected=True)
+            self._peer_left(conn, f"peer said goodbye: {escape(msg.reason)}", expected=True)
         elif isinstance(msg, wire.Error):
-            self._peer_left(conn, f"peer reported {msg.code}: {_escape(msg.message)}")
+            self._peer_left(conn, f"peer reported {msg.code}: {escape(msg.message)}")
         else:
             what = f"unexpected {type(msg).__name__} on the control channel"
             self._fail(conn, what, tell=(wire.ErrorCode.MALFORMED, what))
             self._let_go(conn, what)
-
-
-def _escape(text: str, limit: int = 300) -> str:
-    """Peer text made safe for one log line: non-printable characters (newlines too)
-    escaped, cut to ``limit`` characters."""
-    cut = text[:limit]
-    out = cut.encode("unicode_escape").decode("ascii") if not cut.isprintable() else cut
-    return out + ("..." if len(text) > limit else "")
 
 
 def _deadline_error(h: TransferHandle) -> TransferTimeout:

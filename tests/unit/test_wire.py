@@ -33,6 +33,7 @@ from hixl.core.wire import (
     Accept,
     Bye,
     Challenge,
+    Credit,
     Decoder,
     Error,
     ErrorCode,
@@ -201,6 +202,7 @@ def sample(msg_type: MsgType) -> Message:
         MsgType.BYE: Bye(reason="done"),
         MsgType.PING: Ping(nonce=bytes(16)),
         MsgType.PONG: Pong(nonce=bytes(range(16))),
+        MsgType.CREDIT: Credit(notes=64),
         MsgType.SEALED: Sealed(seq=3, mac=bytes(32), frame=encode(Bye(reason="done"))),
     }
     return samples[msg_type]
@@ -572,11 +574,11 @@ def test_version_mismatch_names_both_versions() -> None:
         decoder.feed(b"")
 
 
-@pytest.mark.parametrize("raw_type", [0, 13, 0xFFFF])
+@pytest.mark.parametrize("raw_type", [0, 14, 0xFFFF])
 def test_unknown_type(raw_type: int) -> None:
     with pytest.raises(
         HandshakeError,
-        match=rf"unknown message type {raw_type} \(known: 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12\)",
+        match=rf"unknown message type {raw_type} \(known: 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13\)",
     ):
         Decoder().feed(frame(raw_type, b"{}"))
 
