@@ -15,7 +15,7 @@ one contiguous remote range (256 WRs of 32 SGEs). For each, in one run:
 * ``pyverbs``: building pyverbs ``SGE``/``SendWR`` objects for the same WRs, the data
   path hixl had before (when pyverbs imports).
 
-Targets (issue 14): plan + build of each form within the wire time of 2 MiB at 100 Gb/s
+Targets: plan + build of each form within the wire time of 2 MiB at 100 Gb/s
 (168 us; moonshot 400 Gb/s, 42 us), and <= 20 ns per SGE for chains of >= 1000 SGEs.
 Both are reported: plan + build (a new chain: the engine's first layout of a size) and
 plan + refill (the engine's path for a new layout of a size it built before, which fills

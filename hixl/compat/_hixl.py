@@ -267,6 +267,7 @@ class Hixl:
                     token=opts.token,
                     alignment=opts.alignment,
                     max_peers=max_peers,
+                    gil_switch_interval=opts.gil_switch_interval,
                 )
                 self._engine, self._options = engine, opts
                 if opts.buffer_pool is not None:

@@ -36,6 +36,7 @@ __all__ = [
     "OPTION_ALIGNMENT",
     "OPTION_ASYNC_TRANSFER_TIMEOUT",
     "OPTION_DEVICE",
+    "OPTION_GIL_SWITCH_INTERVAL",
     "OPTION_TOKEN",
     "ChannelPool",
     "CompatOptions",
@@ -50,6 +51,7 @@ OPTION_TOKEN = "hixl.Token"
 OPTION_ALIGNMENT = "hixl.Alignment"
 OPTION_DEVICE = "hixl.Device"
 OPTION_ASYNC_TRANSFER_TIMEOUT = "hixl.AsyncTransferTimeout"
+OPTION_GIL_SWITCH_INTERVAL = "hixl.GilSwitchInterval"
 
 DEFAULT_BUFFER_POOL = (4, 8)  # hixl's default: 4 buffers of 8 MiB
 DEFAULT_ASYNC_TIMEOUT_MS = 60_000
@@ -97,7 +99,9 @@ class CompatOptions:
 
     ``buffer_pool`` is ``(num, size_mib)`` or None when turned off.
     ``channel_pool`` is set when ``GlobalResourceConfig`` configures both
-    waterlines (hixl's rule).  ``connect_threads``/``connect_queue`` size the
+    waterlines (hixl's rule).  ``gil_switch_interval`` (seconds) is the
+    application's request to lower the process's GIL switch interval (None:
+    leave it alone).  ``connect_threads``/``connect_queue`` size the
     ``connect_async`` workers.  ``notes`` are messages about accepted keys that
     have no effect here; ``unknown`` names keys nobody knows.
     """
@@ -107,6 +111,7 @@ class CompatOptions:
     alignment: int | None = None
     device: str | None = None
     async_timeout_ms: int = DEFAULT_ASYNC_TIMEOUT_MS
+    gil_switch_interval: float | None = None
     buffer_pool: tuple[int, int] | None = DEFAULT_BUFFER_POOL
     traffic_class: int | None = None
     service_level: int | None = None
@@ -141,6 +146,17 @@ def _ratio(key: str, value: object) -> float:
         number = math.nan
     if not 0.0 < number < 1.0:
         raise ArgumentError(f"option {key}={value!r}: must be a number in (0, 1)")
+    return number
+
+
+def _seconds(key: str, value: str) -> float:
+    """A GIL switch interval in seconds, in (0, 1] as ``Engine`` accepts."""
+    try:
+        number = float(value.strip())
+    except ValueError:
+        number = math.nan
+    if not 0.0 < number <= 1.0:
+        raise ArgumentError(f"option {key}={value!r}: must be a number of seconds in (0, 1]")
     return number
 
 
@@ -316,6 +332,8 @@ def parse_options(options: Mapping[str, str] | None) -> CompatOptions:
             fields["device"] = value.strip()
         elif key == OPTION_ASYNC_TRANSFER_TIMEOUT:
             fields["async_timeout_ms"] = _int_text(key, value, 1, 24 * 3600 * 1000)
+        elif key == OPTION_GIL_SWITCH_INTERVAL:
+            fields["gil_switch_interval"] = _seconds(key, value)
         else:
             unknown.append(key)
     return CompatOptions(

@@ -44,6 +44,7 @@ from hixl.compat import (
     plan_relay,
     status_of,
 )
+from hixl.compat import _hixl as hixl_module
 from hixl.compat._connect import ConnectExecutor
 from hixl.compat._notify import ENVELOPE_NAME, encode_notify, open_envelope
 from hixl.compat._options import Refusal
@@ -167,6 +168,28 @@ def test_honoured_options() -> None:
     assert parse_options({compat.OPTION_ALIGNMENT: "0"}).alignment is None
 
 
+def test_the_switch_interval_is_the_applications_choice() -> None:
+    assert CompatOptions().gil_switch_interval is None  # the process's interval is left alone
+    opts = parse_options({compat.OPTION_GIL_SWITCH_INTERVAL: "0.0005"})
+    assert opts.gil_switch_interval == 0.0005 and opts.unknown == ()
+
+
+def test_initialize_passes_the_switch_interval_to_the_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[object] = []
+
+    def engine(*args: object, **kwargs: object) -> object:
+        seen.append(kwargs.get("gil_switch_interval", "missing"))
+        raise DeviceError("no device in this test")
+
+    monkeypatch.setattr(hixl_module, "Engine", engine)
+    hixl = Hixl()
+    assert hixl.initialize("127.0.0.1:0") is Status.FAILED
+    assert hixl.initialize("127.0.0.1:0", {"hixl.GilSwitchInterval": "0.002"}) is Status.FAILED
+    assert seen == [None, 0.002]
+
+
 def test_ignored_options_are_checked_then_recorded() -> None:
     opts = parse_options(
         {
@@ -206,6 +229,8 @@ def test_adxl_prefix_and_unknown_keys() -> None:
         ({"hixl.Alignment": "48"}, "power of two"),
         ({"hixl.Token": ""}, "empty"),
         ({"hixl.AsyncTransferTimeout": "0"}, "range"),
+        ({"hixl.GilSwitchInterval": "0"}, r"\(0, 1\]"),
+        ({"hixl.GilSwitchInterval": "fast"}, r"\(0, 1\]"),
         ({"BufferPool": "4:8", "EnableUseFabricMem": "0"}, "together"),
         ({"AutoConnect": 1}, "str to str"),
     ],

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from hixl import ArgumentError, Engine
+from hixl import ArgumentError, Engine, HixlError
 
 
 @pytest.mark.parametrize("token", ["", b""])
@@ -44,3 +46,23 @@ def test_lanes_outside_one_to_eight_are_refused(lanes: object) -> None:
     msg = rf"lanes must be an integer in \[1, 8\], got {lanes!r}"
     with pytest.raises(ArgumentError, match=msg):
         Engine("127.0.0.1:0", lanes=lanes)  # type: ignore[arg-type]
+
+
+def test_an_engine_leaves_the_switch_interval_alone_unless_asked() -> None:
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        with pytest.raises(HixlError):  # no verbs device here; the option is applied first
+            Engine("127.0.0.1:0", device="no-such-device")
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        with pytest.raises(HixlError):
+            Engine("127.0.0.1:0", device="no-such-device", gil_switch_interval=0.001)
+        assert sys.getswitchinterval() == pytest.approx(0.001)
+    finally:
+        sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("interval", [0, -0.1, 1.5])
+def test_a_switch_interval_outside_zero_to_one_second_is_refused(interval: float) -> None:
+    with pytest.raises(ArgumentError, match=r"gil_switch_interval must lie in \(0, 1\]"):
+        Engine("127.0.0.1:0", gil_switch_interval=interval)

@@ -1,6 +1,6 @@
 """Plans of descriptor shapes: a descriptor's plan is its shape's plan shifted by its base.
 
-The engine plans a layout once and reuses it at every offset (issue 14), so these
+The engine plans a layout once and reuses it at every offset, so these
 properties pin the translation invariance it relies on, against :func:`plan_transfer`
 of the descriptors themselves, and the O(1) bounds test against :func:`check_bounds`.
 """
