@@ -4,7 +4,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 PY := $(BIN)/python
 HIXL := $(BIN)/hixl
 
-.PHONY: setup test test-unit test-registry test-rdma wheel-check test-hosts test-fleet test-fleet-demo test-fleet-cases check demo bench bench-smoke bench-peers
+.PHONY: soak setup test test-unit test-registry test-rdma wheel-check test-hosts test-fleet test-fleet-demo test-fleet-cases check demo bench bench-smoke bench-peers
 
 ## setup: system packages (and the VM path if the kernel lacks rdma_rxe), then .venv
 setup:
@@ -26,11 +26,7 @@ test-registry:
 test-rdma:
 	HIXL_REQUIRE_RDMA=1 $(HIXL) run -- $(PY) -m pytest -p no:cacheprovider tests/rdma -q
 
-## wheel-check: the wheel in a fresh venv with hixl[vm] (no system packages, so no pyverbs):
-## `hixl doctor` must find a path to run on, and the README's first example runs there
-## (through the VM on a kernel without rxe). About a minute and a half under emulation.
-wheel-check:
-	bash scripts/wheel-check.sh
+.PHONY: soak setup test test-unit test-registry test-rdma wheel-check test-hosts test-fleet test-fleet-demo test-fleet-cases check demo bench bench-smoke bench-peers
 
 ## test-hosts: two VMs, each with its own kernel and rxe, on one virtual wire (MTU 1500 and
 ## 9000): strided put/get, notifications, MTU negotiation, link flap, a peer host killed.
