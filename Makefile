@@ -4,7 +4,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 PY := $(BIN)/python
 HIXL := $(BIN)/hixl
 
-.PHONY: soak setup test test-unit test-registry test-rdma test-hosts test-fleet test-fleet-demo test-fleet-cases check demo bench bench-smoke bench-peers
+.PHONY: soak setup test test-unit test-registry test-rdma wheel-check test-hosts test-fleet test-fleet-demo test-fleet-cases check demo bench bench-smoke bench-peers
 
 ## setup: system packages (and the VM path if the kernel lacks rdma_rxe), then .venv
 setup:
@@ -25,6 +25,12 @@ test-registry:
 # HIXL_REQUIRE_RDMA=1 turns a missing device into a failure, never a skip.
 test-rdma:
 	HIXL_REQUIRE_RDMA=1 $(HIXL) run -- $(PY) -m pytest -p no:cacheprovider tests/rdma -q
+
+## wheel-check: the wheel in a fresh venv with hixl[vm] (no system packages, so no pyverbs):
+## `hixl doctor` must find a path to run on, and the README's first example runs there
+## (through the VM on a kernel without rxe). About a minute and a half under emulation.
+wheel-check:
+	bash scripts/wheel-check.sh
 
 ## soak: 1000 connect->put->close cycles of a fresh client engine against one server (CI runs
 ## 40): the server lets each go within 1 s, its fds stay within +4 and RSS within +24 MiB.
