@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -316,7 +317,9 @@ class Engine:
             raise
         self._listener = listener
         self._planner = Planner(self.limits, alignment or None)
-        self._kv = KVBlocks(self, self._planner.memory)  # register_kv, put_blocks, get_blocks
+        # register_kv, put_blocks, get_blocks.  A weak host: the parts hold no strong reference
+        # back, so an engine dropped without close() is still collected (and warns).
+        self._kv = KVBlocks(weakref.proxy(self), self._planner.memory)
         self._templates: dict[tuple[Any, ...], Template] = {}
         self._last_template: tuple[tuple[Any, ...], Template] | None = None
         # The last blocking put and get that ran on a direct lane, as (arguments, run):
