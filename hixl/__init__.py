@@ -1,10 +1,10 @@
-"""hixl: one-sided RDMA transfers in pure Python over pyverbs.
+"""hixl: one-sided RDMA transfers in pure Python over the system's libibverbs (cffi).
 
 The package root re-exports the public API; modules whose names start with
 an underscore are private.  ``hixl.compat`` offers the call style of
 Huawei's hixl Python API on top of the same engine.
 
-Importing hixl works without pyverbs (the descriptor core and planner need
+Importing hixl works without libibverbs (the descriptor core and planner need
 only numpy); opening an engine then raises :class:`DeviceError` saying why.
 """
 

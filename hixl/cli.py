@@ -48,7 +48,7 @@ def _add_devices(sub: _Subparsers) -> None:
     p = sub.add_parser(
         "devices",
         help="list verbs devices, ports, MTU and GIDs",
-        description="List verbs devices from sysfs (no pyverbs needed) and "
+        description="List verbs devices from sysfs (no verbs library needed) and "
         "mark the GID hixl would use. Exit 0 if a usable "
         "device exists, 1 if not.",
     )
@@ -128,8 +128,9 @@ def _add_doctor(sub: _Subparsers) -> None:
     p = sub.add_parser(
         "doctor",
         help="check what hixl needs here and how to fix it",
-        description="Check kernel RDMA, rdma_rxe, root, pyverbs, devices "
-        "and the VM path; print a fix for each problem. Exit 0 "
+        description="Check kernel RDMA, rdma_rxe, root, libibverbs, devices "
+        "and the VM path (and pyverbs, which only the tests use); print a fix for each "
+        "problem. Exit 0 "
         "if hixl can run RDMA here (directly or via the VM).",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -525,8 +526,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_demo_hosts(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from hixl.demo.hosts import run_demo_hosts
     from hixl.demo.kvdemo import config_from_args
-    from hixl.testbed.hosts import run_demo_hosts
 
     json_path = str(Path(args.json).resolve()) if args.json else None
     summary = run_demo_hosts(
@@ -575,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the ``hixl`` argument parser with every registered subcommand."""
     parser = argparse.ArgumentParser(
         prog="hixl",
-        description="One-sided RDMA transfers over pyverbs: devices, "
+        description="One-sided RDMA transfers over the system's libibverbs: devices, "
         "soft-RoCE setup and diagnostics.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

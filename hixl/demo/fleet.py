@@ -788,7 +788,7 @@ def run_fleet_hosts(
     """
     import shutil
 
-    from hixl.testbed.hosts import _ONE_BLAS_THREAD, host_address, run_hosts
+    from hixl.testbed.hosts import ONE_BLAS_THREAD, host_address, run_hosts
     from hixl.testbed.vm import VMConfig
 
     hosts = prefill + decode
@@ -836,7 +836,7 @@ def run_fleet_hosts(
         flush=True,
     )
     vmcfg = VMConfig(cpus=1, memory="1536M", timeout=timeout + 300.0, rw_dirs=(share,))
-    env = _ONE_BLAS_THREAD | {TOKEN_ENV: secrets.token_hex(32)}  # this run's shared token
+    env = ONE_BLAS_THREAD | {TOKEN_ENV: secrets.token_hex(32)}  # this run's shared token
     t0 = time.monotonic()
     try:
         rc = run_hosts(commands, vmcfg, env=env)

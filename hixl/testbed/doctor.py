@@ -1,14 +1,16 @@
 """``hixl doctor``: can hixl run RDMA here, and if not, exactly what to do.
 
 Two halves.  :func:`gather_facts` looks at the machine (sysfs, kernel config, modprobe,
-a pyverbs probe in a child process, the VM tools) and returns plain values.
+libibverbs and pyverbs probed in child processes, the VM tools) and returns plain values.
 :func:`diagnose` turns those values into checks, each ``ok``/``warn``/``fail`` with a
 one-line finding and an exact fix command, plus a verdict.  ``diagnose`` does no I/O, so
 tests feed it the facts of machines they are not running on.
 
-pyverbs is probed in a child Python (``sys.executable``): only ``hixl.verbs.adapter`` imports
-pyverbs in-process, and a broken binding (an ABI mismatch, a crash) cannot take the
-doctor down with it.
+The runtime needs ``libibverbs.so.1`` loadable by cffi, and a device or the VM path; that
+is what the verdict rests on.  pyverbs serves only the tests (an independent second
+binding), so it is reported as a test dependency and never decides the verdict.  Both are
+probed in a child Python (``sys.executable``), so that a broken library (an ABI mismatch,
+a crash) cannot take the doctor down with it.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ __all__ = [
     "PyverbsProbe",
     "Report",
     "Status",
+    "VerbsProbe",
     "VmFacts",
     "diagnose",
     "format_report",
     "gather_facts",
     "parse_kernel_config",
     "probe_pyverbs",
+    "probe_verbs",
     "report_to_json",
 ]
 
@@ -66,6 +70,16 @@ class Check:
     status: Status
     finding: str
     fix: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerbsProbe:
+    """Result of loading ``libibverbs.so.1`` through cffi and listing devices, in a child."""
+
+    loaded: bool
+    device_count: int | None
+    """None when listing the devices failed (or was not reached)."""
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +124,7 @@ class Facts:
     python: str = ""
     venv_without_system_site: bool = False
     system_pyverbs: bool = True
+    verbs: VerbsProbe = field(default_factory=lambda: VerbsProbe(loaded=False, device_count=None))
     pyverbs: PyverbsProbe = field(
         default_factory=lambda: PyverbsProbe(imported=False, device_count=None)
     )
@@ -179,16 +194,29 @@ print(json.dumps(out))
 """
 
 
-def probe_pyverbs(python: str | None = None, timeout: float = 30.0) -> PyverbsProbe:
-    """Import pyverbs and call ``get_device_list()`` in a child interpreter.
+_VERBS_PROBE = r"""
+import json
+out = {"loaded": False, "device_count": None, "error": ""}
+try:
+    from hixl.verbs import adapter
+    ok, why = adapter.available()
+    out["loaded"] = ok
+    out["error"] = why
+    if ok:
+        out["device_count"] = len(adapter.device_names())
+except BaseException as e:
+    out["error"] = type(e).__name__ + ": " + " ".join(str(e).split())
+print(json.dumps(out))
+"""
 
-    Never raises: a failure, timeout or crash of the child is reported in ``error``.
-    """
-    argv = [python or sys.executable, "-c", _PROBE]
+
+def _run_probe(code: str, python: str | None, timeout: float) -> dict[str, Any] | str:
+    """Run ``code`` in a child interpreter; its last stdout line as JSON, or why not."""
+    argv = [python or sys.executable, "-c", code]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return PyverbsProbe(imported=False, device_count=None, error=f"probe did not run: {exc}")
+        return f"probe did not run: {exc}"
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         how = (
@@ -197,15 +225,38 @@ def probe_pyverbs(python: str | None = None, timeout: float = 30.0) -> PyverbsPr
             else f"exit {proc.returncode}"
         )
         tail = " ".join(proc.stderr.split())[-300:]
-        return PyverbsProbe(
-            imported=False, device_count=None, error=f"probe process failed ({how}): {tail}"
-        )
+        return f"probe process failed ({how}): {tail}"
     try:
         data = json.loads(lines[-1])
     except json.JSONDecodeError:
-        return PyverbsProbe(
-            imported=False, device_count=None, error=f"probe printed no result: {lines[-1][:200]}"
-        )
+        return f"probe printed no result: {lines[-1][:200]}"
+    return data if isinstance(data, dict) else f"probe printed no result: {lines[-1][:200]}"
+
+
+def probe_verbs(python: str | None = None, timeout: float = 30.0) -> VerbsProbe:
+    """Load ``libibverbs.so.1`` with hixl's cffi adapter and list devices, in a child.
+
+    Never raises: a failure, timeout or crash of the child is reported in ``error``.
+    """
+    data = _run_probe(_VERBS_PROBE, python, timeout)
+    if isinstance(data, str):
+        return VerbsProbe(loaded=False, device_count=None, error=data)
+    count = data.get("device_count")
+    return VerbsProbe(
+        loaded=bool(data.get("loaded")),
+        device_count=count if isinstance(count, int) else None,
+        error=str(data.get("error", "")),
+    )
+
+
+def probe_pyverbs(python: str | None = None, timeout: float = 30.0) -> PyverbsProbe:
+    """Import pyverbs and call ``get_device_list()`` in a child interpreter.
+
+    Never raises: a failure, timeout or crash of the child is reported in ``error``.
+    """
+    data = _run_probe(_PROBE, python, timeout)
+    if isinstance(data, str):
+        return PyverbsProbe(imported=False, device_count=None, error=data)
     count = data.get("device_count")
     return PyverbsProbe(
         imported=bool(data.get("imported")),
@@ -302,6 +353,7 @@ def gather_facts(
         python=f"{python or sys.executable} ({platform.python_version()})",
         venv_without_system_site=_venv_without_system_site(),
         system_pyverbs=_SYSTEM_PYVERBS.is_dir(),
+        verbs=probe_verbs(python),
         pyverbs=probe_pyverbs(python),
         devices=devices,
         vm=_vm_facts(Path(boot), Path(modules)),
@@ -479,15 +531,47 @@ def _pyverbs_fix(facts: Facts) -> str:
     )
 
 
+def _check_verbs(facts: Facts) -> Check:
+    name = "libibverbs"
+    v = facts.verbs
+    if not v.loaded:
+        return Check(
+            name=name,
+            status=Status.FAIL,
+            finding=f"libibverbs.so.1 cannot be loaded through cffi: {v.error}",
+            fix="sudo apt-get install libibverbs1 ibverbs-providers   # rdma-core",
+        )
+    if v.device_count is None:
+        if not facts.rdma_class:
+            return Check(
+                name=name,
+                status=Status.OK,
+                finding="libibverbs.so.1 loads; listing devices fails here only because "
+                f"the kernel has no RDMA ({v.error})",
+            )
+        return Check(
+            name=name,
+            status=Status.FAIL,
+            finding=f"libibverbs.so.1 loads but listing devices fails: {v.error}",
+            fix="sudo apt-get install --reinstall rdma-core ibverbs-providers",
+        )
+    return Check(
+        name=name,
+        status=Status.OK,
+        finding=f"libibverbs.so.1 loads; it sees {v.device_count} device(s)",
+    )
+
+
 def _check_pyverbs(facts: Facts) -> Check:
-    name = "pyverbs"
+    """pyverbs is for the tests only, so it warns at worst and never decides the verdict."""
+    name = "pyverbs (tests only)"
     pv = facts.pyverbs
     where = f"python {facts.python}" if facts.python else "this python"
     if not pv.imported:
         if "IBVERBS_PRIVATE" in pv.error:
             return Check(
                 name=name,
-                status=Status.FAIL,
+                status=Status.WARN,
                 finding=f"pyverbs does not match the system's libibverbs (a PyPI "
                 f"build?): {pv.error}",
                 fix="pip uninstall -y pyverbs && sudo apt-get install python3-pyverbs"
@@ -496,8 +580,9 @@ def _check_pyverbs(facts: Facts) -> Check:
             )
         return Check(
             name=name,
-            status=Status.FAIL,
-            finding=f"pyverbs cannot be imported by {where}: {pv.error}",
+            status=Status.WARN,
+            finding=f"pyverbs cannot be imported by {where} (the runtime does not need it; "
+            f"the tests do): {pv.error}",
             fix=_pyverbs_fix(facts),
         )
     if pv.device_count is None:
@@ -510,7 +595,7 @@ def _check_pyverbs(facts: Facts) -> Check:
             )
         return Check(
             name=name,
-            status=Status.FAIL,
+            status=Status.WARN,
             finding=f"pyverbs imports but get_device_list() fails: {pv.error}",
             fix="sudo apt-get install --reinstall rdma-core ibverbs-providers python3-pyverbs",
         )
@@ -608,7 +693,7 @@ def _vm_checks(facts: Facts) -> tuple[list[Check], bool]:
             fix="sudo apt-get install busybox-static",
         )
     )
-    ready = all(c.status is Status.OK for c in checks) and facts.pyverbs.imported
+    ready = all(c.status is Status.OK for c in checks) and facts.verbs.loaded
     if ready:
         checks.append(
             Check(
@@ -621,8 +706,8 @@ def _vm_checks(facts: Facts) -> tuple[list[Check], bool]:
         )
     else:
         missing = [c.name for c in checks if c.status is not Status.OK]
-        if not facts.pyverbs.imported:
-            missing.append("pyverbs (the VM uses this machine's Python)")
+        if not facts.verbs.loaded:
+            missing.append("libibverbs (the VM uses this machine's libraries)")
         checks.append(
             Check(
                 name="vm path",
@@ -637,7 +722,8 @@ def _vm_checks(facts: Facts) -> tuple[list[Check], bool]:
 def diagnose(facts: Facts) -> Report:
     """Turn facts into checks and a verdict.  Pure: no I/O.
 
-    The mode is ``direct`` when pyverbs works and an ACTIVE port has a usable GID, else
+    The mode is ``direct`` when libibverbs lists devices and an ACTIVE port has a usable
+    GID, else
     ``vm`` when the VM path is complete, else ``none``.  VM checks appear only when the
     direct path is not ready.
     """
@@ -647,14 +733,15 @@ def diagnose(facts: Facts) -> Report:
         _check_rxe_module(facts),
         _check_root(facts, selection),
         _check_memlock(facts),
+        _check_verbs(facts),
         _check_pyverbs(facts),
     ]
     if facts.rdma_class:
         checks.append(_check_devices(facts))
         if facts.devices:
             checks.append(_check_port(facts, selection, why))
-    pv = facts.pyverbs
-    direct = selection is not None and pv.imported and bool(pv.device_count)
+    v = facts.verbs
+    direct = selection is not None and v.loaded and bool(v.device_count)
     if direct:
         assert selection is not None
         return Report(

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hixl.errors import ArgumentError, HixlError, TransferTimeout, VMError
+from hixl.errors import ArgumentError, HixlError, TransferTimeout
 from hixl.testbed.net import free_udp_port
 from hixl.testbed.vm import VANISHED, GuestNet, GuestSpec, VMConfig, run_guests
 
@@ -81,7 +81,7 @@ def host_mac(index: int) -> str:
     return f"52:54:00:88:00:{index + 1:02x}"
 
 
-def _mtus(count: int, mtus: Sequence[int]) -> list[int]:
+def host_mtus(count: int, mtus: Sequence[int]) -> list[int]:
     if not mtus:
         return [1500] * count
     if len(mtus) == 1:
@@ -117,7 +117,7 @@ def plan_hosts(
     for i, cmd in enumerate(commands):
         if not cmd:
             raise ArgumentError(f"host {i} has an empty command")
-    mtu = _mtus(count, mtus)
+    mtu = host_mtus(count, mtus)
     for i, m in enumerate(mtu):
         if not 576 <= m <= 9000:
             raise ArgumentError(f"host {i} MTU {m} out of range (576..9000)")
@@ -467,101 +467,6 @@ class Control:
         self.close()
 
 
-def _require_vm_path() -> None:
-    if os.environ.get("HIXL_IN_VM") == "1":
-        raise VMError("a multi-host run cannot start inside a hixl VM")
-
-
-# --- the prefill/decode demo on two hosts -----------------------------------------------
-
-DEMO_PORT = 5600
-_ONE_BLAS_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def align_clocks(prefill: dict[str, Any], decode: dict[str, Any]) -> float:
-    """Shift decode's arrival times onto prefill's clock; returns the shift in seconds.
-
-    Each host has its own monotonic clock. Layer ``i`` cannot be seen on decode before
-    prefill posted it, and decode sees it at about the time prefill's completion arrives,
-    so the shift makes the earliest ``arrived - transfer_end`` zero. Only ``arrived_ms``
-    in the summary depends on it; every check (bit-exact layers, equal tokens) does not.
-    """
-    gaps = [
-        d["arrived"] - p["transfer"][1]
-        for p, d in zip(prefill["layers"], decode["layers"], strict=True)
-    ]
-    shift = float(min(gaps))
-    for d in decode["layers"]:
-        d["arrived"] -= shift
-    return shift
-
-
-def run_demo_hosts(
-    cfg: Any,
-    *,
-    timeout: float = 600.0,
-    json_path: str | None = None,
-    vm: VMConfig | None = None,
-    mtus: Sequence[int] = (),
-) -> dict[str, Any]:
-    """The prefill/decode demo with decode on host0 and prefill on host1.
-
-    ``cfg`` is a :class:`hixl.demo.kvdemo.DemoConfig`. Each role runs as ``python -m
-    hixl.demo.kvdemo`` in its own VM and writes its result into a directory shared with this
-    process, which combines them with the demo's own ``summarize``, prints the summary
-    and returns it (also as JSON to ``json_path``). Raises :class:`HixlError` when a host
-    fails or leaves no result.
-    """
-    import dataclasses
-    import shutil
-    import tempfile
-
-    from hixl.demo.kvdemo import format_summary, summarize
-
-    _require_vm_path()
-    base = VMConfig(cpus=1, memory="2G", timeout=timeout + 300.0) if vm is None else vm
-    share = Path(tempfile.mkdtemp(prefix="hixl-demo-hosts-"))
-    try:
-        vmcfg = dataclasses.replace(base, rw_dirs=(*base.rw_dirs, share))
-        decode_id = f"{host_address(0)}:{DEMO_PORT}"
-        worker = [sys.executable, "-u", "-m", "hixl.demo.kvdemo"]
-        common = ["--seconds", f"{max(1.0, timeout - 5.0):.1f}", *cfg.to_argv()]
-        commands = [
-            [*worker, "decode", "--listen", decode_id, "--result", str(share / "decode.json")],
-            [*worker, "prefill", "--peer", decode_id, "--result", str(share / "prefill.json")],
-        ]
-        print(
-            f"hixl demo --hosts 2: decode on host0 ({host_address(0)}), prefill on host1 "
-            f"({host_address(1)}), each in its own VM (boots take 30-90 s under emulation)",
-            flush=True,
-        )
-        rc = run_hosts([c + common for c in commands], vmcfg, mtus=mtus, env=_ONE_BLAS_THREAD)
-        results = {}
-        for role in ("prefill", "decode"):
-            try:
-                results[role] = json.loads((share / f"{role}.json").read_text())
-            except (OSError, ValueError) as exc:
-                raise HixlError(
-                    f"demo {role} host left no result ({exc}); run status {rc}"
-                ) from None
-        if rc != 0:
-            raise HixlError(f"a demo host failed (exit status {rc}); its output is above")
-    finally:
-        shutil.rmtree(share, ignore_errors=True)
-    shift = align_clocks(results["prefill"], results["decode"])
-    summary = summarize(cfg, results["prefill"], results["decode"])
-    summary["hosts"] = {
-        "decode": host_address(0),
-        "prefill": host_address(1),
-        "mtus": _mtus(2, mtus),
-        "clock_shift_s": shift,
-    }
-    print("\n" + format_summary(summary), flush=True)
-    print(
-        f"hosts: decode {host_address(0)}, prefill {host_address(1)} (two kernels, one "
-        "virtual wire); arrival times use prefill's clock",
-        flush=True,
-    )
-    if json_path:
-        Path(json_path).write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+#: Environment for guest commands that compute with numpy: one BLAS thread each, so that
+#: several guests on a small machine do not fight over its cores.
+ONE_BLAS_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

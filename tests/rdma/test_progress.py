@@ -54,10 +54,6 @@ def test_idle_engines_cost_less_with_events_than_polling(connected: tuple[Engine
         server.close()
     print(f"idle progress CPU over 2 s: {with_events:.3f} s with events, {polling:.3f} s polling")
     assert with_events < 0.5 * polling
-    # A sanity bound beside the yardstick: a spinning thread would use about 2 s.  The
-    # kernel charges CPU by clock ticks (10 ms each), so a short wake-up that a tick
-    # happens to land on counts a whole tick; on a busy emulated host 0.21 s was seen.
-    assert with_events < 0.4
 
 
 def test_polling_fallback_moves_data_and_notifications() -> None:

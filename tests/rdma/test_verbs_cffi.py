@@ -348,33 +348,42 @@ def test_other_threads_run_during_a_long_post_and_a_blocking_wait(dev: ibv.Devic
     )
     chain.set_signals(1, n_wr)
     counter = Counter()
+
+    def fair(idle: float, during_post: float, post_s: float, during_wait: float) -> bool:
+        # With the GIL held through the call the counter would not count at all; a share
+        # well above zero is the point.  A post too short says nothing about the GIL.
+        return during_wait > 0.25 * idle and (post_s <= 0.05 or during_post > 0.2 * idle)
+
+    # Up to three tries, each measuring the idle rate right before the calls it judges:
+    # the counter's share moves with the host's other work, never to zero unless the
+    # GIL is held.
+    tries: list[str] = []
     try:
         time.sleep(0.05)
-        idle, _, _ = counter.rate(lambda: time.sleep(0.3))
-        during_post, post_s, posted = counter.rate(lambda: a.post_chain(chain))
-        assert posted == n_wr
-        cq.arm()
-        got = cq.poll_array(4)
-        if got.size == 0:
-            assert cq.wait(30.0), "no completion event within 30 s"
+        for _ in range(3):
+            idle, _, _ = counter.rate(lambda: time.sleep(0.3))
+            during_post, post_s, posted = counter.rate(lambda: a.post_chain(chain))
+            assert posted == n_wr
+            cq.arm()
             got = cq.poll_array(4)
-        assert got.size == 1 and int(got["status"][0]) == 0 and int(got["wr_id"][0]) == 1
-        cq.arm()
-        during_wait, wait_s, woke = counter.rate(lambda: cq.wait(0.5))
-        assert woke is False and wait_s >= 0.45
+            if got.size == 0:
+                assert cq.wait(30.0), "no completion event within 30 s"
+                got = cq.poll_array(4)
+            assert got.size == 1 and int(got["status"][0]) == 0 and int(got["wr_id"][0]) == 1
+            cq.arm()
+            during_wait, wait_s, woke = counter.rate(lambda: cq.wait(0.5))
+            assert woke is False and wait_s >= 0.45
+            tries.append(
+                f"idle {idle:.0f}/s, during a {post_s * 1e3:.0f} ms post {during_post:.0f}/s, "
+                f"during a {wait_s * 1e3:.0f} ms wait {during_wait:.0f}/s"
+            )
+            print("counter:", tries[-1])
+            if fair(idle, during_post, post_s, during_wait):
+                break
     finally:
         counter.stop()
-    print(
-        f"counter: idle {idle:.0f}/s, during a {post_s * 1e3:.0f} ms post {during_post:.0f}/s, "
-        f"during a {wait_s * 1e3:.0f} ms wait {during_wait:.0f}/s"
-    )
     assert np.array_equal(dst, src)
-    # With the GIL held through the wait the counter would not count at all.  Its share
-    # otherwise moves with the host's load: 0.44 of the idle rate in one CI run under
-    # emulation (2026-12-05), so the bound is set well below that and well above zero.
-    assert during_wait > 0.25 * idle
-    if post_s > 0.05:  # too short a post says nothing about the GIL
-        assert during_post > 0.2 * idle
+    assert fair(idle, during_post, post_s, during_wait), tries
 
 
 def test_a_10000_wr_transfer_allocates_no_python_object_per_wr(dev: ibv.Device) -> None:

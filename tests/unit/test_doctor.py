@@ -1,9 +1,9 @@
 """``hixl doctor``: the diagnosis for each kind of machine, from facts built by hand.
 
 ``diagnose`` is pure, so each case below is the facts of a machine we are not on: no
-RDMA in the kernel, module not loadable, pyverbs missing or mismatched, no active
-port, not root.  The probes that gather facts are tested for not raising, and the
-pyverbs probe for how it reports a child that fails or crashes.
+RDMA in the kernel, module not loadable, libibverbs missing, pyverbs (a test
+dependency) missing or mismatched, no active port, not root.  The probes that gather
+facts are tested for not raising, and for how they report a child that fails or crashes.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from hixl.testbed.doctor import (
     PyverbsProbe,
     Report,
     Status,
+    VerbsProbe,
     VmFacts,
     diagnose,
     format_report,
     gather_facts,
     parse_kernel_config,
     probe_pyverbs,
+    probe_verbs,
     report_to_json,
 )
 from hixl.verbs.devices import Device, Gid, Port
@@ -42,6 +44,11 @@ PYVERBS_NO_KERNEL = PyverbsProbe(
     error="PyverbsRDMAError: Failed to get devices list",
     location="/usr/lib/python3/dist-packages/pyverbs/__init__.py",
 )
+VERBS_NO_KERNEL = VerbsProbe(
+    loaded=True,
+    device_count=None,
+    error="DeviceError: cannot list verbs devices (No such file or directory)",
+)
 NO_MODULES_CONFIG = {"CONFIG_INFINIBAND": "n", "CONFIG_MODULES": "n", "CONFIG_RDMA_RXE": "n"}
 
 # This project's CI/dev host: a kernel without RDMA or modules, VM tools installed.
@@ -56,6 +63,7 @@ HOST = Facts(
     ),
     euid=0,
     python="/tmp/tv/bin/python (3.11.2)",
+    verbs=VERBS_NO_KERNEL,
     pyverbs=PYVERBS_NO_KERNEL,
     vm=VM_READY,
 )
@@ -89,6 +97,7 @@ GUEST = dataclasses.replace(
     config_source="/boot/config-6.1.0-56-amd64",
     rxe_loaded=True,
     modprobe=(True, ""),
+    verbs=VerbsProbe(loaded=True, device_count=1),
     pyverbs=PyverbsProbe(imported=True, device_count=1),
     devices=(rxe0(),),
 )
@@ -114,7 +123,8 @@ def test_host_without_rdma_points_to_the_vm() -> None:
     assert "hixl vm run -- CMD" in fix
     status, finding, _ = check(report, "rdma_rxe module")
     assert status is Status.FAIL and "cannot load modules" in finding
-    assert check(report, "pyverbs")[0] is Status.OK  # the import works; the kernel is at fault
+    assert check(report, "libibverbs")[0] is Status.OK  # it loads; the kernel is at fault
+    assert check(report, "pyverbs (tests only)")[0] is Status.OK
     assert check(report, "vm path")[0] is Status.OK
     assert report.mode == "vm" and report.exit_code == 0
     assert report.verdict == (
@@ -169,7 +179,11 @@ def test_module_not_in_kernel_config() -> None:
 
 def test_module_loadable_but_no_device_yet() -> None:
     facts = dataclasses.replace(
-        GUEST, rxe_loaded=False, devices=(), pyverbs=PyverbsProbe(imported=True, device_count=0)
+        GUEST,
+        rxe_loaded=False,
+        devices=(),
+        verbs=VerbsProbe(loaded=True, device_count=0),
+        pyverbs=PyverbsProbe(imported=True, device_count=0),
     )
     report = diagnose(facts)
     assert check(report, "rdma_rxe module")[0] is Status.OK
@@ -179,7 +193,25 @@ def test_module_loadable_but_no_device_yet() -> None:
     assert "sudo hixl rxe up would make one" in report.verdict
 
 
-def test_pyverbs_missing() -> None:
+def test_libibverbs_missing_stops_both_paths() -> None:
+    facts = dataclasses.replace(
+        HOST,
+        verbs=VerbsProbe(
+            loaded=False,
+            device_count=None,
+            error="libibverbs.so.1 cannot be loaded (cannot load library); install rdma-core",
+        ),
+    )
+    report = diagnose(facts)
+    status, finding, fix = check(report, "libibverbs")
+    assert status is Status.FAIL and "cannot be loaded through cffi" in finding
+    assert fix.startswith("sudo apt-get install libibverbs1")
+    # The guest runs this machine's Python and libraries, so the VM path is not ready.
+    assert report.mode == "none" and report.exit_code == 1
+    assert "libibverbs" in check(report, "vm path")[1]
+
+
+def test_pyverbs_missing_is_a_test_dependency_only() -> None:
     facts = dataclasses.replace(
         HOST,
         system_pyverbs=False,
@@ -190,12 +222,13 @@ def test_pyverbs_missing() -> None:
         ),
     )
     report = diagnose(facts)
-    status, finding, fix = check(report, "pyverbs")
-    assert status is Status.FAIL and "No module named 'pyverbs'" in finding
+    status, finding, fix = check(report, "pyverbs (tests only)")
+    assert status is Status.WARN and "No module named 'pyverbs'" in finding
+    assert "the runtime does not need it" in finding
     assert fix == "sudo apt-get install python3-pyverbs"
-    # The guest runs this machine's Python, so the VM path is not ready either.
-    assert report.mode == "none" and report.exit_code == 1
-    assert "pyverbs" in check(report, "vm path")[1]
+    # A wheel in a clean venv has no pyverbs, and the VM path is ready all the same.
+    assert report.mode == "vm" and report.exit_code == 0
+    assert check(report, "vm path")[0] is Status.OK
 
 
 def test_pyverbs_hidden_by_a_venv() -> None:
@@ -209,7 +242,7 @@ def test_pyverbs_hidden_by_a_venv() -> None:
             error="ModuleNotFoundError: No module named 'pyverbs'",
         ),
     )
-    fix = check(diagnose(facts), "pyverbs")[2]
+    fix = check(diagnose(facts), "pyverbs (tests only)")[2]
     assert "/usr/bin/python3 -m venv --system-site-packages .venv" in fix
 
 
@@ -221,16 +254,24 @@ def test_pyverbs_from_pypi_does_not_match_libibverbs() -> None:
     facts = dataclasses.replace(
         HOST, pyverbs=PyverbsProbe(imported=False, device_count=None, error=err)
     )
-    status, finding, fix = check(diagnose(facts), "pyverbs")
-    assert status is Status.FAIL and "does not match the system's libibverbs" in finding
+    status, finding, fix = check(diagnose(facts), "pyverbs (tests only)")
+    assert status is Status.WARN and "does not match the system's libibverbs" in finding
     assert fix.startswith("pip uninstall -y pyverbs && sudo apt-get install python3-pyverbs")
     assert "--system-site-packages" in fix
 
 
-def test_pyverbs_broken_although_kernel_has_rdma() -> None:
+def test_pyverbs_broken_does_not_decide_the_direct_path() -> None:
     facts = dataclasses.replace(GUEST, pyverbs=PYVERBS_NO_KERNEL)
     report = diagnose(facts)
-    assert check(report, "pyverbs")[0] is Status.FAIL
+    assert check(report, "pyverbs (tests only)")[0] is Status.WARN
+    assert report.mode == "direct"
+
+
+def test_libibverbs_broken_although_kernel_has_rdma() -> None:
+    facts = dataclasses.replace(GUEST, verbs=VERBS_NO_KERNEL)
+    report = diagnose(facts)
+    status, _, fix = check(report, "libibverbs")
+    assert status is Status.FAIL and "--reinstall rdma-core" in fix
     assert report.mode != "direct"
 
 
@@ -309,6 +350,13 @@ def test_probe_reports_a_crashing_child(tmp_path: Path) -> None:
     fake.chmod(0o755)
     probe = probe_pyverbs(str(fake))
     assert not probe.imported and "killed by signal 11" in probe.error
+    verbs = probe_verbs(str(fake))
+    assert not verbs.loaded and "killed by signal 11" in verbs.error
+
+
+def test_verbs_probe_reports_a_child_that_cannot_start() -> None:
+    probe = probe_verbs("/nonexistent/python")
+    assert not probe.loaded and probe.error.startswith("probe did not run")
 
 
 def test_gather_facts_reads_fake_trees(tmp_path: Path) -> None:

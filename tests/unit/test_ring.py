@@ -10,6 +10,7 @@ a chunk of their own with a block of ids.
 
 from __future__ import annotations
 
+import struct
 from collections import deque
 from types import SimpleNamespace
 
@@ -21,7 +22,7 @@ from test_window import Device, make_chunk
 
 from hixl.core.window import Chunk, SendWindow
 from hixl.engine.handles import GroupHandle, MemberHandle, TransferStatus
-from hixl.errors import CompletionError, ConnectionFailed, RegistrationError
+from hixl.errors import ArgumentError, CompletionError, ConnectionFailed, RegistrationError
 from hixl.verbs._ffi import address, ffi
 from hixl.verbs.chain import SEND_SIGNALED, SGE_DTYPE, SLOT_SGE_OFFSET, WR_BYTES, SlotRing
 
@@ -76,7 +77,7 @@ def test_a_slot_write_sets_that_slot_and_nothing_else(
 
 def test_a_slot_write_refuses_a_value_too_wide_for_its_field() -> None:
     ring = SlotRing(4)
-    with pytest.raises(Exception, match="format|argument|range"):
+    with pytest.raises(struct.error, match="format requires"):
         ring.write(0, 1, 4, 0, 1 << 32, 1, 0, 1)
 
 
@@ -239,5 +240,5 @@ def test_a_members_wait_times_out_while_its_group_is_pending() -> None:
     with pytest.raises(TransferTimeout):
         members[0].wait(timeout=0.01)
     assert members[0].status is TransferStatus.PENDING
-    with pytest.raises(Exception, match="group"):
+    with pytest.raises(ArgumentError, match="group"):
         members[0].finish(None)

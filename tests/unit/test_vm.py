@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
+from hixl.demo.hosts import align_clocks
 from hixl.errors import ArgumentError, HixlError, TransferTimeout, VMError
 from hixl.testbed.hosts import (
     Control,
     FrameHub,
     HostEnv,
-    align_clocks,
     host_address,
     host_mac,
     plan_hosts,
