@@ -48,6 +48,7 @@ from hixl.engine.handles import (
     TransferStatus,
 )
 from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
+from hixl.engine.locks import engine_lock
 from hixl.engine.names import Names
 from hixl.engine.progress import POLL_BATCH, Progress
 from hixl.engine.regions import Access, Region, buffer_span
@@ -253,7 +254,9 @@ class Engine:
         self._max_notes = max_notifications
         self.qp_timeout = qp_timeout
         self._max_peers = max_peers
-        self._lock = threading.RLock()
+        # What the lock guards, its order, what never runs under it and the system calls
+        # that do (each with its reason): hixl.engine.locks, and docs/architecture.md.
+        self._lock = engine_lock()
         self._notify_cv = threading.Condition(self._lock)
         try:
             self._dev = verbs.open_device(device, port, gid_index)
@@ -451,6 +454,7 @@ class Engine:
                 h.finish(StateError(f"engine {self.id} closed while the transfer was pending"))
             self._handles.clear()
             self._notify_cv.notify_all()
+        self._wake_if_due()
         self._progress.stop()
         with self._lock:  # a thread still posting a batch to a queue pair about to go
             until = time.monotonic() + 10.0
@@ -555,6 +559,7 @@ class Engine:
                 self._exposed_bytes += size
                 self._announce(add=(remote,))
             self._regions[(addr, length)] = region
+        self._wake_if_due()
         log.debug("registered %r", region)
         return region
 
@@ -571,6 +576,7 @@ class Engine:
                 self._exposed_bytes -= wire.region_size(remote)
                 if not self._closed:
                     self._announce(remove=(remote,))
+        self._wake_if_due()
 
     @property
     def regions(self) -> list[Region]:
@@ -609,12 +615,16 @@ class Engine:
                 self._queue_control(conn, msg)
 
     def _queue_control(self, conn: Connection, data: bytes) -> None:
-        """Queue a control message for the progress thread to send (caller holds the lock)."""
+        """Queue a control message for the progress thread to send (caller holds the lock).
+
+        The wake-up is only marked due: whoever let go of the lock last sends it
+        (:meth:`_wake_if_due`), since sending it is a system call.
+        """
         if not conn.queue_control(data):
             self._fail(conn, "peer left too many control messages unread")
             return
         self._outgoing.add(conn)
-        self._progress.wake()
+        self._wake_due = True
 
     # -- connections ---------------------------------------------------------------------
     def connect(self, peer: str, timeout: float = 10.0) -> Connection:
@@ -657,6 +667,7 @@ class Engine:
                     stale = self._conns.get(seen.engine)
                     if stale is not None:
                         self._drop(stale, f"{peer} was restarted", send_bye=False)
+                self._wake_if_due()
             peer = ann.engine
 
             def abort() -> str | None:  # the name's process left the registry meanwhile
@@ -675,6 +686,7 @@ class Engine:
                 return old
             if old is not None:
                 self._drop(old, "replaced by a new connection", send_bye=False)
+        self._wake_if_due()
         deadline = time.monotonic() + timeout
         conn = client_handshake(self, peer, (host, port), self._token, deadline, abort)
         reason = None if abort is None else abort()
@@ -691,6 +703,7 @@ class Engine:
         return len(self._conns) + len(claims - set(self._conns))
 
     def _new_connection(self, peer: str, *, outbound: bool) -> Connection:
+        """An outgoing connection, within ``max_peers``."""
         with self._lock:
             self._check_open()
             if self._peer_count() >= self._max_peers:
@@ -698,10 +711,32 @@ class Engine:
                     f"engine {self.id} already has {self._peer_count()} peers "
                     f"(max_peers={self._max_peers})"
                 )
+        return self._make_connection(peer, outbound)
+
+    def _make_connection(self, peer: str, outbound: bool) -> Connection:
+        """A connection's queue pairs, CQ and receive slots, made outside the lock (each
+        is a system call) and then indexed under it; :meth:`close` waits for the making
+        as it waits for a post (it counts as a poster).  :class:`StateError` once the
+        engine is closed."""
+        with self._lock:
+            self._check_open()
+            self._posters += 1
+        try:
             conn = Connection(self, peer, outbound, self._lanes, self._direct_lane)
-            for lane in conn.all_lanes:
-                self._by_qpn[lane.qpn] = lane
-            return conn
+        except BaseException:
+            with self._lock:
+                self._release_poster()
+            raise
+        with self._lock:
+            if not self._closed:
+                for lane in conn.all_lanes:
+                    self._by_qpn[lane.qpn] = lane
+                self._release_poster()
+                return conn
+        conn.destroy()  # before close() goes on to close the device
+        with self._lock:
+            self._release_poster()
+        raise StateError(f"engine {self.id} is closed")
 
     def _admit(self, peer: str, info: wire.Info, claims: set[str]) -> Admission:
         """Whether a proven client may connect as ``peer``; progress thread, never blocks.
@@ -732,14 +767,13 @@ class Engine:
                 )
             if old is not None:
                 self._drop(old, f"replaced by a new connection from {peer}", send_bye=False)
-            try:
-                conn = Connection(
-                    self, peer, outbound=False, lanes=self._lanes, direct=self._direct_lane
-                )
-            except HixlError as exc:
-                return Admission(code=wire.ErrorCode.INTERNAL, message=f"no queue pair: {exc}")
-            for lane in conn.all_lanes:
-                self._by_qpn[lane.qpn] = lane
+        self._wake_if_due()
+        try:
+            conn = self._make_connection(peer, outbound=False)
+        except StateError:
+            return Admission(code=wire.ErrorCode.BUSY, message=f"engine {self.id} is closing")
+        except HixlError as exc:
+            return Admission(code=wire.ErrorCode.INTERNAL, message=f"no queue pair: {exc}")
         try:
             conn.establish(info)
         except HixlError as exc:
@@ -812,6 +846,7 @@ class Engine:
             removed = tuple(r for k, r in sent.items() if k not in self._exposed_map)
             if added or removed:
                 self._queue_control(conn, wire.encode(wire.Regions(add=added, remove=removed)))
+        self._wake_if_due()
 
     def disconnect(self, peer: str) -> None:
         """Close the connection to ``peer``; its pending transfers fail.  Unknown peers: no-op."""
@@ -819,6 +854,7 @@ class Engine:
             conn = self._conns.get(peer)
             if conn is not None:
                 self._drop(conn, f"disconnected by {self.id}", send_bye=True)
+        self._wake_if_due()
 
     def connection(self, peer: str) -> Connection:
         """The connection to ``peer``; :class:`ConnectionFailed` if there is none."""
@@ -941,7 +977,7 @@ class Engine:
         if self._conns.get(conn.peer) is conn:
             del self._conns[conn.peer]
         self._dead.append(conn)
-        self._progress.wake()
+        self._wake_due = True  # the progress thread frees it (sent once the lock is free)
 
     def _release_dead(self) -> None:
         """Send what dropped connections still have queued (best effort), then free them."""
@@ -1907,6 +1943,11 @@ class Engine:
         self._wake_due = False
         self._progress.wake()
 
+    def _wake_if_due(self) -> None:
+        """Send the wake-up that work queued under the lock asked for (lock not held)."""
+        if self._wake_due:
+            self._wake()
+
     def _post(self, lane: Lane, batch: Batch) -> None:
         """Post a reserved batch outside the lock, then settle it under the lock.
 
@@ -2238,6 +2279,7 @@ class Engine:
                 return
             for msg in msgs:
                 self._on_control(conn, msg)
+        self._wake_if_due()
 
     def _on_control(self, conn: Connection, msg: wire.Message) -> None:
         if isinstance(msg, wire.Regions):

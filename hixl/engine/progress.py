@@ -31,6 +31,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from hixl.engine.handshake import Incoming
+from hixl.engine.locks import assert_unlocked
 from hixl.errors import HixlError
 from hixl.verbs import adapter as verbs
 
@@ -104,7 +105,9 @@ class Progress:
         return self._stop.is_set()
 
     def wake(self) -> None:
-        """Make the thread run a round now.  Any thread, never blocks."""
+        """Make the thread run a round now.  Any thread without the engine lock (the
+        send is a system call); never blocks."""
+        assert_unlocked("the progress thread's wake-up byte")
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
 
@@ -185,6 +188,10 @@ class Progress:
             if incoming is not None and incoming.pending and now >= self._next_sweep:
                 incoming.sweep(now)  # handshake deadlines and liveness probes
                 self._next_sweep = now + SWEEP_EVERY
+            # Control messages queued under the lock during this round (answers, region
+            # updates, connections dropped) are sent once it is free: wake this thread's
+            # own selector rather than sleep on them.
+            engine._wake_if_due()
             self.sleeping = True  # from here, callers wake this thread for posting
             if engine._to_post:
                 timeout = 0.0
