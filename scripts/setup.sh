@@ -46,7 +46,7 @@ fi
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import sys; sys.exit(sys.prefix == sys.base_prefix)"; then
   /usr/bin/python3 -m venv --system-site-packages .venv
 fi
-extras="test,dev,plot"
+extras="test,dev,plot,torch"  # torch is pinned in pyproject (see there)
 [ "$want_vm" = 1 ] && extras="$extras,vm"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[${extras}]"
 .venv/bin/python -c "import pyverbs, numpy, hixl; print('setup: ok (hixl', hixl.__version__ + ')')"

@@ -10,6 +10,7 @@ Modules
 ``progress``    the progress thread: completions, control traffic, deadlines, listener
 ``handles``     :class:`TransferRequest`, :class:`TransferHandle`, :class:`TransferStatus`
 ``channel``     :class:`Channel`: one thread's blocking puts/gets on a connection's direct lane
+``kv``          :class:`KVCache`: register_kv and put_blocks/get_blocks (a request's KV blocks)
 
 Theory of operation
 -------------------
@@ -92,15 +93,18 @@ from hixl.engine.channel import Channel
 from hixl.engine.connection import Connection
 from hixl.engine.engine import Diagnostics, Engine
 from hixl.engine.handles import TransferHandle, TransferRequest, TransferStatus
+from hixl.engine.kv import BlocksHandle, KVCache
 from hixl.engine.regions import Access, Region
 
 __all__ = [
     "Access",
+    "BlocksHandle",
     "Channel",
     "Connection",
     "ConnState",
     "Diagnostics",
     "Engine",
+    "KVCache",
     "Notification",
     "Region",
     "RemoteRegion",

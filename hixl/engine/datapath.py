@@ -418,6 +418,10 @@ class Planner:
                         built.parts = None
                     self.give_back(built)
 
+    def take(self, key: tuple[Any, ...]) -> Built | None:
+        """An idle chain pooled under ``key`` (see :meth:`give_back`), or None."""
+        return self._take_idle(key)
+
     def _take_idle(self, key: tuple[Any, ...]) -> Built | None:
         """An idle chain of the layout ``key`` from the pool (no lock: pops are atomic)."""
         pool = self._chains.get(key)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from hixl.core import notify, wire
 from hixl.core.descriptors import ContiguousDesc, Descriptor
 from hixl.core.notify import Notification
-from hixl.core.plan import DeviceLimits
+from hixl.core.plan import DeviceLimits, Op
 from hixl.core.states import ConnEvent, ConnState
 from hixl.core.window import MAX_BATCHES, Batch, Chunk
 from hixl.core.wire import MAX_LANES, RemoteRegion
@@ -48,6 +48,7 @@ from hixl.engine.handles import (
     TransferStatus,
 )
 from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
+from hixl.engine.kv import KVBlocks, KVCache
 from hixl.engine.locks import engine_lock
 from hixl.engine.names import Names
 from hixl.engine.progress import POLL_BATCH, Progress
@@ -65,7 +66,7 @@ from hixl.errors import (
 )
 from hixl.verbs import adapter as verbs
 from hixl.verbs.adapter import gid_to_str
-from hixl.verbs.chain import WR_BYTES, WR_SLOT
+from hixl.verbs.chain import WR_BYTES, WR_SLOT, SendChain
 
 if TYPE_CHECKING:
     from hixl.registry import Registry, Watch
@@ -298,6 +299,7 @@ class Engine:
             raise
         self._listener = listener
         self._planner = Planner(self.limits, alignment or None)
+        self._kv = KVBlocks(self)  # register_kv, put_blocks, get_blocks
         self._templates: dict[tuple[Any, ...], Template] = {}
         self._last_template: tuple[tuple[Any, ...], Template] | None = None
         # The last blocking put and get that ran on a direct lane, as (arguments, run):
@@ -1173,6 +1175,142 @@ class Engine:
         themselves.
         """
         return self._submit(peer, requests, notify, notify_message, timeout, now=False)
+
+    # -- KV caches (hixl.engine.kv) ------------------------------------------------------
+    def register_kv(
+        self,
+        name: str,
+        tensors: object,
+        *,
+        block_axis: int = 0,
+        heads_axis: int | None = None,
+        access: Access = Access.REMOTE_READ | Access.REMOTE_WRITE,
+    ) -> KVCache:
+        """Register a KV cache: ``tensors`` (numpy arrays or CPU torch tensors, one or more
+        per layer) whose ``block_axis`` indexes blocks; ``heads_axis`` names the KV-heads
+        axis where head ranges are wanted.  Each storage span is registered once; peers
+        find the cache by ``name`` and learn its geometry.  Raises
+        :class:`RegistrationError` (also for a name in use) or :class:`ArgumentError`."""
+        self._check_open()
+        return self._kv.register(
+            name, tensors, block_axis=block_axis, heads_axis=heads_axis, access=access
+        )
+
+    def put_blocks(
+        self,
+        peer: str,
+        kv: KVCache,
+        remote_name: str,
+        local_blocks: object,
+        remote_blocks: object,
+        *,
+        tensors: Sequence[int] | range | None = None,
+        heads: tuple[int, int] | None = None,
+        remote_heads: tuple[int, int] | None = None,
+        notify: str | None = None,
+        notify_message: bytes = b"",
+        timeout: float = 30.0,
+    ) -> None:
+        """RDMA WRITE blocks ``local_blocks[i]`` of ``kv`` into blocks ``remote_blocks[i]``
+        of the peer's cache ``remote_name``, for every tensor (or the indices ``tensors``),
+        narrowed to head ranges ``heads``/``remote_heads``; block until done.  The
+        notification, if any, arrives after all the data.  Errors before posting:
+        :class:`DescriptorError` (a mismatch of the caches, a bad or repeated destination
+        block id), :class:`RegistrationError`; after: as :meth:`put`, naming the request
+        and the blocks not known to have landed.  See docs/api.md."""
+        self._kv.transfer(
+            Op.WRITE, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
+            heads=heads, remote_heads=remote_heads, notify=notify,
+            notify_message=notify_message, timeout=timeout, now=True,
+        ).wait()  # fmt: skip
+
+    def get_blocks(
+        self,
+        peer: str,
+        kv: KVCache,
+        remote_name: str,
+        local_blocks: object,
+        remote_blocks: object,
+        *,
+        tensors: Sequence[int] | range | None = None,
+        heads: tuple[int, int] | None = None,
+        remote_heads: tuple[int, int] | None = None,
+        notify: str | None = None,
+        notify_message: bytes = b"",
+        timeout: float = 30.0,
+    ) -> None:
+        """RDMA READ the peer's blocks ``remote_blocks[i]`` into ``local_blocks[i]`` of
+        ``kv``; as :meth:`put_blocks` otherwise (the notification follows the reads)."""
+        self._kv.transfer(
+            Op.READ, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
+            heads=heads, remote_heads=remote_heads, notify=notify,
+            notify_message=notify_message, timeout=timeout, now=True,
+        ).wait()  # fmt: skip
+
+    def put_blocks_async(
+        self,
+        peer: str,
+        kv: KVCache,
+        remote_name: str,
+        local_blocks: object,
+        remote_blocks: object,
+        *,
+        tensors: Sequence[int] | range | None = None,
+        heads: tuple[int, int] | None = None,
+        remote_heads: tuple[int, int] | None = None,
+        notify: str | None = None,
+        notify_message: bytes = b"",
+        timeout: float = 30.0,
+    ) -> TransferHandle:
+        """Start a :meth:`put_blocks`; return its handle."""
+        return self._kv.transfer(
+            Op.WRITE, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
+            heads=heads, remote_heads=remote_heads, notify=notify,
+            notify_message=notify_message, timeout=timeout, now=False,
+        )  # fmt: skip
+
+    def get_blocks_async(
+        self,
+        peer: str,
+        kv: KVCache,
+        remote_name: str,
+        local_blocks: object,
+        remote_blocks: object,
+        *,
+        tensors: Sequence[int] | range | None = None,
+        heads: tuple[int, int] | None = None,
+        remote_heads: tuple[int, int] | None = None,
+        notify: str | None = None,
+        notify_message: bytes = b"",
+        timeout: float = 30.0,
+    ) -> TransferHandle:
+        """Start a :meth:`get_blocks`; return its handle."""
+        return self._kv.transfer(
+            Op.READ, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
+            heads=heads, remote_heads=remote_heads, notify=notify,
+            notify_message=notify_message, timeout=timeout, now=False,
+        )  # fmt: skip
+
+    def _queue_chain(
+        self,
+        conn: Connection,
+        chain: SendChain,
+        nbytes: int,
+        key: tuple[Any, ...],
+        notify: str | None,
+        notify_message: bytes,
+        reads: bool,
+        timeout: float,
+        now: bool,
+    ) -> TransferHandle:
+        """Queue a filled chain as one transfer (pooled under ``key`` once posted)."""
+        payload = _notify.encode(notify, notify_message) if notify is not None else None
+        built = Built(chain, nbytes, key, (0, 0))
+        return self._queue(conn, [built], payload, reads, timeout, now)
+
+    def _idle_chain(self, key: tuple[Any, ...]) -> SendChain | None:
+        idle = self._planner.take(key)
+        return None if idle is None else idle.chain
 
     def _one(
         self,

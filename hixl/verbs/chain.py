@@ -394,6 +394,54 @@ class SendChain:
             regions,
         )
 
+    def fill_keyed(
+        self,
+        *,
+        opcode: int,
+        remote_addr: npt.NDArray[np.int64],
+        rkeys: npt.NDArray[np.int64],
+        sge_start: npt.NDArray[np.int64],
+        sge_addr: npt.NDArray[np.int64],
+        sge_length: npt.NDArray[np.int64],
+        lkeys: npt.NDArray[np.int64],
+        lengths: tuple[int, int],
+        regions: tuple[Any, ...] = (),
+    ) -> None:
+        """:meth:`fill` for a chain over several regions: WR ``i`` carries ``rkeys[i]``,
+        SGE ``j`` carries ``lkeys[j]`` (32-bit each, checked).  ``lengths`` is the
+        shortest and longest SGE length (known to the caller).  Raises as :meth:`fill`."""
+        n, m = int(remote_addr.size), int(sge_addr.size)
+        if sge_start.size != n + 1 or sge_length.size != m or rkeys.size != n or lkeys.size != m:
+            raise DescriptorError(
+                f"chain arrays disagree: {n} WRs, {rkeys.size} remote keys, {sge_start.size} "
+                f"sge_start entries, {m} SGE addresses, {sge_length.size} lengths, "
+                f"{lkeys.size} local keys"
+            )
+        for name, keys in (("rkeys", rkeys), ("lkeys", lkeys)):
+            if keys.size and (int(keys.min()) < 0 or int(keys.max()) > 0xFFFF_FFFF):
+                raise DescriptorError(f"{name} must be 32-bit")
+        self._write(
+            opcode,
+            remote_addr,
+            0,
+            0,
+            sge_start,
+            n == m,
+            sge_addr,
+            0,
+            sge_length,
+            lengths,
+            0,
+            regions,
+        )
+        q, sq = self._words()
+        # Word 6 is the key and the union's padding after it; word 1 of an SGE is
+        # length | lkey << 32 (see _write).
+        np.copyto(q[:n, _RKEY_WORD], rkeys, casting="unsafe")
+        self._rkey_n = 0
+        keyed = sq[:m, 1]
+        keyed |= np.left_shift(lkeys.astype(np.uint64), np.uint64(32))
+
     def _write(
         self,
         opcode: int,

@@ -1,0 +1,590 @@
+"""KV caches in blocks: the geometry of a cache's tensors and the plan of a request.
+
+Theory of operation
+-------------------
+An inference server holds its KV cache as tensors (one or more per layer), each with a
+*block axis*: index ``j`` along it is block ``j`` of that tensor. A request owns a list of
+block ids; moving it means moving the same blocks of every tensor (or of a chosen subset),
+from one engine's cache into another's, block ``local[i]`` paired with ``remote[i]``.
+
+A tensor is described by :class:`TensorGeometry`: dtype (name and itemsize), shape and
+byte strides, where it starts in its registered region, its block axis and optionally its
+KV-heads axis. A block is the sub-array with the block axis fixed; a *head range*
+``(start, stop)`` narrows the heads axis of that sub-array. The bytes of a block are
+streamed in C order of the sub-array's remaining axes (the *block shape*), so two caches
+pair byte for byte whenever their block shapes (after head selection) and dtypes are equal,
+whatever their strides: FlashAttention's ``(2, num_blocks, ...)`` pairs with FlashInfer's
+``(num_blocks, 2, ...)``, a head range of 8 heads pairs with a cache of 2.
+
+:func:`block_pattern` reduces a block (with a head range) to the offsets of its maximal
+contiguous pieces relative to block 0, all of one size; block ``j``'s pieces are those
+plus ``j * block_stride``. :func:`plan_blocks` turns two patterns and two block lists into
+a :class:`~hixl.core.plan.Plan` whose offsets are relative to each tensor's element 0:
+the planner fuses what is adjacent on both sides (runs of consecutive blocks whose pieces
+touch), so a run of blocks moves in as few work requests as the device limits allow.
+Tensors of one geometry share a plan: :func:`plan_request` plans each distinct pair of
+patterns once and lays the plans of all tensors out as one chain of work requests
+(:class:`RequestPlan`), with each WR's remote key index and each SGE's local key index.
+
+:class:`KVGeometry` is what a peer learns about a cache (its regions' lengths and every
+tensor's geometry), as a small JSON document that :meth:`KVGeometry.from_bytes` parses as
+untrusted input. :func:`pair_tensors` checks two caches against each other before anything
+is posted and names the first mismatch (``tensor 3: dtype float16 vs bfloat16``).
+
+This module is pure: no I/O, no clock, no pyverbs. Sizes and offsets are in bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from hixl.core.descriptors import INT64_MAX, Segments
+from hixl.core.plan import DEFAULT_LIMITS, DeviceLimits, Op, Plan, plan_transfer
+from hixl.errors import DescriptorError
+
+__all__ = [
+    "BlockPattern",
+    "KVGeometry",
+    "MAX_DIMS",
+    "MAX_TENSORS",
+    "RequestPlan",
+    "TensorGeometry",
+    "block_ids",
+    "block_pattern",
+    "pair_tensors",
+    "plan_blocks",
+    "plan_request",
+]
+
+I64Array = npt.NDArray[np.int64]
+
+#: Most dimensions a KV tensor may have.
+MAX_DIMS = 8
+#: Most tensors one cache may hold (a region each at most; the engine's own limits apply).
+MAX_TENSORS = 1024
+#: Longest dtype name accepted from a peer.
+_MAX_DTYPE = 32
+#: Version of the geometry document.
+_GEOMETRY_VERSION = 1
+
+
+def _int(where: str, value: object, lo: int = 0, hi: int = INT64_MAX) -> int:
+    if isinstance(value, bool | np.bool_):
+        raise DescriptorError(f"{where} must be an integer, got bool {value!r}")
+    try:
+        out = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise DescriptorError(
+            f"{where} must be an integer, got {type(value).__name__} {value!r}"
+        ) from None
+    if not lo <= out <= hi:
+        raise DescriptorError(f"{where}={out} is outside [{lo}, {hi}]")
+    return out
+
+
+def _ints(where: str, values: object, lo: int, hi: int = INT64_MAX) -> tuple[int, ...]:
+    if not isinstance(values, list | tuple):
+        raise DescriptorError(f"{where} must be a list of integers, got {type(values).__name__}")
+    return tuple(_int(f"{where}[{i}]", v, lo, hi) for i, v in enumerate(values))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorGeometry:
+    """One KV tensor as its engine registered it.
+
+    ``dtype`` is the element type's name (``"float16"``, ``"bfloat16"``, ``"uint8"``...)
+    and ``itemsize`` its bytes; ``shape`` the extents; ``strides`` the byte steps per axis
+    (>= 0); ``offset`` the bytes from the start of region ``region`` (an index into the
+    cache's regions) to element 0; ``block_axis`` the axis whose index is the block id;
+    ``heads_axis`` the KV-heads axis, where head ranges are wanted (``None``: none).
+
+    Raises :class:`DescriptorError` for bad axes or extents, negative strides, and
+    tensors whose elements overlap (two blocks must never share a byte).
+    """
+
+    dtype: str
+    itemsize: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int = 0
+    region: int = 0
+    block_axis: int = 0
+    heads_axis: int | None = None
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.dtype, str)
+            or not 0 < len(self.dtype) <= _MAX_DTYPE
+            or not self.dtype.isascii()
+            or not self.dtype.isprintable()
+        ):
+            raise DescriptorError(f"dtype must be a short printable name, got {self.dtype!r}")
+        _set = object.__setattr__
+        _set(self, "itemsize", _int("itemsize", self.itemsize, 1, 64))
+        shape = _ints("shape", list(self.shape), 1)
+        strides = _ints("strides", list(self.strides), 0)
+        if not 1 <= len(shape) <= MAX_DIMS or len(strides) != len(shape):
+            raise DescriptorError(
+                f"shape {shape} and strides {strides} must have the same 1..{MAX_DIMS} dims"
+            )
+        _set(self, "shape", shape)
+        _set(self, "strides", strides)
+        _set(self, "offset", _int("offset", self.offset))
+        _set(self, "region", _int("region", self.region, 0, MAX_TENSORS))
+        ndim = len(shape)
+        block_axis = _int("block_axis", self.block_axis, -ndim, ndim - 1) % ndim
+        _set(self, "block_axis", block_axis)
+        if self.heads_axis is not None:
+            heads = _int("heads_axis", self.heads_axis, -ndim, ndim - 1) % ndim
+            if heads == block_axis:
+                raise DescriptorError(f"heads_axis and block_axis are both axis {heads}")
+            _set(self, "heads_axis", heads)
+        if self.end > INT64_MAX:
+            raise DescriptorError(f"tensor overflows int64: ends at {self.end}")
+        # Distinct indices must reach distinct bytes (else two blocks, or two bytes of
+        # one destination block, would share memory): sorted by stride, each axis must
+        # step over everything the faster axes span.
+        span = self.itemsize
+        for n, s in sorted(zip(shape, strides, strict=True), key=lambda d: d[1]):
+            if n == 1:
+                continue
+            if s < span:
+                raise DescriptorError(
+                    f"tensor elements overlap: shape {shape} strides {strides} (an axis of "
+                    f"stride {s} steps inside the {span} bytes the faster axes span)"
+                )
+            span += (n - 1) * s
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def num_blocks(self) -> int:
+        """Extent of the block axis."""
+        return self.shape[self.block_axis]
+
+    @property
+    def num_heads(self) -> int | None:
+        """Extent of the heads axis, or None without one."""
+        return None if self.heads_axis is None else self.shape[self.heads_axis]
+
+    @property
+    def block_stride(self) -> int:
+        """Bytes from block ``j`` to block ``j + 1``."""
+        return self.strides[self.block_axis]
+
+    @property
+    def block_bytes(self) -> int:
+        """Data bytes of one block (all heads)."""
+        return self.itemsize * math.prod(self.shape) // self.num_blocks
+
+    @property
+    def end(self) -> int:
+        """One past the last byte, from the start of the region."""
+        return (
+            self.offset
+            + sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True))
+            + self.itemsize
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "itemsize": self.itemsize,
+            "shape": list(self.shape),
+            "strides": list(self.strides),
+            "offset": self.offset,
+            "region": self.region,
+            "block_axis": self.block_axis,
+            "heads_axis": self.heads_axis,
+        }
+
+    @classmethod
+    def from_json(cls, where: str, obj: object) -> TensorGeometry:
+        keys = ("dtype", "itemsize", "shape", "strides", "offset", "region", "block_axis")
+        if not isinstance(obj, dict) or set(obj) != {*keys, "heads_axis"}:
+            raise DescriptorError(f"{where}: expected an object with keys {keys} + heads_axis")
+        try:
+            return cls(
+                dtype=obj["dtype"],
+                itemsize=obj["itemsize"],
+                shape=_ints(f"{where}.shape", obj["shape"], 1),
+                strides=_ints(f"{where}.strides", obj["strides"], 0),
+                offset=obj["offset"],
+                region=obj["region"],
+                block_axis=obj["block_axis"],
+                heads_axis=obj["heads_axis"],
+            )
+        except DescriptorError as exc:
+            raise DescriptorError(f"{where}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVGeometry:
+    """A cache as its peers see it: ``region_lengths[k]`` is the byte length of region
+    ``k`` and ``tensors[i]`` the geometry of tensor ``i``. Raises :class:`DescriptorError`
+    when a tensor names a missing region or reaches past its end."""
+
+    region_lengths: tuple[int, ...]
+    tensors: tuple[TensorGeometry, ...]
+
+    def __post_init__(self) -> None:
+        lengths = _ints("region_lengths", list(self.region_lengths), 1)
+        object.__setattr__(self, "region_lengths", lengths)
+        if not 1 <= len(self.tensors) <= MAX_TENSORS:
+            raise DescriptorError(f"a cache has 1..{MAX_TENSORS} tensors, got {len(self.tensors)}")
+        for i, t in enumerate(self.tensors):
+            if not isinstance(t, TensorGeometry):
+                raise DescriptorError(f"tensor {i} is a {type(t).__name__}, not a TensorGeometry")
+            if t.region >= len(lengths):
+                raise DescriptorError(f"tensor {i} names region {t.region} of {len(lengths)}")
+            if t.end > lengths[t.region]:
+                raise DescriptorError(
+                    f"tensor {i} ends at byte {t.end} of region {t.region}, which has "
+                    f"{lengths[t.region]} bytes"
+                )
+
+    def to_bytes(self) -> bytes:
+        """The geometry document (UTF-8 JSON)."""
+        doc = {
+            "version": _GEOMETRY_VERSION,
+            "regions": list(self.region_lengths),
+            "tensors": [t.to_json() for t in self.tensors],
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> KVGeometry:
+        """Parse a peer's geometry document (untrusted): :class:`DescriptorError` names
+        the first bad field."""
+        try:
+            doc = json.loads(data.rstrip(b"\0").decode())
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise DescriptorError(f"KV geometry is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict) or set(doc) != {"version", "regions", "tensors"}:
+            raise DescriptorError("KV geometry: expected keys version, regions, tensors")
+        if doc["version"] != _GEOMETRY_VERSION:
+            raise DescriptorError(
+                f"KV geometry version {doc['version']!r}, this side speaks {_GEOMETRY_VERSION}"
+            )
+        tensors = doc["tensors"]
+        if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
+            raise DescriptorError(f"KV geometry: tensors must be a list of <= {MAX_TENSORS}")
+        return cls(
+            region_lengths=_ints("regions", doc["regions"], 1),
+            tensors=tuple(
+                TensorGeometry.from_json(f"tensor {i}", t) for i, t in enumerate(tensors)
+            ),
+        )
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BlockPattern:
+    """The pieces of one block (with a head range) of a tensor.
+
+    ``shape`` is the block shape streamed (C order of the non-block axes, the heads axis
+    narrowed); ``offsets`` the start of each maximal contiguous piece relative to element 0
+    of block 0, in stream order (read-only int64), each ``size`` bytes long;
+    ``block_stride`` the bytes from one block to the next; ``nbytes`` the block's bytes.
+    """
+
+    shape: tuple[int, ...]
+    offsets: I64Array
+    size: int
+    block_stride: int
+    nbytes: int
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """A hashable value equal for equal patterns."""
+        return (self.offsets.tobytes(), self.size, self.block_stride)
+
+
+def _heads(where: str, heads: object, num_heads: int) -> tuple[int, int]:
+    if not isinstance(heads, tuple | list) or len(heads) != 2:
+        raise DescriptorError(f"{where} must be a (start, stop) pair, got {heads!r}")
+    start = _int(f"{where} start", heads[0])
+    stop = _int(f"{where} stop", heads[1])
+    if not 0 <= start < stop <= num_heads:
+        raise DescriptorError(
+            f"{where}={(start, stop)} is not a non-empty range inside [0, {num_heads}) heads"
+        )
+    return start, stop
+
+
+def block_pattern(geom: TensorGeometry, heads: tuple[int, int] | None = None) -> BlockPattern:
+    """The pieces of a block of ``geom``, narrowed to ``heads`` (a ``(start, stop)`` range
+    along its heads axis; None: all heads). Cached per (geometry, range). Raises
+    :class:`DescriptorError` for a head range without a heads axis or outside it."""
+    if heads is not None:
+        if geom.heads_axis is None:
+            raise DescriptorError(
+                f"a head range {tuple(heads)} needs a heads_axis; this tensor has none "
+                f"(shape {geom.shape})"
+            )
+        heads = _heads("heads", heads, geom.shape[geom.heads_axis])
+        if heads == (0, geom.shape[geom.heads_axis]):
+            heads = None
+    return _pattern(geom, heads)
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern(geom: TensorGeometry, heads: tuple[int, int] | None) -> BlockPattern:
+    base = 0
+    dims: list[tuple[int, int]] = []
+    for axis, (n, s) in enumerate(zip(geom.shape, geom.strides, strict=True)):
+        if axis == geom.block_axis:
+            continue
+        if axis == geom.heads_axis and heads is not None:
+            base += heads[0] * s
+            n = heads[1] - heads[0]
+        dims.append((n, s))
+    shape = tuple(n for n, _ in dims)
+    # Fewest pieces: drop extents of 1, fold an innermost contiguous axis into the piece,
+    # fuse an axis into its outer neighbour when it continues it.
+    size = geom.itemsize
+    live = [(n, s) for n, s in dims if n > 1]
+    changed = True
+    while changed:
+        changed = False
+        if live and live[-1][1] == size:
+            size *= live.pop()[0]
+            changed = True
+        j = 0
+        while j + 1 < len(live):
+            (n0, s0), (n1, s1) = live[j], live[j + 1]
+            if s0 == n1 * s1:
+                live[j : j + 2] = [(n0 * n1, s1)]
+                changed = True
+            else:
+                j += 1
+    offs = np.array([base], dtype=np.int64)
+    for n, s in live:
+        offs = (offs[:, None] + np.arange(n, dtype=np.int64) * np.int64(s)).ravel()
+    offs.setflags(write=False)
+    nbytes = geom.itemsize * math.prod(shape)
+    return BlockPattern(shape, offs, size, geom.block_stride, nbytes)
+
+
+def block_ids(where: str, ids: object, num_blocks: int) -> I64Array:
+    """``ids`` as a 1-D int64 array of block ids in ``[0, num_blocks)``; raises
+    :class:`DescriptorError` naming the first bad entry."""
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as exc:
+        raise DescriptorError(f"{where} must be integers: {exc}") from None
+    if arr.ndim != 1 or arr.size == 0 or (arr.dtype.kind not in "iu"):
+        raise DescriptorError(
+            f"{where} must be a non-empty 1-D list of integers, got shape {arr.shape} "
+            f"dtype {arr.dtype}"
+        )
+    bad = np.flatnonzero((arr < 0) | (arr >= num_blocks))
+    if bad.size:
+        i = int(bad[0])
+        raise DescriptorError(f"{where}[{i}]={int(arr[i])} is outside [0, {num_blocks}) blocks")
+    return arr.astype(np.int64, copy=False)
+
+
+def check_unique(where: str, ids: I64Array) -> None:
+    """Raise :class:`DescriptorError` when a destination block id repeats."""
+    if ids.size < 2:
+        return
+    order = np.argsort(ids, kind="stable")
+    s = ids[order]
+    dup = np.flatnonzero(s[1:] == s[:-1])
+    if dup.size:
+        k = int(dup[0])
+        i, j = sorted((int(order[k]), int(order[k + 1])))
+        raise DescriptorError(
+            f"{where} repeats destination block {int(s[k])} ({where}[{i}] and {where}[{j}]): "
+            "its bytes would be written twice"
+        )
+
+
+def _segments(p: BlockPattern, ids: I64Array) -> Segments:
+    offs = (ids[:, None] * np.int64(p.block_stride) + p.offsets[None, :]).ravel()
+    return Segments._trusted(offs, np.full(offs.size, p.size, np.int64), p.nbytes * ids.size)
+
+
+def plan_blocks(
+    local: BlockPattern,
+    local_ids: I64Array,
+    remote: BlockPattern,
+    remote_ids: I64Array,
+    op: Op,
+    limits: DeviceLimits = DEFAULT_LIMITS,
+) -> Plan:
+    """The work requests moving blocks ``local_ids[i]`` <-> ``remote_ids[i]`` of one
+    tensor pair, offsets relative to each tensor's element 0. The block lists are checked
+    by the caller (:func:`block_ids`, :func:`check_unique`); the patterns must stream as
+    many bytes per block (:func:`pair_tensors`)."""
+    if local.nbytes != remote.nbytes:
+        raise DescriptorError(
+            f"blocks differ in size: local {local.nbytes} bytes, remote {remote.nbytes}"
+        )
+    return plan_transfer(_segments(local, local_ids), _segments(remote, remote_ids), op, limits)
+
+
+def pair_tensors(
+    local: KVGeometry,
+    remote: KVGeometry,
+    tensors: Sequence[int] | range | None,
+    heads: tuple[int, int] | None,
+    remote_heads: tuple[int, int] | None,
+) -> list[tuple[int, BlockPattern, BlockPattern]]:
+    """The tensors to move (``tensors``: indices into both caches, None: all) with each
+    side's block pattern. Raises :class:`DescriptorError` naming the first mismatch:
+    tensor count, dtype, block shape (with the head ranges) or a bad index."""
+    if tensors is None:
+        if len(local.tensors) != len(remote.tensors):
+            raise DescriptorError(
+                f"caches hold {len(local.tensors)} tensors here and {len(remote.tensors)} "
+                "on the peer: pass tensors= to choose which to move"
+            )
+        chosen: Sequence[int] = range(len(local.tensors))
+    else:
+        chosen = tensors
+        if len(chosen) == 0:
+            raise DescriptorError("tensors= is empty: nothing to move")
+    out = []
+    seen: set[int] = set()
+    for i in chosen:
+        idx = _int("tensor index", i)
+        if idx >= len(local.tensors) or idx >= len(remote.tensors):
+            raise DescriptorError(
+                f"tensor {idx} is outside the caches ({len(local.tensors)} tensors here, "
+                f"{len(remote.tensors)} on the peer)"
+            )
+        if idx in seen:
+            raise DescriptorError(f"tensor {idx} is listed twice")
+        seen.add(idx)
+        lt, rt = local.tensors[idx], remote.tensors[idx]
+        if lt.dtype != rt.dtype or lt.itemsize != rt.itemsize:
+            raise DescriptorError(
+                f"tensor {idx}: dtype {lt.dtype} vs {rt.dtype} (here vs the peer)"
+            )
+        try:
+            lp = block_pattern(lt, heads)
+        except DescriptorError as exc:
+            raise DescriptorError(f"tensor {idx} here: {exc}") from None
+        try:
+            rp = block_pattern(rt, remote_heads)
+        except DescriptorError as exc:
+            raise DescriptorError(f"tensor {idx} on the peer: {exc}") from None
+        if lp.shape != rp.shape:
+            lh = f" heads {heads}" if heads is not None else ""
+            rh = f" heads {remote_heads}" if remote_heads is not None else ""
+            raise DescriptorError(
+                f"tensor {idx}: block shape {lp.shape}{lh} vs {rp.shape}{rh} (here vs the "
+                f"peer; whole shapes {lt.shape} block_axis {lt.block_axis} vs {rt.shape} "
+                f"block_axis {rt.block_axis})"
+            )
+        out.append((idx, lp, rp))
+    return out
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RequestPlan:
+    """A request's work requests over many tensors, as one chain in CSR form.
+
+    WR ``w`` targets ``wr_remote[w]`` (an absolute address) with the remote key of region
+    ``wr_key[w]`` of the list the caller passed; its SGEs are ``sge_start[w] ..
+    sge_start[w+1] - 1`` of ``sge_addr``/``sge_length`` (absolute addresses), all with
+    the local key of ``sge_key``'s region. ``nbytes`` is the stream's total."""
+
+    wr_remote: I64Array
+    wr_key: I64Array
+    sge_start: I64Array
+    sge_addr: I64Array
+    sge_length: I64Array
+    sge_key: I64Array
+    nbytes: int
+    lengths: tuple[int, int]
+
+    @property
+    def num_wrs(self) -> int:
+        return int(self.wr_remote.size)
+
+    @property
+    def num_sges(self) -> int:
+        return int(self.sge_addr.size)
+
+
+def plan_request(
+    items: Sequence[tuple[BlockPattern, BlockPattern, int, int, int, int]],
+    local_ids: I64Array,
+    remote_ids: I64Array,
+    op: Op,
+    limits: DeviceLimits = DEFAULT_LIMITS,
+) -> RequestPlan:
+    """One chain for a request: ``items`` are ``(local pattern, remote pattern, local
+    element-0 address, remote element-0 address, local key index, remote key index)``,
+    one per tensor. Each distinct pair of patterns is planned once; its WRs are laid out
+    for every tensor of that pair, in the order given."""
+    plans: dict[tuple[Any, ...], Plan] = {}
+    per: list[Plan] = []
+    for lp, rp, *_ in items:
+        key = (lp.key, rp.key)
+        p = plans.get(key)
+        if p is None:
+            p = plans[key] = plan_blocks(lp, local_ids, rp, remote_ids, op, limits)
+        per.append(p)
+    # Lay out in groups of consecutive tensors sharing a plan (one numpy pass each).
+    wr_remote, wr_key, starts, sge_addr, sge_length, sge_key = [], [], [], [], [], []
+    sge_base = 0
+    nbytes = 0
+    shortest, longest = INT64_MAX, 0
+    k = 0
+    while k < len(items):
+        p = per[k]
+        e = k + 1
+        while e < len(items) and per[e] is p:
+            e += 1
+        grp = items[k:e]
+        laddr = np.fromiter((it[2] for it in grp), np.int64, len(grp))
+        raddr = np.fromiter((it[3] for it in grp), np.int64, len(grp))
+        lkey = np.fromiter((it[4] for it in grp), np.int64, len(grp))
+        rkey = np.fromiter((it[5] for it in grp), np.int64, len(grp))
+        n = len(grp)
+        wr_remote.append((raddr[:, None] + p.wr_remote_offset[None, :]).ravel())
+        wr_key.append(np.repeat(rkey, p.num_wrs))
+        sge_ptr = np.int64(sge_base) + (
+            np.arange(n, dtype=np.int64)[:, None] * np.int64(p.num_sges) + p.wr_sge_start[None, :-1]
+        )
+        starts.append(sge_ptr.ravel())
+        sge_addr.append((laddr[:, None] + p.sge_local_offset[None, :]).ravel())
+        sge_length.append(np.tile(p.sge_length, n))
+        sge_key.append(np.repeat(lkey, p.num_sges))
+        sge_base += n * p.num_sges
+        nbytes += n * p.nbytes
+        lo, hi = p.sge_length_range
+        shortest, longest = min(shortest, lo), max(longest, hi)
+        k = e
+    starts.append(np.array([sge_base], dtype=np.int64))
+
+    def cat(parts: list[I64Array]) -> I64Array:
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    return RequestPlan(
+        wr_remote=cat(wr_remote),
+        wr_key=cat(wr_key),
+        sge_start=cat(starts),
+        sge_addr=cat(sge_addr),
+        sge_length=cat(sge_length),
+        sge_key=cat(sge_key),
+        nbytes=nbytes,
+        lengths=(shortest, longest),
+    )

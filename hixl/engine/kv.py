@@ -1,0 +1,587 @@
+"""KV caches: registering a cache's tensors and moving a request's blocks.
+
+:class:`KVBlocks` is the engine's part for :meth:`Engine.register_kv` and the
+``put_blocks``/``get_blocks`` calls. It talks to the engine through :class:`KVHost` (the
+engine implements it): register and deregister memory, read a small remote region, and
+queue one chain of work requests as one transfer.
+
+How a peer learns a cache's geometry: :meth:`KVBlocks.register` registers, besides the
+tensors' storage (one region per storage span, named ``hixl.kv:<name>/<k>``), a small
+read-only region named ``hixl.kv:<name>`` holding the cache's
+:class:`~hixl.core.kvblocks.KVGeometry` document. Both ride on the ordinary region
+announcement. The first transfer to a remote cache reads that document with one RDMA
+READ, parses it as untrusted input and keeps it while the peer's announced regions stay
+the same (a re-registration under the same name is read again). Every check of the two
+geometries against each other, the block ids and the access rights happens before
+anything is posted.
+
+A request is planned by :func:`~hixl.core.kvblocks.plan_request` (one plan per distinct
+pair of tensor geometries, laid out for every tensor) and written into one chain of work
+requests whose WRs and SGEs carry each tensor's own keys; the engine queues it as one
+transfer, with the notification after all of its data. Chains go back to the engine's
+pool once posted and are refilled by later requests of a similar size.
+
+Memory lifetime: a :class:`KVCache` keeps the tensors it registered alive (their storage
+is registered by address), until :meth:`KVCache.close`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from hixl.core import wire
+from hixl.core.kvblocks import (
+    KVGeometry,
+    TensorGeometry,
+    block_ids,
+    check_unique,
+    pair_tensors,
+    plan_request,
+)
+from hixl.core.plan import DeviceLimits, Op
+from hixl.core.wire import RemoteRegion
+from hixl.engine.handles import TransferHandle, TransferStatus
+from hixl.engine.regions import Access, Region
+from hixl.errors import ArgumentError, DescriptorError, HixlError, RegistrationError
+from hixl.verbs import adapter as verbs
+from hixl.verbs.chain import SendChain
+
+if TYPE_CHECKING:
+    from hixl.engine.connection import Connection
+
+__all__ = ["KV_PREFIX", "BlocksHandle", "KVBlocks", "KVCache", "KVHost"]
+
+log = logging.getLogger("hixl.kv")
+
+#: Region names of a cache ``n``: ``hixl.kv:n`` (its geometry), ``hixl.kv:n/<k>`` (storage).
+KV_PREFIX = "hixl.kv:"
+#: Longest cache name (the region names stay within the wire's 128 characters).
+MAX_NAME = 96
+#: Largest geometry document read from a peer.
+MAX_GEOMETRY_BYTES = 1 << 20
+#: Block ids shown in an error message (the exception's attributes hold them all).
+_SHOWN_IDS = 16
+
+
+class KVHost(Protocol):
+    """What :class:`KVBlocks` needs from its engine."""
+
+    @property
+    def limits(self) -> DeviceLimits: ...
+
+    def register(self, buffer: object, *, access: Access = ..., name: str = ...) -> Region: ...
+
+    def deregister(self, region: Region) -> None: ...
+
+    def get(
+        self, peer: str, local: Region, remote: RemoteRegion | str, *, timeout: float = ...
+    ) -> None: ...
+
+    def connection(self, peer: str) -> Connection: ...
+
+    def _queue_chain(
+        self,
+        conn: Connection,
+        chain: SendChain,
+        nbytes: int,
+        key: tuple[Any, ...],
+        notify: str | None,
+        notify_message: bytes,
+        reads: bool,
+        timeout: float,
+        now: bool,
+    ) -> TransferHandle: ...
+
+    def _idle_chain(self, key: tuple[Any, ...]) -> SendChain | None: ...
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+@dataclass(frozen=True, slots=True)
+class _Tensor:
+    dtype: str
+    itemsize: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    addr: int  # element 0
+    span: tuple[int, int]  # the storage: (address, bytes)
+    readonly: bool
+
+
+def _describe(i: int, obj: object) -> _Tensor:
+    """The geometry and storage span of a numpy array or a CPU torch tensor."""
+    if isinstance(obj, np.ndarray):
+        arr = obj
+        if arr.size == 0:
+            raise RegistrationError(f"tensor {i} is empty (shape {arr.shape})")
+        if any(s < 0 for s in arr.strides):
+            raise RegistrationError(f"tensor {i} has negative strides {arr.strides}")
+        root = arr
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        addr = int(arr.__array_interface__["data"][0])
+        if root.flags.c_contiguous or root.flags.f_contiguous:
+            span = (int(root.__array_interface__["data"][0]), int(root.nbytes))
+        else:
+            extent = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides, strict=True))
+            span = (addr, extent + arr.itemsize)
+        return _Tensor(
+            arr.dtype.name,
+            arr.itemsize,
+            tuple(arr.shape),
+            tuple(arr.strides),
+            addr,
+            span,
+            not arr.flags.writeable,
+        )
+    if hasattr(obj, "data_ptr") and hasattr(obj, "untyped_storage") and hasattr(obj, "stride"):
+        t: Any = obj  # a torch tensor, duck-typed: hixl does not depend on torch
+        device = getattr(getattr(t, "device", None), "type", "cpu")
+        if device != "cpu":
+            raise RegistrationError(f"tensor {i} is on device {device}; only CPU tensors")
+        if t.numel() == 0:
+            raise RegistrationError(f"tensor {i} is empty (shape {tuple(t.shape)})")
+        itemsize = int(t.element_size())
+        storage = t.untyped_storage()
+        return _Tensor(
+            str(t.dtype).removeprefix("torch."),
+            itemsize,
+            tuple(int(n) for n in t.shape),
+            tuple(int(s) * itemsize for s in t.stride()),
+            int(t.data_ptr()),
+            (int(storage.data_ptr()), int(storage.nbytes())),
+            False,
+        )
+    raise RegistrationError(
+        f"tensor {i} is a {type(obj).__name__}: expected a numpy array or a CPU torch tensor"
+    )
+
+
+def _spans(tensors: list[_Tensor]) -> tuple[list[tuple[int, int]], list[int]]:
+    """The storage spans merged where they overlap, and each tensor's span index."""
+    order = sorted(range(len(tensors)), key=lambda k: tensors[k].span)
+    spans: list[list[int]] = []
+    index = [0] * len(tensors)
+    for k in order:
+        a, n = tensors[k].span
+        if spans and a < spans[-1][0] + spans[-1][1]:
+            last = spans[-1]
+            last[1] = max(last[1], a + n - last[0])
+        else:
+            spans.append([a, n])
+        index[k] = len(spans) - 1
+    return [(a, n) for a, n in spans], index
+
+
+class KVCache:
+    """A KV cache registered with :meth:`Engine.register_kv`.
+
+    ``name`` is how peers find it; ``geometry`` what they learn about it;
+    ``regions`` the registered storage (one region per storage span). ``tensors`` are the
+    objects registered, kept alive until :meth:`close` (or the engine's close).
+    """
+
+    def __init__(
+        self,
+        owner: KVBlocks,
+        name: str,
+        tensors: tuple[object, ...],
+        geometry: KVGeometry,
+        regions: tuple[Region, ...],
+        meta: Region,
+        meta_buffer: np.ndarray[Any, Any],
+    ) -> None:
+        self._owner = owner
+        self.name = name
+        self.tensors = tensors
+        self.geometry = geometry
+        self.regions = regions
+        self._meta = meta
+        self._meta_buffer = meta_buffer  # the memory the meta region points at
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or any(r.closed for r in self.regions)
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.geometry.tensors)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks every tensor has (the smallest block axis)."""
+        return min(t.num_blocks for t in self.geometry.tensors)
+
+    def close(self) -> None:
+        """Deregister the cache's regions (peers are told); safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._owner._forget(self)
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = " closed" if self.closed else ""
+        return (
+            f"<KVCache name={self.name!r} tensors={self.num_tensors} "
+            f"blocks={self.num_blocks} regions={len(self.regions)}{state}>"
+        )
+
+
+# --------------------------------------------------------------------------- handles
+
+
+def _show(ids: list[int]) -> str:
+    head = ", ".join(str(i) for i in ids[:_SHOWN_IDS])
+    more = f", ... ({len(ids)} in all)" if len(ids) > _SHOWN_IDS else ""
+    return f"[{head}{more}]"
+
+
+class BlocksHandle(TransferHandle):
+    """The :class:`TransferHandle` of a ``put_blocks_async``/``get_blocks_async``.
+
+    On failure its error (the transfer's own class: :class:`TransferTimeout`,
+    :class:`CompletionError`, :class:`ConnectionFailed`...) names the request and the
+    block ids whose bytes are not known to have landed, and carries them as attributes
+    ``request``, ``local_blocks`` and ``remote_blocks``. Those are all the request's
+    blocks: a transfer that fails reports no partial progress.
+    """
+
+    __slots__ = ("_inner", "_failed", "local_blocks", "remote_blocks", "request")
+
+    def __init__(
+        self, inner: TransferHandle, request: str | None, local: list[int], remote: list[int]
+    ) -> None:
+        # The base's own state is never used: every reader goes to ``inner``.
+        self._inner = inner
+        self.request = request
+        self.local_blocks = local
+        self.remote_blocks = remote
+        self._failed: HixlError | None = None
+        self.peer = inner.peer
+        self.nbytes = inner.nbytes
+        self.num_wrs = inner.num_wrs
+        self.deadline = inner.deadline
+
+    @property
+    def status(self) -> TransferStatus:
+        return self._inner.status
+
+    @property
+    def error(self) -> HixlError | None:
+        err = self._inner.error
+        if err is None:
+            return None
+        if self._failed is None:
+            out = copy.copy(err)
+            what = f"request {self.request!r}" if self.request is not None else "request"
+            out.args = (
+                f"{err}; {what}: blocks not known to have landed: local "
+                f"{_show(self.local_blocks)}, remote {_show(self.remote_blocks)}",
+            )
+            out.request = self.request  # type: ignore[attr-defined]
+            out.local_blocks = self.local_blocks  # type: ignore[attr-defined]
+            out.remote_blocks = self.remote_blocks  # type: ignore[attr-defined]
+            out.__cause__ = err
+            self._failed = out
+        return self._failed
+
+    def done(self) -> bool:
+        """As :meth:`TransferHandle.done`."""
+        return self._inner.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """As :meth:`TransferHandle.wait`; a failure raises :attr:`error`."""
+        try:
+            self._inner.wait(timeout)
+        except HixlError:
+            if self._inner.status is TransferStatus.PENDING:
+                raise  # this wait's own timeout: the transfer goes on
+        err = self.error
+        if err is not None:
+            raise err
+
+    def finish(self, error: HixlError | None) -> None:
+        raise ArgumentError("a blocks handle's outcome is its transfer's")
+
+    def __repr__(self) -> str:
+        return (
+            f"<BlocksHandle request={self.request!r} peer={self.peer} nbytes={self.nbytes} "
+            f"wrs={self.num_wrs} status={self.status.value}>"
+        )
+
+
+# --------------------------------------------------------------------------- the part
+
+
+@dataclass(slots=True)
+class _RemoteKV:
+    meta: RemoteRegion
+    geometry: KVGeometry
+    remotes: tuple[RemoteRegion, ...]  # the connection's tuple these were resolved from
+    regions: tuple[RemoteRegion, ...]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _name(name: object) -> str:
+    if (
+        not isinstance(name, str)
+        or not 0 < len(name) <= MAX_NAME
+        or not name.isprintable()
+        or "/" in name
+    ):
+        raise ArgumentError(
+            f"a KV cache name is 1..{MAX_NAME} printable characters without '/', got {name!r}"
+        )
+    return name
+
+
+class KVBlocks:
+    """The engine's KV caches: local ones by name, peers' geometries by connection.
+
+    ``_lock`` guards ``_caches`` (dictionary updates only; registration runs outside
+    it). ``_remote`` is a cache of read-only values replaced whole: read without a lock.
+    """
+
+    def __init__(self, host: KVHost) -> None:
+        self._host = host
+        self._lock = threading.Lock()
+        self._caches: dict[str, KVCache] = {}
+        self._remote: dict[tuple[int, str], _RemoteKV] = {}
+
+    # -- registration -------------------------------------------------------------------
+    def register(
+        self,
+        name: str,
+        tensors: object,
+        *,
+        block_axis: int = 0,
+        heads_axis: int | None = None,
+        access: Access = Access.REMOTE_READ | Access.REMOTE_WRITE,
+    ) -> KVCache:
+        name = _name(name)
+        if hasattr(tensors, "shape"):
+            objs: tuple[object, ...] = (tensors,)
+        elif isinstance(tensors, Sequence) and not isinstance(tensors, str | bytes):
+            objs = tuple(tensors)
+        else:
+            raise ArgumentError(
+                f"tensors must be a list of arrays or tensors, got {type(tensors).__name__}"
+            )
+        if not objs:
+            raise ArgumentError("register_kv needs at least one tensor")
+        described = [_describe(i, t) for i, t in enumerate(objs)]
+        spans, index = _spans(described)
+        geoms = []
+        for i, (d, k) in enumerate(zip(described, index, strict=True)):
+            try:
+                geoms.append(
+                    TensorGeometry(
+                        dtype=d.dtype,
+                        itemsize=d.itemsize,
+                        shape=d.shape,
+                        strides=d.strides,
+                        offset=d.addr - spans[k][0],
+                        region=k,
+                        block_axis=block_axis,
+                        heads_axis=heads_axis,
+                    )
+                )
+            except DescriptorError as exc:
+                raise RegistrationError(f"tensor {i}: {exc}") from None
+            if d.readonly and access & (Access.LOCAL_WRITE | Access.REMOTE_WRITE):
+                raise RegistrationError(
+                    f"tensor {i} is read-only; register the cache with access=Access.REMOTE_READ"
+                )
+        geometry = KVGeometry(region_lengths=tuple(n for _, n in spans), tensors=tuple(geoms))
+        doc = geometry.to_bytes()
+        if len(doc) > MAX_GEOMETRY_BYTES:
+            raise RegistrationError(
+                f"cache {name!r}: its geometry takes {len(doc)} bytes, more than "
+                f"{MAX_GEOMETRY_BYTES}"
+            )
+        with self._lock:
+            if name in self._caches:
+                raise RegistrationError(f"a KV cache named {name!r} is already registered")
+            self._caches[name] = None  # type: ignore[assignment]  # reserved
+        host = self._host
+        regions: list[Region] = []
+        try:
+            for k, span in enumerate(spans):
+                regions.append(host.register(span, access=access, name=f"{KV_PREFIX}{name}/{k}"))
+            meta_buffer = np.zeros(-(-len(doc) // 64) * 64, dtype=np.uint8)
+            meta_buffer[: len(doc)] = np.frombuffer(doc, dtype=np.uint8)
+            meta_buffer.setflags(write=False)
+            meta = host.register(meta_buffer, access=Access.REMOTE_READ, name=KV_PREFIX + name)
+        except BaseException:
+            for r in regions:
+                host.deregister(r)
+            with self._lock:
+                del self._caches[name]
+            raise
+        cache = KVCache(self, name, objs, geometry, tuple(regions), meta, meta_buffer)
+        with self._lock:
+            self._caches[name] = cache
+        log.debug("registered %r", cache)
+        return cache
+
+    def _forget(self, cache: KVCache) -> None:
+        with self._lock:
+            if self._caches.get(cache.name) is cache:
+                del self._caches[cache.name]
+        for r in (cache._meta, *cache.regions):
+            self._host.deregister(r)
+
+    # -- peers' caches --------------------------------------------------------------------
+    def _remote_cache(self, conn: Connection, peer: str, name: str, timeout: float) -> _RemoteKV:
+        remotes = conn.remote_regions
+        key = (id(conn), name)
+        known = self._remote.get(key)
+        if known is not None and known.remotes is remotes:
+            return known
+        by_name = {r.name: r for r in remotes if r.name.startswith(KV_PREFIX + name)}
+        meta = by_name.get(KV_PREFIX + name)
+        if meta is None:
+            raise RegistrationError(f"peer {peer} has no KV cache named {name!r}")
+        if known is not None and known.meta == meta:
+            geometry = known.geometry
+        else:
+            geometry = self._read_geometry(peer, meta, timeout)
+        regions = []
+        for k, length in enumerate(geometry.region_lengths):
+            r = by_name.get(f"{KV_PREFIX}{name}/{k}")
+            if r is None or r.length != length:
+                raise RegistrationError(
+                    f"peer {peer}'s KV cache {name!r}: region {k} is "
+                    f"{'missing' if r is None else f'{r.length} bytes'}, its geometry says "
+                    f"{length} bytes"
+                )
+            regions.append(r)
+        entry = _RemoteKV(meta, geometry, remotes, tuple(regions))
+        if len(self._remote) >= 1024:
+            self._remote.clear()
+        self._remote[key] = entry
+        return entry
+
+    def _read_geometry(self, peer: str, meta: RemoteRegion, timeout: float) -> KVGeometry:
+        if not 0 < meta.length <= MAX_GEOMETRY_BYTES or not meta.access & wire.REMOTE_READ:
+            raise RegistrationError(
+                f"peer {peer}'s KV geometry region {meta.name!r} is not readable or has "
+                f"{meta.length} bytes (limit {MAX_GEOMETRY_BYTES})"
+            )
+        buf = np.zeros(meta.length, dtype=np.uint8)
+        host = self._host
+        scratch = host.register(buf, access=Access.LOCAL_WRITE)
+        try:
+            host.get(peer, scratch, meta, timeout=timeout)
+        finally:
+            host.deregister(scratch)
+        try:
+            return KVGeometry.from_bytes(buf.tobytes())
+        except DescriptorError as exc:
+            raise RegistrationError(f"peer {peer}'s KV cache {meta.name!r}: {exc}") from None
+
+    # -- transfers ----------------------------------------------------------------------
+    def transfer(
+        self,
+        op: Op,
+        peer: str,
+        kv: KVCache,
+        remote_name: str,
+        local_blocks: object,
+        remote_blocks: object,
+        *,
+        tensors: Sequence[int] | range | None,
+        heads: tuple[int, int] | None,
+        remote_heads: tuple[int, int] | None,
+        notify: str | None,
+        notify_message: bytes,
+        timeout: float,
+        now: bool,
+    ) -> BlocksHandle:
+        """Check, plan, build and queue one request's blocks (see Engine.put_blocks)."""
+        if not isinstance(kv, KVCache) or kv._owner is not self:
+            raise RegistrationError(f"{kv!r} is not a KV cache registered with this engine")
+        if kv.closed:
+            raise RegistrationError(f"{kv!r} is closed")
+        if timeout <= 0:
+            raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
+        host = self._host
+        conn = host.connection(peer)
+        conn.check_ready()
+        rkv = self._remote_cache(conn, peer, _name(remote_name), timeout)
+        pairs = pair_tensors(kv.geometry, rkv.geometry, tensors, heads, remote_heads)
+        lgeo, rgeo = kv.geometry.tensors, rkv.geometry.tensors
+        lnum = min(lgeo[i].num_blocks for i, _, _ in pairs)
+        rnum = min(rgeo[i].num_blocks for i, _, _ in pairs)
+        lids = block_ids("local_blocks", local_blocks, lnum)
+        rids = block_ids("remote_blocks", remote_blocks, rnum)
+        if lids.size != rids.size:
+            raise DescriptorError(
+                f"local_blocks has {lids.size} ids and remote_blocks {rids.size}: they pair"
+            )
+        if op is Op.WRITE:
+            check_unique("remote_blocks", rids)
+        else:
+            check_unique("local_blocks", lids)
+        need = wire.REMOTE_WRITE if op is Op.WRITE else wire.REMOTE_READ
+        for r in rkv.regions:
+            if not r.access & need:
+                verb = "writable" if op is Op.WRITE else "readable"
+                raise RegistrationError(
+                    f"peer {peer}'s KV cache {remote_name!r}: region {r.name!r} is not "
+                    f"remotely {verb}"
+                )
+        if op is Op.READ and not all(r.access & Access.LOCAL_WRITE for r in kv.regions):
+            raise RegistrationError(f"{kv!r}: get_blocks needs LOCAL_WRITE access")
+        lregs, rregs = kv.regions, rkv.regions
+        items = []
+        for i, lp, rp in pairs:
+            lt, rt = lgeo[i], rgeo[i]
+            lr, rr = lregs[lt.region], rregs[rt.region]
+            items.append((lp, rp, lr.addr + lt.offset, rr.addr + rt.offset, lr.lkey, rr.rkey))
+        plan = plan_request(items, lids, rids, op, host.limits)
+        key = ("kv", _pow2(plan.num_wrs), _pow2(plan.num_sges))
+        chain = host._idle_chain(key)
+        if chain is None:
+            chain = SendChain(key[1], key[2])
+        chain.fill_keyed(
+            opcode=verbs.WR_RDMA_WRITE if op is Op.WRITE else verbs.WR_RDMA_READ,
+            remote_addr=plan.wr_remote,
+            rkeys=plan.wr_key,
+            sge_start=plan.sge_start,
+            sge_addr=plan.sge_addr,
+            sge_length=plan.sge_length,
+            lkeys=plan.sge_key,
+            lengths=plan.lengths,
+            regions=lregs,
+        )
+        inner = host._queue_chain(
+            conn,
+            chain,
+            plan.nbytes,
+            key,
+            notify,
+            notify_message,
+            op is Op.READ,
+            timeout,
+            now,
+        )
+        return BlocksHandle(inner, notify, lids.tolist(), rids.tolist())

@@ -1,0 +1,218 @@
+"""The pure KV-block core against numpy slicing: patterns, plans, geometry documents."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hixl.core.kvblocks import (
+    KVGeometry,
+    TensorGeometry,
+    block_ids,
+    check_unique,
+    pair_tensors,
+    plan_request,
+)
+from hixl.core.plan import DeviceLimits, Op
+from hixl.errors import DescriptorError
+
+Arr = np.ndarray[Any, Any]
+
+
+def geometry(a: Arr, base: Arr, block_axis: int, heads_axis: int | None) -> TensorGeometry:
+    return TensorGeometry(
+        dtype=a.dtype.name,
+        itemsize=a.itemsize,
+        shape=a.shape,
+        strides=a.strides,
+        offset=a.__array_interface__["data"][0] - base.__array_interface__["data"][0],
+        block_axis=block_axis,
+        heads_axis=heads_axis,
+    )
+
+
+def run(plan: Any, src: Arr, dst: Arr) -> None:
+    """Execute a RequestPlan as WRITEs from src's buffer into dst's (addresses = offsets)."""
+    s, d = src.view(np.uint8).reshape(-1), dst.view(np.uint8).reshape(-1)
+    for w in range(plan.num_wrs):
+        r = int(plan.wr_remote[w])
+        for j in range(int(plan.sge_start[w]), int(plan.sge_start[w + 1])):
+            a, n = int(plan.sge_addr[j]), int(plan.sge_length[j])
+            d[r : r + n] = s[a : a + n]
+            r += n
+
+
+# layouts: (shape maker, block_axis, heads_axis) with nb blocks, h heads
+LAYOUTS = {
+    "flash_attention": (lambda nb, h: (2, nb, 2, h, 4), 1, 3),
+    "flashinfer": (lambda nb, h: (nb, 2, 2, h, 4), 0, 3),
+    "nhd": (lambda nb, h: (nb, 2, h, 4), 0, 2),
+    "hnd": (lambda nb, h: (nb, h, 2, 4), 0, 1),
+    "mla": (lambda nb, h: (nb, 2, 8), 0, None),
+}
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[Any, ...]:
+    name = draw(st.sampled_from(sorted(LAYOUTS)))
+    make, baxis, haxis = LAYOUTS[name]
+    nb_l = draw(st.integers(2, 12))
+    nb_r = draw(st.integers(2, 12))
+    n = draw(st.integers(1, min(nb_l, nb_r)))
+    lids = draw(st.permutations(range(nb_l)))[:n]
+    rids = draw(st.permutations(range(nb_r)))[:n]
+    if draw(st.booleans()):  # runs of adjacent blocks
+        lids = sorted(lids)
+        rids = sorted(rids)
+    h_l = h_r = 4
+    heads = remote_heads = None
+    if haxis is not None:
+        h_l = draw(st.sampled_from([1, 2, 4]))
+        h_r = draw(st.sampled_from([1, 2, 4]))
+        k = min(h_l, h_r)
+        if k < h_l:
+            s0 = draw(st.integers(0, h_l - k))
+            heads = (s0, s0 + k)
+        if k < h_r:
+            s0 = draw(st.integers(0, h_r - k))
+            remote_heads = (s0, s0 + k)
+    ntensors = draw(st.integers(1, 3))
+    op = draw(st.sampled_from([Op.WRITE, Op.READ]))
+    limits = DeviceLimits(
+        draw(st.sampled_from([1, 2, 32])), 32, draw(st.sampled_from([16, 64, 1 << 20]))
+    )
+    return (
+        name,
+        make,
+        baxis,
+        haxis,
+        nb_l,
+        nb_r,
+        h_l,
+        h_r,
+        lids,
+        rids,
+        heads,
+        remote_heads,
+        ntensors,
+        op,
+        limits,
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_request_plan_moves_exactly_the_blocks(case: tuple[Any, ...]) -> None:
+    name, make, baxis, haxis, nb_l, nb_r, h_l, h_r, lids, rids, heads, rheads, nt, op, limits = case
+    rng = np.random.default_rng(len(lids))
+    # One flat buffer per side; tensors placed one after another (a region each, offset 0
+    # inside a shared buffer to exercise offsets).
+    lshape, rshape = make(nb_l, h_l), make(nb_r, h_r)
+    lbuf = rng.integers(1, 255, nt * int(np.prod(lshape)) * 2 + 64, dtype=np.uint8)
+    rbuf = rng.integers(1, 255, nt * int(np.prod(rshape)) * 2 + 64, dtype=np.uint8)
+    lsz, rsz = int(np.prod(lshape)) * 2, int(np.prod(rshape)) * 2
+    lt = [
+        lbuf[32 + i * lsz : 32 + (i + 1) * lsz].view(np.float16).reshape(lshape) for i in range(nt)
+    ]
+    rt = [
+        rbuf[32 + i * rsz : 32 + (i + 1) * rsz].view(np.float16).reshape(rshape) for i in range(nt)
+    ]
+    lgeo = KVGeometry(
+        region_lengths=(lbuf.size,), tensors=tuple(geometry(a, lbuf, baxis, haxis) for a in lt)
+    )
+    rgeo = KVGeometry(
+        region_lengths=(rbuf.size,), tensors=tuple(geometry(a, rbuf, baxis, haxis) for a in rt)
+    )
+    pairs = pair_tensors(lgeo, rgeo, None, heads, rheads)
+    lid = block_ids("local_blocks", lids, nb_l)
+    rid = block_ids("remote_blocks", rids, nb_r)
+    items = [(lp, rp, lgeo.tensors[i].offset, rgeo.tensors[i].offset, 1, 2) for i, lp, rp in pairs]
+    plan = plan_request(items, lid, rid, op, limits)
+    assert int(plan.sge_length.max()) <= limits.max_msg_sz
+    per_wr = np.diff(plan.sge_start)
+    assert per_wr.min() >= 1 and per_wr.max() <= limits.sge_limit(op)
+    assert (plan.wr_key == 2).all() and (plan.sge_key == 1).all()
+
+    def sel(a: Arr, ids: list[int], hr: tuple[int, int] | None) -> Arr:
+        b = np.take(a, ids, axis=baxis)
+        if hr is not None:
+            assert haxis is not None
+            b = np.take(b, range(*hr), axis=haxis)
+        return np.moveaxis(b, baxis, 0)
+
+    # A READ pairs the same bytes as a WRITE (the remote side is then the source): the
+    # plan is executed as a copy from local to remote either way.
+    src, dst, dst_t, src_t = lbuf, rbuf.copy(), rt, lt
+    expect_dst = [a.copy() for a in dst_t]
+    for e, s in zip(expect_dst, src_t, strict=True):
+        sub = sel(s, lids, heads)
+        # write sub into e at (rids, rheads)
+        view = np.moveaxis(e, baxis, 0)
+        for k, j in enumerate(rids):
+            blk = view[j]
+            if rheads is not None:
+                hax = haxis - (1 if haxis > baxis else 0)
+                bidx: list[Any] = [slice(None)] * blk.ndim
+                bidx[hax] = slice(*rheads)
+                blk[tuple(bidx)] = sub[k]
+            else:
+                blk[...] = sub[k]
+    # Both directions pair the same bytes; execute as a copy local -> remote.
+    run(plan, src, dst)
+    got = [
+        dst[32 + i * rsz : 32 + (i + 1) * rsz].view(np.float16).reshape(rshape) for i in range(nt)
+    ]
+    for g, e in zip(got, expect_dst, strict=True):
+        assert g.tobytes() == e.tobytes()  # moved blocks and untouched ones
+    assert plan.nbytes == len(lids) * nt * pairs[0][1].nbytes
+
+
+def test_incompatible_caches_name_the_mismatch() -> None:
+    a = np.zeros((4, 2, 8, 16), np.float16)
+    b = np.zeros((4, 2, 4, 16), np.float16)
+    c = np.zeros((4, 2, 8, 16), np.float32)
+
+    def g(x: Arr) -> KVGeometry:
+        return KVGeometry(region_lengths=(x.nbytes,), tensors=(geometry(x, x, 0, 2),) * 4)
+
+    with pytest.raises(DescriptorError, match="tensor 0: dtype float16 vs float32"):
+        pair_tensors(g(a), g(c), None, None, None)
+    with pytest.raises(
+        DescriptorError, match=r"tensor 0: block shape \(2, 8, 16\) vs \(2, 4, 16\)"
+    ):
+        pair_tensors(g(a), g(b), None, None, None)
+    assert len(pair_tensors(g(a), g(b), [1, 3], (4, 8), None)) == 2
+    with pytest.raises(DescriptorError, match=r"heads=\(4, 9\)"):
+        pair_tensors(g(a), g(b), None, (4, 9), None)
+    with pytest.raises(DescriptorError, match="tensor 7 is outside"):
+        pair_tensors(g(a), g(b), [7], (0, 4), None)
+
+
+def test_block_lists_are_checked() -> None:
+    with pytest.raises(DescriptorError, match=r"local_blocks\[2\]=9 is outside \[0, 8\)"):
+        block_ids("local_blocks", [1, 2, 9], 8)
+    with pytest.raises(DescriptorError, match="repeats destination block 5"):
+        check_unique("remote_blocks", np.array([5, 1, 5]))
+    with pytest.raises(DescriptorError, match="non-empty"):
+        block_ids("local_blocks", [], 8)
+
+
+def test_geometry_document_round_trips_and_refuses_bad_input() -> None:
+    a = np.zeros((2, 6, 4, 8, 16), np.float16)
+    geo = KVGeometry(region_lengths=(a.nbytes,), tensors=(geometry(a[:, :, :, 2:4], a, 1, 3),))
+    assert KVGeometry.from_bytes(geo.to_bytes() + b"\0\0") == geo
+    for bad in (b"", b"[]", b'{"version":1}', geo.to_bytes().replace(b'"region"', b'"regio"')):
+        with pytest.raises(DescriptorError):
+            KVGeometry.from_bytes(bad)
+    short = geo.to_bytes().replace(str(a.nbytes).encode(), b"64")
+    with pytest.raises(DescriptorError, match="ends at byte"):
+        KVGeometry.from_bytes(short)
+
+
+def test_overlapping_tensors_are_refused() -> None:
+    with pytest.raises(DescriptorError, match="overlap"):
+        TensorGeometry(dtype="float16", itemsize=2, shape=(4, 8), strides=(8, 2))
