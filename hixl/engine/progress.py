@@ -10,9 +10,9 @@ channels are not available it polls the CQs with a back-off of up to 2 ms instea
 
 Each round: poll the CQs that may hold something (arming the drained ones, then
 polling once more for what completed before the arming), expire transfers past their
-deadline, post what callers left queued (:meth:`Engine._post_pending`), then wait.
+deadline, post what callers left queued (:meth:`Poster.post_pending`), then wait.
 The send CQ is not armed while nothing is pending, nor while a waiter has reaped it
-within :data:`DRIVEN_S` (``Engine._driven_at``): the waiter gets its completions without
+within :data:`DRIVEN_S` (``Poster.driven_at``): the waiter gets its completions without
 an event, a channel read and a re-arm on this thread, and this thread looks again after
 :data:`DRIVEN_S`.
 Socket reads and writes, arming a CQ, reading its channel and posting happen outside
@@ -38,6 +38,7 @@ from hixl.verbs import adapter as verbs
 if TYPE_CHECKING:
     from hixl.engine.connection import Connection
     from hixl.engine.engine import Engine
+    from hixl.engine.posting import Poster
 
 __all__ = ["Progress"]
 
@@ -65,7 +66,9 @@ class Progress:
         listener: socket.socket | None,
         cqs: tuple[verbs.CompletionQueue, verbs.CompletionQueue],
         events: bool,
+        poster: Poster,
     ) -> None:
+        self._poster = poster
         self._selector = selectors.DefaultSelector()
         self._listener = listener
         if listener is not None:
@@ -182,7 +185,8 @@ class Progress:
                     timeout = SLEEP_PENDING if engine._has_pending() else SLEEP_IDLE
                 else:
                     timeout = idle
-            if engine._to_post and engine._post_pending():  # outside the lock
+            poster = self._poster
+            if poster.to_post and poster.post_pending():  # outside the lock
                 timeout = 0.0  # more was queued meanwhile: post it after the next reap
             incoming = engine._incoming
             if incoming is not None and incoming.pending and now >= self._next_sweep:
@@ -191,18 +195,18 @@ class Progress:
             # Control messages queued under the lock during this round (answers, region
             # updates, connections dropped) are sent once it is free: wake this thread's
             # own selector rather than sleep on them.
-            engine._wake_if_due()
+            poster.wake_if_due()
             self.sleeping = True  # from here, callers wake this thread for posting
-            if engine._to_post:
+            if poster.to_post:
                 timeout = 0.0
             elif (
                 self.events
-                and not engine._driven_at
+                and not poster.driven_at
                 and self.send_cq not in self._armed
                 and engine._handles
             ):
                 # A waiter went to sleep since the poll above left the send CQ unarmed;
-                # it did not wake this thread (Engine._reap_inline): arm the CQ now.
+                # it did not wake this thread (Poster.reap_inline): arm the CQ now.
                 timeout = 0.0
             try:
                 events = self._selector.select(timeout=timeout)
@@ -261,9 +265,9 @@ class Progress:
                 # wakes this thread (posting is handed over) or is waited on by a caller
                 # that reaps its own completion and wakes this thread before it sleeps.
                 continue
-            if cq is send and now - engine._driven_at < DRIVEN_S:
+            if cq is send and now - self._poster.driven_at < DRIVEN_S:
                 # A waiter is reaping on its own thread: no event for this thread; look
-                # again in DRIVEN_S.  A waiter about to sleep clears _driven_at and wakes
+                # again in DRIVEN_S.  A waiter about to sleep clears driven_at and wakes
                 # this thread, which then arms.
                 self._left_to_callers = True
                 continue
