@@ -308,7 +308,7 @@ def _add_run(sub: _Subparsers) -> None:
 #: How a user without a checkout gets the benchmarks (they are not in the wheel).
 #: The sections ``hixl bench`` runs unless ``--sections`` names others (run_all.py's own
 #: default; ``--peers`` adds the peers).
-BENCH_DEFAULT_SECTIONS = "transfer,layer,overhead,build"
+BENCH_DEFAULT_SECTIONS = "fair,layer,overhead,build"
 BENCH_SOURCE_HELP = (
     "the benchmarks are not part of the installed hixl package: they live in benchmarks/ "
     "of hixl's source repository. Clone it and run 'make setup && make bench' there, or "
@@ -372,6 +372,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             ],
             check=False,
         )
+        subprocess.run(  # and the engine's own path, cold and warm, on a null device
+            [
+                sys.executable,
+                str(checkout / "benchmarks" / "bench_cold.py"),
+                *(["--quick"] if args.quick else []),
+                "--json",
+                str(run_dir / "cold.json"),
+            ],
+            check=False,
+        )
     if args.peers:
         listed = (sections or BENCH_DEFAULT_SECTIONS).split(",")
         sections = ",".join([*listed, "peers"] if "peers" not in listed else listed)
@@ -418,7 +428,7 @@ def _add_bench(sub: _Subparsers) -> None:
     p.add_argument(
         "--sections",
         metavar="LIST",
-        help=f"of transfer,layer,overhead,peers,build (default {BENCH_DEFAULT_SECTIONS})",
+        help=f"of fair,transfer,layer,overhead,peers,build (default {BENCH_DEFAULT_SECTIONS})",
     )
     p.add_argument(
         "--peers",

@@ -264,6 +264,103 @@ class Perftest:
                 last = str(exc)
         raise BenchError(f"{last} (after {retries + 1} tries)")
 
+    def run_pairs(
+        self,
+        tool: str,
+        args: Sequence[str],
+        pairs: int,
+        check: Callable[[PerftestRun], None] | None = None,
+        retries: int = 2,
+    ) -> PairsRun:
+        """Run ``pairs`` server/client pairs of ``tool`` with ``args`` at the same time
+        (each on its own port and queue pair), as N processes of an application would.
+        Every pair must finish within the runner's timeout and pass ``check``; a try
+        where one fails or hangs is retried whole.  Raises :class:`BenchError` with the
+        last reason when every try failed."""
+        if pairs == 1:
+            return PairsRun((self.run(tool, args, check=check, retries=retries),))
+        last = ""
+        for _ in range(retries + 1):
+            try:
+                runs = self._run_many(tool, list(args), pairs)
+                for run in runs:
+                    if CALIBRATION_FAILED in run.client_output:
+                        raise BenchError(f"{tool}: perftest's CPU clock calibration failed")
+                    if check is not None:
+                        check(run)
+                return PairsRun(tuple(runs))
+            except BenchError as exc:
+                last = str(exc)
+        raise BenchError(f"{last} (after {retries + 1} tries)")
+
+    def _run_many(self, tool: str, args: list[str], pairs: int) -> list[PerftestRun]:
+        ports = []
+        for _ in range(pairs):
+            port = self.next_port()
+            while port in ports:
+                port = self.next_port()
+            ports.append(port)
+        commons = [
+            [tool, "-d", self.device, "-x", str(self.gid_index), "-F", "-p", str(p), *args]
+            for p in ports
+        ]
+        servers = [
+            subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for c in commons
+        ]
+        clients: list[subprocess.Popen[str]] = []
+        try:
+            deadline = time.monotonic() + 20.0
+            while not set(ports) <= read_listening_ports():
+                for server in servers:
+                    if server.poll() is not None:
+                        raise BenchError(
+                            f"{tool} server exited early:\n{_tail(server.communicate()[0])}"
+                        )
+                if time.monotonic() > deadline:
+                    raise BenchError(f"{tool} servers did not listen on {ports} within 20 s")
+                time.sleep(0.05)
+            t0 = time.perf_counter()
+            clients = [
+                subprocess.Popen(
+                    [*c, self.server_addr],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+                for c in commons
+            ]
+            outs = []
+            walls = []
+            end = time.monotonic() + self.timeout
+            for c, cmd in zip(clients, commons, strict=True):
+                try:
+                    out = c.communicate(timeout=max(1.0, end - time.monotonic()))[0]
+                except subprocess.TimeoutExpired as exc:
+                    raise BenchError(
+                        f"{shlex.join(cmd)} ({pairs} at once) timed out after {self.timeout} s"
+                    ) from exc
+                walls.append(time.perf_counter() - t0)
+                if c.returncode != 0:
+                    raise BenchError(f"{shlex.join(cmd)} exited {c.returncode}:\n{_tail(out)}")
+                outs.append(out)
+            server_outs = []
+            for server in servers:
+                try:
+                    server_outs.append(server.communicate(timeout=30.0)[0])
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                    server_outs.append(server.communicate()[0])
+            return [
+                PerftestRun(tool, tuple(c), (*c, self.server_addr), out, sout, wall)
+                for c, out, sout, wall in zip(commons, outs, server_outs, walls, strict=True)
+            ]
+        finally:
+            for proc in (*clients, *servers):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
     def _run_once(self, tool: str, args: list[str]) -> PerftestRun:
         port = self.next_port()
         common = [tool, "-d", self.device, "-x", str(self.gid_index), "-F", "-p", str(port), *args]
@@ -321,6 +418,26 @@ class Perftest:
             if server.poll() is None:
                 server.kill()
                 server.wait()
+
+
+@dataclass(frozen=True, slots=True)
+class PairsRun:
+    """``pairs`` server/client pairs of one BW tool run at the same time."""
+
+    runs: tuple[PerftestRun, ...]
+
+    @property
+    def command(self) -> str:
+        first = self.runs[0].command
+        return first if len(self.runs) == 1 else f"{len(self.runs)} at once: {first}"
+
+
+def sum_bw(outputs: Sequence[str]) -> float:
+    """The bandwidth of BW pairs that ran at the same time: the sum of their averages
+    (bytes per second).  Raises :class:`BenchError` when one printed no result."""
+    if not outputs:
+        raise BenchError("no perftest output to add up")
+    return sum(parse_bw(text).avg_Bps for text in outputs)
 
 
 def bw_wall_check(size: int, iters: int) -> Callable[[PerftestRun], None]:

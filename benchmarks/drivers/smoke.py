@@ -5,8 +5,9 @@ no RDMA device runs, natively (no VM), in well under a minute.
   ``python -m benchmarks.<name>``;
 * ``bench_plan`` on a small workload and ``bench_overhead --no-device`` (pure planning),
   then ``run_all --report`` on that JSON (tables and plot, into a temporary directory);
-* ``bench_transfer`` and ``bench_layer``: without a device each must stop at once with
-  one clear line naming the missing device (exit 2); with one, a tiny ``--quick`` run;
+* ``bench_transfer``, ``bench_layer`` and ``bench_fair``: without a device each must stop
+  at once with one clear line naming the missing device (exit 2); with one, a tiny run;
+* ``bench_cold`` on its null device (two fresh processes);
 * ``bench_peers --list``: the peers' install plan, without installing anything.
 
     python -m benchmarks.drivers.smoke         # from the repository root (make bench-smoke)
@@ -123,6 +124,14 @@ def checks(tmp: Path) -> list[tuple[str, list[str], float, Sequence[int], str]]:
             out.append((f"{name} --quick (device present)", cmd, 600, (0,), ""))
         else:
             out.append((f"{name} without a device", cmd, 60, (2,), "no usable RDMA device"))
+    fair = [py, str(ENTRY_DIR / "bench_fair.py"), "--cases", "put", "--sizes", "64K"]
+    fair += ["--bytes", "1M", "--repeat", "1"]
+    if device:
+        out.append(("bench_fair, one round (device present)", fair, 600, (0,), "yardstick"))
+    else:
+        out.append(("bench_fair without a device", fair, 60, (2,), "no usable RDMA device"))
+    cold = [py, str(ENTRY_DIR / "bench_cold.py"), "--samples", "2"]
+    out.append(("bench_cold, two fresh processes (null device)", cold, 120, (0,), "cold layer"))
     ceiling = [py, str(ENTRY_DIR / "bench_ceiling.py"), "--rounds", "1", "--iters", "256"]
     if device:
         out.append(("bench_ceiling, one round (device present)", ceiling, 600, (0,), "ring"))

@@ -43,13 +43,16 @@ from typing import Any
 from .. import entry
 from ..common import REPO, fmt_size, git_commit, quiet_logs, setup_lines
 from . import build as bench_build
+from . import cold as bench_cold
+from . import fair as bench_fair
 from . import layer as bench_layer
 from . import overhead as bench_overhead
 from . import peers as bench_peers
 from . import transfer as bench_transfer
 
 SECTIONS = {
-    "transfer": ("bench_transfer", "(a) Bandwidth and latency against perftest"),
+    "fair": ("bench_fair", "(a) Against the best C configuration, every byte checked"),
+    "transfer": ("bench_transfer", "(a') Bandwidth and latency against plain perftest"),
     "layer": ("bench_layer", "(b) Four ways to send a KV layer"),
     "overhead": ("bench_overhead", "(c) Overheads: planning and per-work-request cost"),
     "peers": ("bench_peers", "(d) Beside the peers: Mooncake Transfer Engine, NIXL"),
@@ -57,9 +60,11 @@ SECTIONS = {
         "bench_build",
         "(e) One KV layer in one call: its work requests built (natively), and on the wire",
     ),
+    "cold": ("bench_cold", "(f) The engine's own path natively: cold, refill, repeated"),
 }
 #: What runs unless --sections says otherwise (the peers need their own venv: opt in).
-DEFAULT_SECTIONS = ("transfer", "layer", "overhead", "build")
+#: ``cold`` is measured natively by ``hixl bench`` on the host (see BUILD_NATIVE).
+DEFAULT_SECTIONS = ("fair", "layer", "overhead", "build")
 #: The build section's native half, measured on the host by ``hixl bench`` before the VM
 #: boots (``bench_build.py --json RUN_DIR/build-native.json``): under emulation those
 #: costs would say nothing.
@@ -149,7 +154,8 @@ def _setup_block(setup: dict[str, Any], host: dict[str, Any]) -> str:
 
 
 def _verdicts(data: dict[str, dict[str, Any]]) -> list[str]:
-    out = []
+    out = list(bench_fair.verdicts(data.get("fair", {}).get("rows", [])))
+    out += bench_cold.verdicts(data.get("cold", {}).get("rows", []))
     t = data.get("transfer", {}).get("targets", {}).get("put_vs_ib_write_bw")
     if t:
         if t["met"]:
@@ -255,6 +261,8 @@ def render(
     if plot_name:
         parts += [f"![benchmark ratios]({plot_name})", ""]
     renderers = {
+        "fair": lambda d: bench_fair.report_markdown(d, targets=False),
+        "cold": bench_cold.report_markdown,
         "transfer": bench_transfer.markdown,
         "layer": bench_layer.markdown,
         "overhead": bench_overhead.markdown,
@@ -296,6 +304,11 @@ def plot(data: dict[str, dict[str, Any]], path: Path) -> bool:
     except ImportError:
         print("report: matplotlib is not installed (pip install -e '.[plot]'); no plot")
         return False
+    if not {"transfer", "layer", "overhead"} & set(data):
+        fair = data.get("fair")
+        if not fair:
+            return False
+        return _plot_fair(plt, fair, path)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     setup = next(iter(data.values()))["setup"]
     fig.suptitle(
@@ -375,6 +388,34 @@ def plot(data: dict[str, dict[str, Any]], path: Path) -> bool:
     ax.set_title("(c) planning overhead", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_fair(plt: Any, fair: dict[str, Any], path: Path) -> bool:
+    """One bar per row of section (a): hixl against the yardstick named on its label."""
+    rows = [r for r in fair.get("rows", []) if r.get("ratio") is not None]
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(11, 0.42 * len(rows) + 1.6))
+    labels = [f"{r['case']} {fmt_size(r['size'])}: {r['row']}  vs  {r['yardstick']}" for r in rows]
+    colors = ["tab:orange" if r["unit"] == "us" else "tab:blue" for r in rows]
+    ax.barh(range(len(rows)), [r["ratio"] for r in rows], color=colors)
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel(
+        "hixl / best C configuration (blue: bandwidth, higher is better; "
+        "orange: latency, lower is better)"
+    )
+    setup = fair["setup"]
+    ax.set_title(
+        f"hixl against the best C configuration, same boot — {setup['date_utc'][:10]}, "
+        f"{setup.get('where')}, commit {setup.get('commit')}",
+        fontsize=9,
+    )
+    fig.subplots_adjust(left=0.45, right=0.98, top=0.93, bottom=0.12)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

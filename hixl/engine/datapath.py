@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hixl.core import notify, wire
-from hixl.core.descriptors import ContiguousDesc, Descriptor, as_segments
+from hixl.core.descriptors import ContiguousDesc, Descriptor, StridedDesc, as_segments
 from hixl.core.plan import (
     DeviceLimits,
     Op,
@@ -36,13 +36,14 @@ from hixl.core.plan import (
     check_bounds,
     place,
     plan_transfer,
+    shape_desc,
     shift_plan,
 )
 from hixl.core.wire import RemoteRegion
 from hixl.engine.regions import Access, Region
 from hixl.errors import ArgumentError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
-from hixl.verbs.chain import SendChain, SlotRing
+from hixl.verbs.chain import ChainMemory, SendChain, SlotRing
 
 if TYPE_CHECKING:
     from hixl.core.window import Chunk
@@ -67,6 +68,7 @@ CHAIN_WRS_PER_KEY = 4096  # WRs of idle chains kept for one layout (at least 4 c
 POSTED_BATCHES = 64  # posted batches whose chains wait to be pooled (older ones are dropped)
 SIZED_KEYS = 64  # layouts remembered per chain size for refilling (older ones are dropped)
 SIZED_SIZES = 256  # chain sizes indexed for refilling (the index starts over past this)
+CHAIN_RESERVE = 2 << 20  # bytes of chain memory touched when the engine is made (8192 WRs fit)
 
 
 def signal_interval(sq_depth: int) -> int:
@@ -142,6 +144,10 @@ class Planner:
     def __init__(self, limits: DeviceLimits, alignment: int | None) -> None:
         self.limits = limits
         self.alignment = alignment
+        # New chains take their memory from here: touched once, when the engine is made,
+        # and taken back when a chain is freed, so a first transfer pays no page faults.
+        self.memory = ChainMemory(CHAIN_RESERVE)
+        self._warm_up()
         self._plans: dict[tuple[Any, ...], Plan] = {}
         self._chains: dict[tuple[Any, ...], list[Built]] = {}  # idle chains by layout
         self._chain_wrs = 0  # WRs held by idle chains (approximate: no lock)
@@ -153,6 +159,20 @@ class Planner:
         self.chains_refilled = 0  # idle chains of another layout refilled for a plan
         # Chunks of posted batches whose chains are not pooled yet (see posted()).
         self._posted: deque[list[Chunk]] = deque(maxlen=POSTED_BATCHES)
+
+    def _warm_up(self) -> None:
+        """Plan, build, refill and signal one small chain, then drop it: the first run
+        of this code in a process costs several times a later one (numpy's and cffi's
+        first calls), and the engine pays that here rather than in its first transfer."""
+        desc = StridedDesc(offset=0, count=64, size=256, stride=320, alignment=None)
+        plan = plan_transfer(desc, desc, Op.WRITE, self.limits)
+        kw: dict[str, Any] = {"opcode": verbs.WR_RDMA_WRITE, "local_addr": 0, "lkey": 0}
+        chain = SendChain.for_plan(
+            shift_plan(plan, 0, 0), remote_addr=0, rkey=0, memory=self.memory, **kw
+        )
+        chain.set_signals(1, 16)
+        chain.fill_plan(plan, remote_addr=64, rkey=1, **kw)
+        chain.shift(64, 64)
 
     def template(self, conn: Connection, req: TransferRequest, built: Built) -> Template | None:
         """What :meth:`rebuild` needs to repeat ``req`` (just built); None if not cacheable."""
@@ -304,7 +324,7 @@ class Planner:
                 self.chains_refilled += 1
                 return idle.chain
         self.chains_built += 1
-        return SendChain.for_plan(plan, **kw)
+        return SendChain.for_plan(plan, memory=self.memory, **kw)
 
     def _take_sized(self, size: tuple[int, int]) -> Built | None:
         """An idle chain of capacity ``size`` (WRs, SGEs) of any layout, or None.  A
@@ -379,8 +399,13 @@ class Planner:
             )
         )
         if plan is None or not fits:
-            real = self._plan(ldesc, rdesc, op, llen, rlen, where)  # raises what is wrong
-            plan = shift_plan(real, -lp.base, -rp.base)
+            if fits:
+                # Bounds and alignment hold (above, in O(1)): plan the shapes at offset 0
+                # (translation invariant, see place), without the checks per segment.
+                plan = plan_transfer(shape_desc(lp.shape), shape_desc(rp.shape), op, self.limits)
+            else:
+                real = self._plan(ldesc, rdesc, op, llen, rlen, where)  # raises what is wrong
+                plan = shift_plan(real, -lp.base, -rp.base)
             if len(self._plans) >= PLAN_CACHE:
                 self._plans.clear()
             self._plans[key] = plan
@@ -443,7 +468,11 @@ class Planner:
         """Return a chain whose WRs are all posted, for the next request with its layout."""
         key, chain = built.key, built.chain
         if key is None:
-            return
+            # Built for one request (a block list, planned every time): kept by its size
+            # alone, for the next request of that size to refill (see _take_sized).
+            if chain.capacity < 2:
+                return
+            key = ("any", chain.capacity, chain.sge_capacity)
         for r in chain.regions:
             if r.closed:
                 return

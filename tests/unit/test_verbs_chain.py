@@ -18,7 +18,7 @@ from hixl.core.descriptors import ContiguousDesc, StridedDesc
 from hixl.core.plan import DeviceLimits, Op, Plan, plan_transfer
 from hixl.errors import ArgumentError, DescriptorError, RegistrationError
 from hixl.verbs._ffi import address, ffi
-from hixl.verbs.chain import SEND_FENCE, SEND_SIGNALED, WR_BYTES, SendChain
+from hixl.verbs.chain import SEND_FENCE, SEND_SIGNALED, WR_BYTES, ChainMemory, SendChain
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -335,6 +335,47 @@ def test_a_chain_made_for_a_plan_is_byte_for_byte_an_empty_chain_filled(
     assert np.array_equal(wr_words(made), wr_words(filled))
     assert made.sges.tobytes() == filled.sges.tobytes()
     assert wr_words(made)[-1, 1] == 0  # the last WR ends the chain
+
+
+_MEMORY = ChainMemory(reserve=64 << 10)
+
+
+@PROPS
+@FILLS
+def test_a_chain_in_kept_memory_reads_as_one_in_new_memory(
+    plan: Plan, lkey: int, rkey: int, opcode: int
+) -> None:
+    """Memory a freed chain gave back holds its old WRs; a new chain made in it must
+    read exactly as one made in fresh memory."""
+    kw: dict[str, Any] = {
+        "opcode": opcode,
+        "local_addr": LADDR,
+        "lkey": lkey,
+        "remote_addr": RADDR,
+        "rkey": rkey,
+    }
+    dirty = SendChain.for_plan(plan, memory=_MEMORY, **{**kw, "rkey": rkey ^ 1})
+    dirty.set_signals(7, 3)
+    del dirty  # its blocks go back to _MEMORY, WRs and all
+    made = SendChain.for_plan(plan, memory=_MEMORY, **kw)
+    fresh = SendChain.for_plan(plan, **kw)
+    assert walk(made) == walk(fresh)
+    assert np.array_equal(wr_words(made), wr_words(fresh))
+
+
+def test_kept_memory_is_reused_and_what_is_kept_beyond_the_reserve_is_bounded() -> None:
+    mem = ChainMemory(reserve=1 << 20, retain=256 << 10)
+    a = mem.allocator("char[]", 100_000)  # the 128 KiB class, from the reserve
+    where = address(a)
+    del a
+    b = mem.allocator("char[]", 70_000)  # same class: the same block again
+    assert address(b) == where
+    big = [mem.allocator("char[]", 512 << 10) for _ in range(3)]  # 1 MiB reserve runs out
+    assert len(mem._heap) == 2  # two blocks came from the C heap
+    del big
+    assert not mem._heap and mem._kept == 0  # past `retain`, heap blocks go back to the heap
+    with pytest.raises(ArgumentError):
+        ChainMemory(reserve=-1)
 
 
 def test_numpy_views_alias_the_c_memory() -> None:

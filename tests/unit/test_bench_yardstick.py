@@ -1,0 +1,75 @@
+"""The C yardstick: configurations measured, the best one picked, pairs added up."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.backends import perftest
+from benchmarks.common import BenchError
+from benchmarks.common.yardstick import CConfig, against_best, bw_configs, pick_best
+
+ROW = """\
+ #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]
+ 4096       2048             30.00              {avg}  \t\t   0.004
+---------------------------------------------------------------------------------------
+"""
+
+
+def test_writes_are_measured_plain_with_a_post_list_and_as_many_pairs_as_lanes() -> None:
+    cfgs = bw_configs("ib_write_bw", 4096, 2048, 32, 2)
+    assert [c.name for c in cfgs] == [
+        "ib_write_bw -t 32",
+        "ib_write_bw -l 32",
+        "2 x ib_write_bw -t 32",
+    ]
+    assert cfgs[1].args == ("-s", "4096", "-n", "2048", "-t", "32", "-l", "32")
+    assert [c.pairs for c in cfgs] == [1, 1, 2]
+    assert cfgs[2].command == "2 x (ib_write_bw -s 4096 -n 2048 -t 32) at once"
+
+
+def test_reads_keep_as_many_reads_outstanding_in_all_as_hixl() -> None:
+    cfgs = bw_configs("ib_read_bw", 65536, 128, 32, 2, outstanding=32)
+    assert cfgs[0].args[-2:] == ("-o", "32") and cfgs[1].args[-2:] == ("-o", "32")
+    assert cfgs[2].args[-2:] == ("-o", "16") and cfgs[2].pairs == 2  # 2 x 16 in all
+
+
+def test_one_lane_has_no_pairs_row_and_depth_is_capped_by_the_messages() -> None:
+    cfgs = bw_configs("ib_write_bw", 65536, 16, 32, 1)
+    assert len(cfgs) == 2 and cfgs[1].args[-2:] == ("-l", "16")
+    with pytest.raises(ValueError, match="pairs"):
+        CConfig(name="x", tool="ib_write_bw", args=(), pairs=0)
+
+
+def test_the_best_median_wins_not_the_best_single_round() -> None:
+    rounds = [{"plain": 10.0, "list": 30.0}, {"plain": 11.0, "list": 12.0}, {"plain": 12.0}]
+    assert pick_best(rounds) == ("list", 21.0)  # median of 30 and 12
+    lat = [{"a": 5.0, "b": 4.0}, {"a": 5.0, "b": 6.0}, {"a": 5.0, "b": 4.5}]
+    assert pick_best(lat, higher_is_better=False) == ("b", 4.5)
+    with pytest.raises(ValueError):
+        pick_best([{}, {}])
+
+
+def test_the_ratio_pairs_each_round_with_the_winner_of_that_round() -> None:
+    c = [{"plain": 10.0, "pairs": 20.0}, {"plain": 10.0, "pairs": 10.0}, {"plain": 10.0}]
+    y = against_best([10.0, 10.0, 10.0], c)
+    assert y.winner == "pairs" and y.winner_median == 15.0
+    assert y.ratio == pytest.approx(0.75)  # rounds 1 and 2: 0.5 and 1.0; round 3 has none
+    assert y.rounds == 2 and y.medians == {"plain": 10.0, "pairs": 15.0}
+    missing = against_best([None, 5.0, 5.0], c)
+    assert missing.ratio == pytest.approx(0.5) and missing.rounds == 1
+    with pytest.raises(ValueError, match="rounds"):
+        against_best([1.0], c)
+
+
+def test_latency_is_set_against_the_fastest_and_reads_as_a_time_ratio() -> None:
+    y = against_best([30.0, 36.0], [{"lat": 20.0}, {"lat": 24.0}], higher_is_better=False)
+    assert y.winner == "lat" and y.ratio == pytest.approx(1.5)
+
+
+def test_pairs_that_ran_at_once_add_up_in_bytes_per_second() -> None:
+    total = perftest.sum_bw([ROW.format(avg="10.00"), ROW.format(avg="12.50")])
+    assert total == pytest.approx(22.5 * 2**20)
+    with pytest.raises(BenchError):
+        perftest.sum_bw([])
+    with pytest.raises(BenchError, match="no perftest result table"):
+        perftest.sum_bw([ROW.format(avg="10.00"), "Couldn't connect to 127.0.0.1:18600"])
