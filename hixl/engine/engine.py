@@ -54,10 +54,10 @@ from hixl.engine.locks import engine_lock
 from hixl.engine.names import Names
 from hixl.engine.posting import Poster
 from hixl.engine.progress import POLL_BATCH, Progress
+from hixl.engine.reaping import SendReaper, deadline_error
 from hixl.engine.regions import Access, Region, buffer_span
 from hixl.errors import (
     ArgumentError,
-    CompletionError,
     ConnectionFailed,
     HandshakeError,
     HixlError,
@@ -307,14 +307,21 @@ class Engine:
         self._exposed_bytes = 0
         self._next_wr = 1
         # Posting: lanes waiting for the progress thread, posters at work, the wake-up due.
-        self._poster = Poster(self._lock, self.sq_depth, self._planner, _Host(self))
+        parts = _Host(self)
+        self._poster = Poster(self._lock, self.sq_depth, self._planner, parts)
+        self._reaper = SendReaper(self._by_qpn, self._handles, self._poster, parts)
         self._direct_posts = 0  # blocking single requests posted by their caller
         self._lane_posts = 0  # and on a direct lane (see _on_lane; not in _direct_posts)
         self._outgoing: set[Connection] = set()  # connections with control output queued
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
         self._broken: str | None = None  # why the progress thread died, if it did
         self._progress = Progress(
-            self, listener, (self.send_cq, self.recv_cq), completion_events, self._poster
+            self,
+            listener,
+            (self.send_cq, self.recv_cq),
+            completion_events,
+            self._poster,
+            self._reaper,
         )
         self._poster.attach(self._progress)
         self._incoming: Listener | None = None
@@ -1881,7 +1888,7 @@ class Engine:
                     else:
                         rows = cq.poll_rows(POLL_BATCH)
                         if rows:
-                            self._reap_send(rows)
+                            self._reaper.reap_send(rows)
                     if handle.status is not TransferStatus.PENDING:
                         released = True
                         self._poster.release_poster()
@@ -1895,7 +1902,7 @@ class Engine:
                         self._fail(
                             lane.conn,
                             "a transfer timed out",
-                            _deadline_error(handle),
+                            deadline_error(handle),
                             culprit=handle,
                         )
                 elif not rows and now >= spin_until:
@@ -2049,66 +2056,6 @@ class Engine:
         self._notify_cv.notify_all()
 
     # -- progress thread callbacks (all but the socket reads run under the lock) -----------
-    def _reap_send(self, wcs: list[tuple[int, int, int, int]]) -> int:
-        """Handle send completions, rows of ``CompletionQueue.poll_rows``; return how many.
-
-        One completion per signal group, not per work request.  Connections that freed
-        send-queue room post more of their backlog once, after the whole batch.
-        """
-        if not wcs:
-            return 0
-        pump: dict[int, Lane] = {}
-        for wr_id, status, vendor_err, qpn in wcs:
-            lane = self._by_qpn.get(qpn)
-            if lane is None:
-                continue
-            conn = lane.conn
-            got = lane.window.completed(wr_id)
-            if not got:
-                continue  # completion of a chunk that was already failed
-            if status != 0:
-                chunk = got[-1][0]  # the failed WR's own chunk; those before it are done
-                for early, _ in got[:-1]:
-                    self._chunk_done(early)
-                op = "RDMA transfer" if chunk.notify_slot is None else "notification"
-                self._release_notify(chunk)
-                name = verbs.WC_STATUS_NAMES.get(status, f"IBV_WC_STATUS_{status}")
-                err = CompletionError(f"{op} to {conn.peer}", status, name, wr_id, vendor_err)
-                if chunk.ring is not None:  # a group of messages: the members before it landed
-                    group = chunk.handle
-                    group.fail_at = wr_id - chunk.first_id
-                    group.rest = ConnectionFailed(
-                        f"connection to {conn.peer} failed: completion error {name}"
-                    )
-                for other in conn.all_lanes:
-                    pump.pop(other.qpn, None)
-                self._fail(conn, f"completion error {name}", err, culprit=chunk.handle)
-                continue
-            pump[qpn] = lane
-            for chunk, finished in got:
-                if finished:
-                    self._chunk_done(chunk)
-        for lane in pump.values():
-            conn = lane.conn
-            if conn.held and lane.index and conn.release_held():
-                first = conn.lanes[0]
-                if not first.window.poster:
-                    self._poster.want_post(first)
-            if lane.window.backlog and not lane.window.poster:
-                self._poster.want_post(lane)
-        return len(wcs)
-
-    def _chunk_done(self, chunk: Chunk) -> None:
-        if chunk.notify_slot is not None:
-            self._release_notify(chunk)
-        handle = chunk.handle
-        if handle is not None:
-            left = handle.chunks_left - 1
-            handle.chunks_left = left
-            if not left:
-                handle.finish(None)
-                self._handles.discard(handle)
-
     def _reap_recv(self, wcs: list[verbs.Completion]) -> int:
         """Handle receive completions (notifications); return how many there were."""
         for wc in wcs:
@@ -2137,16 +2084,6 @@ class Engine:
                 continue
             self._queue_note(conn, note)
         return len(wcs)
-
-    def _expire(self, now: float) -> None:
-        for h in [h for h in self._handles if h.deadline <= now]:
-            err = _deadline_error(h)
-            conn = self._conns.get(h.peer)
-            if conn is not None:
-                self._fail(conn, "a transfer timed out", err, culprit=h)
-            else:
-                h.finish(err)
-                self._handles.discard(h)
 
     def _flush_outboxes(self) -> None:
         """Progress thread: send queued control messages, free dropped connections."""
@@ -2216,7 +2153,7 @@ class Engine:
             # closes once it has our last notification says goodbye right after that
             # send completed here, maybe before this thread reaped it (same select round).
             self._reap_recv(self.recv_cq.poll(64))
-            self._reap_send(self.send_cq.poll_rows(POLL_BATCH))
+            self._reaper.reap_send(self.send_cq.poll_rows(POLL_BATCH))
             self._progress.unwatch(conn)
             self._fail(conn, f"peer said goodbye: {msg.reason}", expected=True)
         elif isinstance(msg, wire.Error):
@@ -2226,7 +2163,8 @@ class Engine:
 
 
 class _Host:
-    """The engine as its :class:`Poster` sees it (:class:`~hixl.engine.posting.PostingHost`).
+    """The engine as its poster and reaper see it (:class:`~hixl.engine.posting.PostingHost`,
+    :class:`~hixl.engine.reaping.ReapingHost`).
 
     It holds the engine by a weak proxy: the poster lives as long as the engine, and an
     engine the application forgets to close must still be collected (and warn).
@@ -2254,16 +2192,13 @@ class _Host:
 
     def reap_send(self) -> int:
         engine = self._engine
-        return engine._reap_send(engine.send_cq.poll_rows(POLL_BATCH))
+        return engine._reaper.reap_send(engine.send_cq.poll_rows(POLL_BATCH))
 
+    def release_notify(self, chunk: Chunk) -> None:
+        self._engine._release_notify(chunk)
 
-def _deadline_error(h: TransferHandle) -> TransferTimeout:
-    """The error of a transfer past its deadline (queued or posted directly)."""
-    return TransferTimeout(
-        f"transfer to {h.peer} did not complete within its deadline "
-        f"({h.nbytes} bytes, {h.num_wrs} work requests); the connection is marked "
-        "failed because its requests cannot be recalled"
-    )
+    def connection_of(self, peer: str) -> Connection | None:
+        return self._engine._conns.get(peer)
 
 
 def _every_for(conn: Connection, n: int, nbytes: int, every: int) -> int:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from hixl.engine.connection import Connection
     from hixl.engine.engine import Engine
     from hixl.engine.posting import Poster
+    from hixl.engine.reaping import SendReaper
 
 __all__ = ["Progress"]
 
@@ -67,8 +68,10 @@ class Progress:
         cqs: tuple[verbs.CompletionQueue, verbs.CompletionQueue],
         events: bool,
         poster: Poster,
+        reaper: SendReaper,
     ) -> None:
         self._poster = poster
+        self._reaper = reaper
         self._selector = selectors.DefaultSelector()
         self._listener = listener
         if listener is not None:
@@ -172,10 +175,10 @@ class Progress:
                 if engine.closed:
                     return False
                 if not self.events:
-                    busy |= engine._reap_send(self.send_cq.poll_rows(POLL_BATCH)) == POLL_BATCH
+                    busy |= self._reaper.reap_send(self.send_cq.poll_rows(POLL_BATCH)) == POLL_BATCH
                     busy |= engine._reap_recv(self.recv_cq.poll(POLL_BATCH)) == POLL_BATCH
                 if now >= self._next_expiry_check:
-                    engine._expire(now)
+                    self._reaper.expire(now)
                     self._next_expiry_check = now + 0.01
                 if busy:
                     timeout = 0.0
@@ -280,7 +283,9 @@ class Progress:
 
     def _reap_send(self, engine: Engine) -> int:
         with engine._lock:
-            return 0 if engine.closed else engine._reap_send(self.send_cq.poll_rows(POLL_BATCH))
+            return (
+                0 if engine.closed else self._reaper.reap_send(self.send_cq.poll_rows(POLL_BATCH))
+            )
 
     def _reap_recv(self, engine: Engine) -> int:
         with engine._lock:
