@@ -1625,7 +1625,7 @@ class Engine:
                     # (Poster.start_post) and when another opens, so only a wrap (slot 0: a
                     # chunk is one range of the chain) or a chunk queued after it on the
                     # lane ends the joining here.  Its end, signal groups and count are
-                    # set when it closes (_close_ring_chunk), not per message.
+                    # set when it closes (Poster.close_ring_chunk), not per message.
                     if chunk is not None and slot and lane.window.last is chunk:
                         group = chunk.handle
                         k = written - ring.open_at
