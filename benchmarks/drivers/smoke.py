@@ -4,6 +4,7 @@ no RDMA device runs, natively (no VM), in well under a minute.
 * every ``benchmarks/bench_*.py`` and ``run_all.py``: ``--help`` run by path and as
   ``python -m benchmarks.<name>``;
 * ``bench_plan`` on a small workload and ``bench_overhead --no-device`` (pure planning),
+  ``bench_kv --quick`` (a request's KV blocks: checks, plan and chain, natively),
   then ``run_all --report`` on that JSON (tables and plot, into a temporary directory);
 * ``bench_transfer``, ``bench_layer`` and ``bench_fair``: without a device each must stop
   at once with one clear line naming the missing device (exit 2); with one, a tiny run;
@@ -117,6 +118,8 @@ def checks(tmp: Path) -> list[tuple[str, list[str], float, Sequence[int], str]]:
             "results.md",
         )
     )
+    kv = [py, str(ENTRY_DIR / "bench_kv.py"), "--quick", "--layers", "4", "--num-blocks", "256"]
+    out.append(("bench_kv --quick (native)", kv, 120, (0,), "100G target"))
     device = _have_device()
     for name in ("bench_transfer", "bench_layer"):
         cmd = [py, str(ENTRY_DIR / f"{name}.py"), "--quick"]

@@ -58,11 +58,13 @@ __all__ = [
     "MAX_TENSORS",
     "RequestPlan",
     "TensorGeometry",
+    "Tile",
     "block_ids",
     "block_pattern",
     "pair_tensors",
     "plan_blocks",
     "plan_request",
+    "runs",
 ]
 
 I64Array = npt.NDArray[np.int64]
@@ -99,7 +101,7 @@ def _ints(where: str, values: object, lo: int, hi: int = INT64_MAX) -> tuple[int
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorGeometry:
-    """One KV tensor as its engine registered it.
+    """One KV tensor as its engine registered it (and as its peers learn it).
 
     ``dtype`` is the element type's name (``"float16"``, ``"bfloat16"``, ``"uint8"``...)
     and ``itemsize`` its bytes; ``shape`` the extents; ``strides`` the byte steps per axis
@@ -207,15 +209,17 @@ class TensorGeometry:
             "region": self.region,
             "block_axis": self.block_axis,
             "heads_axis": self.heads_axis,
+            "block_bytes": self.block_bytes,
         }
 
     @classmethod
     def from_json(cls, where: str, obj: object) -> TensorGeometry:
         keys = ("dtype", "itemsize", "shape", "strides", "offset", "region", "block_axis")
-        if not isinstance(obj, dict) or set(obj) != {*keys, "heads_axis"}:
-            raise DescriptorError(f"{where}: expected an object with keys {keys} + heads_axis")
+        extra = ("heads_axis", "block_bytes")
+        if not isinstance(obj, dict) or set(obj) != {*keys, *extra}:
+            raise DescriptorError(f"{where}: expected an object with keys {keys + extra}")
         try:
-            return cls(
+            geom = cls(
                 dtype=obj["dtype"],
                 itemsize=obj["itemsize"],
                 shape=_ints(f"{where}.shape", obj["shape"], 1),
@@ -227,6 +231,12 @@ class TensorGeometry:
             )
         except DescriptorError as exc:
             raise DescriptorError(f"{where}: {exc}") from None
+        if obj["block_bytes"] != geom.block_bytes:
+            raise DescriptorError(
+                f"{where}: block_bytes={obj['block_bytes']!r} but its shape makes "
+                f"{geom.block_bytes} bytes per block"
+            )
+        return geom
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -338,24 +348,35 @@ def block_pattern(geom: TensorGeometry, heads: tuple[int, int] | None = None) ->
         heads = _heads("heads", heads, geom.shape[geom.heads_axis])
         if heads == (0, geom.shape[geom.heads_axis]):
             heads = None
-    return _pattern(geom, heads)
+    # Keyed by what shapes a block only: tensors of one layout share one pattern object
+    # (and so one cached plan, see _run_plan), wherever they sit.
+    return _pattern(
+        geom.itemsize, geom.shape, geom.strides, geom.block_axis, geom.heads_axis, heads
+    )
 
 
 @functools.lru_cache(maxsize=256)
-def _pattern(geom: TensorGeometry, heads: tuple[int, int] | None) -> BlockPattern:
+def _pattern(
+    itemsize: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    block_axis: int,
+    heads_axis: int | None,
+    heads: tuple[int, int] | None,
+) -> BlockPattern:
     base = 0
     dims: list[tuple[int, int]] = []
-    for axis, (n, s) in enumerate(zip(geom.shape, geom.strides, strict=True)):
-        if axis == geom.block_axis:
+    for axis, (n, s) in enumerate(zip(shape, strides, strict=True)):
+        if axis == block_axis:
             continue
-        if axis == geom.heads_axis and heads is not None:
+        if axis == heads_axis and heads is not None:
             base += heads[0] * s
             n = heads[1] - heads[0]
         dims.append((n, s))
-    shape = tuple(n for n, _ in dims)
+    dims_shape = tuple(n for n, _ in dims)
     # Fewest pieces: drop extents of 1, fold an innermost contiguous axis into the piece,
     # fuse an axis into its outer neighbour when it continues it.
-    size = geom.itemsize
+    size = itemsize
     live = [(n, s) for n, s in dims if n > 1]
     changed = True
     while changed:
@@ -375,8 +396,8 @@ def _pattern(geom: TensorGeometry, heads: tuple[int, int] | None) -> BlockPatter
     for n, s in live:
         offs = (offs[:, None] + np.arange(n, dtype=np.int64) * np.int64(s)).ravel()
     offs.setflags(write=False)
-    nbytes = geom.itemsize * math.prod(shape)
-    return BlockPattern(shape, offs, size, geom.block_stride, nbytes)
+    nbytes = itemsize * math.prod(dims_shape)
+    return BlockPattern(dims_shape, offs, size, strides[block_axis], nbytes)
 
 
 def block_ids(where: str, ids: object, num_blocks: int) -> I64Array:
@@ -428,14 +449,145 @@ def plan_blocks(
     limits: DeviceLimits = DEFAULT_LIMITS,
 ) -> Plan:
     """The work requests moving blocks ``local_ids[i]`` <-> ``remote_ids[i]`` of one
-    tensor pair, offsets relative to each tensor's element 0. The block lists are checked
-    by the caller (:func:`block_ids`, :func:`check_unique`); the patterns must stream as
-    many bytes per block (:func:`pair_tensors`)."""
+    tensor pair, offsets relative to each tensor's element 0, from the general planner
+    (fewest WRs over the whole list). The block lists are checked by the caller
+    (:func:`block_ids`, :func:`check_unique`); the patterns must stream as many bytes per
+    block (:func:`pair_tensors`)."""
     if local.nbytes != remote.nbytes:
         raise DescriptorError(
             f"blocks differ in size: local {local.nbytes} bytes, remote {remote.nbytes}"
         )
     return plan_transfer(_segments(local, local_ids), _segments(remote, remote_ids), op, limits)
+
+
+def runs(local_ids: I64Array, remote_ids: I64Array) -> tuple[I64Array, I64Array]:
+    """``(start, length)`` of the maximal runs of pairs whose ids both go up by one."""
+    n = local_ids.size
+    if n == 1:
+        return np.zeros(1, np.int64), np.ones(1, np.int64)
+    breaks = (np.diff(local_ids) != 1) | (np.diff(remote_ids) != 1)
+    start = np.flatnonzero(np.concatenate(([True], breaks)))
+    length = np.diff(np.append(start, n))
+    return start, length
+
+
+@functools.lru_cache(maxsize=512)
+def _run_plan(
+    local: BlockPattern, remote: BlockPattern, length: int, op: Op, limits: DeviceLimits
+) -> Plan:
+    ids = np.arange(length, dtype=np.int64)
+    return plan_blocks(local, ids, remote, ids, op, limits)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Tile:
+    """One plan laid out ``n`` times: copy ``i`` has its local offsets shifted to
+    ``local_base[i]`` and its remote offsets to ``remote_base[i]`` (absolute addresses),
+    with keys ``local_key[i]``/``remote_key[i]``. All arrays are int64 of length ``n``."""
+
+    plan: Plan
+    local_base: I64Array
+    remote_base: I64Array
+    local_key: I64Array
+    remote_key: I64Array
+
+    @property
+    def copies(self) -> int:
+        return int(self.local_base.size)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RequestPlan:
+    """A request's work requests over many tensors: its tiles, in order, make one chain
+    (WRs of tile 0's copies first). ``lengths`` is the shortest and longest SGE length."""
+
+    tiles: tuple[Tile, ...]
+    num_wrs: int
+    num_sges: int
+    nbytes: int
+    lengths: tuple[int, int]
+
+    def arrays(self) -> tuple[I64Array, I64Array, I64Array, I64Array, I64Array, I64Array]:
+        """The chain in CSR form: ``(wr_remote, wr_key, sge_start, sge_addr, sge_length,
+        sge_key)``, addresses absolute (what :meth:`SendChain.fill_tiles` writes)."""
+        wr_remote, wr_key, starts, sge_addr, sge_length, sge_key = [], [], [], [], [], []
+        base = 0
+        for t in self.tiles:
+            p, n = t.plan, t.copies
+            wr_remote.append((t.remote_base[:, None] + p.wr_remote_offset[None, :]).ravel())
+            wr_key.append(np.repeat(t.remote_key, p.num_wrs))
+            first = np.arange(n, dtype=np.int64)[:, None] * p.num_sges + p.wr_sge_start[None, :-1]
+            starts.append((first + base).ravel())
+            sge_addr.append((t.local_base[:, None] + p.sge_local_offset[None, :]).ravel())
+            sge_length.append(np.tile(p.sge_length, n))
+            sge_key.append(np.repeat(t.local_key, p.num_sges))
+            base += n * p.num_sges
+        starts.append(np.array([base], dtype=np.int64))
+        return (
+            np.concatenate(wr_remote),
+            np.concatenate(wr_key),
+            np.concatenate(starts),
+            np.concatenate(sge_addr),
+            np.concatenate(sge_length),
+            np.concatenate(sge_key),
+        )
+
+
+def plan_request(
+    items: Sequence[tuple[BlockPattern, BlockPattern, int, int, int, int]],
+    local_ids: I64Array,
+    remote_ids: I64Array,
+    op: Op,
+    limits: DeviceLimits = DEFAULT_LIMITS,
+) -> RequestPlan:
+    """The tiles of a request: ``items`` are ``(local pattern, remote pattern, local
+    element-0 address, remote element-0 address, local key, remote key)``, one per
+    tensor.
+
+    The block pairs are cut into runs (:func:`runs`: both ids go up by one), and a run of
+    ``L`` blocks is planned as one piece (so consecutive blocks fuse into longer work
+    requests wherever both sides are contiguous across them); the plan of ``L`` blocks
+    of a pair of patterns is made once and cached, and laid out for every run of that
+    length of every tensor with those patterns. Pairs that are not consecutive on both
+    sides are never fused."""
+    start, length = runs(local_ids, remote_ids)
+    lstart, rstart = local_ids[start], remote_ids[start]
+    by_length: dict[int, I64Array] = {}
+    for L in sorted(set(length.tolist())):  # few distinct lengths (np.unique imports numpy.ma)
+        by_length[L] = np.flatnonzero(length == L)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for k, (lp, rp, *_) in enumerate(items):
+        groups.setdefault((id(lp), id(rp)), []).append(k)
+    tiles = []
+    num_wrs = num_sges = nbytes = 0
+    shortest, longest = INT64_MAX, 0
+    for members in groups.values():
+        lp, rp = items[members[0]][0], items[members[0]][1]
+        lb = np.fromiter((items[k][2] for k in members), np.int64, len(members))
+        rb = np.fromiter((items[k][3] for k in members), np.int64, len(members))
+        lk = np.fromiter((items[k][4] for k in members), np.int64, len(members))
+        rk = np.fromiter((items[k][5] for k in members), np.int64, len(members))
+        for L, which in by_length.items():
+            p = _run_plan(lp, rp, L, op, limits)
+            lo = lstart[which] * np.int64(lp.block_stride)
+            ro = rstart[which] * np.int64(rp.block_stride)
+            m = which.size
+            tiles.append(
+                Tile(
+                    p,
+                    (lb[:, None] + lo[None, :]).ravel(),
+                    (rb[:, None] + ro[None, :]).ravel(),
+                    np.repeat(lk, m),
+                    np.repeat(rk, m),
+                )
+            )
+            copies = len(members) * m
+            num_wrs += copies * p.num_wrs
+            num_sges += copies * p.num_sges
+            nbytes += copies * p.nbytes
+            lo_len, hi_len = p.sge_length_range
+            shortest, longest = min(shortest, lo_len), max(longest, hi_len)
+    return RequestPlan(tuple(tiles), num_wrs, num_sges, nbytes, (shortest, longest))
 
 
 def pair_tensors(
@@ -494,97 +646,3 @@ def pair_tensors(
             )
         out.append((idx, lp, rp))
     return out
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class RequestPlan:
-    """A request's work requests over many tensors, as one chain in CSR form.
-
-    WR ``w`` targets ``wr_remote[w]`` (an absolute address) with the remote key of region
-    ``wr_key[w]`` of the list the caller passed; its SGEs are ``sge_start[w] ..
-    sge_start[w+1] - 1`` of ``sge_addr``/``sge_length`` (absolute addresses), all with
-    the local key of ``sge_key``'s region. ``nbytes`` is the stream's total."""
-
-    wr_remote: I64Array
-    wr_key: I64Array
-    sge_start: I64Array
-    sge_addr: I64Array
-    sge_length: I64Array
-    sge_key: I64Array
-    nbytes: int
-    lengths: tuple[int, int]
-
-    @property
-    def num_wrs(self) -> int:
-        return int(self.wr_remote.size)
-
-    @property
-    def num_sges(self) -> int:
-        return int(self.sge_addr.size)
-
-
-def plan_request(
-    items: Sequence[tuple[BlockPattern, BlockPattern, int, int, int, int]],
-    local_ids: I64Array,
-    remote_ids: I64Array,
-    op: Op,
-    limits: DeviceLimits = DEFAULT_LIMITS,
-) -> RequestPlan:
-    """One chain for a request: ``items`` are ``(local pattern, remote pattern, local
-    element-0 address, remote element-0 address, local key index, remote key index)``,
-    one per tensor. Each distinct pair of patterns is planned once; its WRs are laid out
-    for every tensor of that pair, in the order given."""
-    plans: dict[tuple[Any, ...], Plan] = {}
-    per: list[Plan] = []
-    for lp, rp, *_ in items:
-        key = (lp.key, rp.key)
-        p = plans.get(key)
-        if p is None:
-            p = plans[key] = plan_blocks(lp, local_ids, rp, remote_ids, op, limits)
-        per.append(p)
-    # Lay out in groups of consecutive tensors sharing a plan (one numpy pass each).
-    wr_remote, wr_key, starts, sge_addr, sge_length, sge_key = [], [], [], [], [], []
-    sge_base = 0
-    nbytes = 0
-    shortest, longest = INT64_MAX, 0
-    k = 0
-    while k < len(items):
-        p = per[k]
-        e = k + 1
-        while e < len(items) and per[e] is p:
-            e += 1
-        grp = items[k:e]
-        laddr = np.fromiter((it[2] for it in grp), np.int64, len(grp))
-        raddr = np.fromiter((it[3] for it in grp), np.int64, len(grp))
-        lkey = np.fromiter((it[4] for it in grp), np.int64, len(grp))
-        rkey = np.fromiter((it[5] for it in grp), np.int64, len(grp))
-        n = len(grp)
-        wr_remote.append((raddr[:, None] + p.wr_remote_offset[None, :]).ravel())
-        wr_key.append(np.repeat(rkey, p.num_wrs))
-        sge_ptr = np.int64(sge_base) + (
-            np.arange(n, dtype=np.int64)[:, None] * np.int64(p.num_sges) + p.wr_sge_start[None, :-1]
-        )
-        starts.append(sge_ptr.ravel())
-        sge_addr.append((laddr[:, None] + p.sge_local_offset[None, :]).ravel())
-        sge_length.append(np.tile(p.sge_length, n))
-        sge_key.append(np.repeat(lkey, p.num_sges))
-        sge_base += n * p.num_sges
-        nbytes += n * p.nbytes
-        lo, hi = p.sge_length_range
-        shortest, longest = min(shortest, lo), max(longest, hi)
-        k = e
-    starts.append(np.array([sge_base], dtype=np.int64))
-
-    def cat(parts: list[I64Array]) -> I64Array:
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    return RequestPlan(
-        wr_remote=cat(wr_remote),
-        wr_key=cat(wr_key),
-        sge_start=cat(starts),
-        sge_addr=cat(sge_addr),
-        sge_length=cat(sge_length),
-        sge_key=cat(sge_key),
-        nbytes=nbytes,
-        lengths=(shortest, longest),
-    )

@@ -283,7 +283,7 @@ class Engine:
             raise
         self._listener = listener
         self._planner = Planner(self.limits, alignment or None)
-        self._kv = KVBlocks(self)  # register_kv, put_blocks, get_blocks
+        self._kv = KVBlocks(self, self._planner.memory)  # register_kv, put_blocks, get_blocks
         self._templates: dict[tuple[Any, ...], Template] = {}
         self._last_template: tuple[tuple[Any, ...], Template] | None = None
         # The last blocking put and get that ran on a direct lane, as (arguments, run):

@@ -27,10 +27,10 @@ is registered by address), until :meth:`KVCache.close`.
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,6 +38,7 @@ import numpy as np
 
 from hixl.core import wire
 from hixl.core.kvblocks import (
+    I64Array,
     KVGeometry,
     TensorGeometry,
     block_ids,
@@ -51,12 +52,12 @@ from hixl.engine.handles import TransferHandle, TransferStatus
 from hixl.engine.regions import Access, Region
 from hixl.errors import ArgumentError, DescriptorError, HixlError, RegistrationError
 from hixl.verbs import adapter as verbs
-from hixl.verbs.chain import SendChain
+from hixl.verbs.chain import ChainMemory, SendChain
 
 if TYPE_CHECKING:
     from hixl.engine.connection import Connection
 
-__all__ = ["KV_PREFIX", "BlocksHandle", "KVBlocks", "KVCache", "KVHost"]
+__all__ = ["KV_PREFIX", "BlocksHandle", "KVBlocks", "KVCache", "KVHost", "build_request"]
 
 log = logging.getLogger("hixl.kv")
 
@@ -66,6 +67,8 @@ KV_PREFIX = "hixl.kv:"
 MAX_NAME = 96
 #: Largest geometry document read from a peer.
 MAX_GEOMETRY_BYTES = 1 << 20
+#: Longest a transfer waits for a peer's cache to be announced (it may be registering it).
+ANNOUNCE_WAIT_S = 2.0
 #: Block ids shown in an error message (the exception's attributes hold them all).
 _SHOWN_IDS = 16
 
@@ -251,6 +254,21 @@ def _show(ids: list[int]) -> str:
     return f"[{head}{more}]"
 
 
+def _annotated(err: HixlError, message: str) -> HixlError:
+    """A copy of ``err`` (same class and attributes) whose message is ``message``.  Made
+    without calling the class's constructor, whose arguments differ from class to class
+    (a :class:`CompletionError` takes the operation and the completion status)."""
+    cls = type(err)
+    out = cls.__new__(cls)
+    out.__dict__.update(err.__dict__)
+    # errno lives in OSError's own field (str() formats it once it is set, even to None)
+    if isinstance(err, OSError) and err.errno is not None:
+        assert isinstance(out, OSError)
+        out.errno = err.errno
+    out.args = (message,)
+    return out
+
+
 class BlocksHandle(TransferHandle):
     """The :class:`TransferHandle` of a ``put_blocks_async``/``get_blocks_async``.
 
@@ -287,9 +305,9 @@ class BlocksHandle(TransferHandle):
         if err is None:
             return None
         if self._failed is None:
-            out = copy.copy(err)
             what = f"request {self.request!r}" if self.request is not None else "request"
-            out.args = (
+            out = _annotated(
+                err,
                 f"{err}; {what}: blocks not known to have landed: local "
                 f"{_show(self.local_blocks)}, remote {_show(self.remote_blocks)}",
             )
@@ -305,12 +323,27 @@ class BlocksHandle(TransferHandle):
         return self._inner.done()
 
     def wait(self, timeout: float | None = None) -> None:
-        """As :meth:`TransferHandle.wait`; a failure raises :attr:`error`."""
-        try:
-            self._inner.wait(timeout)
-        except HixlError:
-            if self._inner.status is TransferStatus.PENDING:
-                raise  # this wait's own timeout: the transfer goes on
+        """As :meth:`TransferHandle.wait`; a failure raises :attr:`error`.
+
+        Without a ``timeout`` this returns or raises only once the transfer is final: a
+        transfer past its deadline is failed by the engine, which first moves the
+        connection's queue pairs to the error state, so no write of it lands after its
+        :class:`TransferTimeout` is raised here.  (A plain handle's waiter gives up on
+        its own a second after the deadline, whether or not the engine has done so.)
+        """
+        inner = self._inner
+        while True:
+            try:
+                if timeout is not None:
+                    inner.wait(timeout)
+                else:
+                    inner.wait(max(0.05, inner.deadline - time.monotonic() + 0.05))
+            except HixlError:
+                if inner.status is TransferStatus.PENDING:
+                    if timeout is not None:
+                        raise  # this wait's own timeout: the transfer goes on
+                    continue  # past the deadline: the engine fails it (progress thread)
+            break
         err = self.error
         if err is not None:
             raise err
@@ -360,8 +393,9 @@ class KVBlocks:
     it). ``_remote`` is a cache of read-only values replaced whole: read without a lock.
     """
 
-    def __init__(self, host: KVHost) -> None:
+    def __init__(self, host: KVHost, memory: ChainMemory | None = None) -> None:
         self._host = host
+        self._memory = memory
         self._lock = threading.Lock()
         self._caches: dict[str, KVCache] = {}
         self._remote: dict[tuple[int, str], _RemoteKV] = {}
@@ -439,6 +473,10 @@ class KVBlocks:
         cache = KVCache(self, name, objs, geometry, tuple(regions), meta, meta_buffer)
         with self._lock:
             self._caches[name] = cache
+        try:
+            warm_up(geometry, [(r.addr, r.lkey) for r in regions], host.limits, self._memory)
+        except HixlError as exc:  # only a cost moved earlier: the transfer says what is wrong
+            log.debug("warming up %r: %s", cache, exc)
         log.debug("registered %r", cache)
         return cache
 
@@ -458,8 +496,20 @@ class KVBlocks:
             return known
         by_name = {r.name: r for r in remotes if r.name.startswith(KV_PREFIX + name)}
         meta = by_name.get(KV_PREFIX + name)
+        # A cache the peer registered a moment ago may not be announced yet: look again
+        # for a little while (no lock is held; the announced tuple is swapped whole).
+        deadline = time.monotonic() + min(timeout, ANNOUNCE_WAIT_S)
+        while meta is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+            conn.check_ready()
+            remotes = conn.remote_regions
+            by_name = {r.name: r for r in remotes if r.name.startswith(KV_PREFIX + name)}
+            meta = by_name.get(KV_PREFIX + name)
         if meta is None:
-            raise RegistrationError(f"peer {peer} has no KV cache named {name!r}")
+            raise RegistrationError(
+                f"peer {peer} has no KV cache named {name!r} (none announced within "
+                f"{min(timeout, ANNOUNCE_WAIT_S)} s)"
+            )
         if known is not None and known.meta == meta:
             geometry = known.geometry
         else:
@@ -527,23 +577,8 @@ class KVBlocks:
         conn = host.connection(peer)
         conn.check_ready()
         rkv = self._remote_cache(conn, peer, _name(remote_name), timeout)
-        pairs = pair_tensors(kv.geometry, rkv.geometry, tensors, heads, remote_heads)
-        lgeo, rgeo = kv.geometry.tensors, rkv.geometry.tensors
-        lnum = min(lgeo[i].num_blocks for i, _, _ in pairs)
-        rnum = min(rgeo[i].num_blocks for i, _, _ in pairs)
-        lids = block_ids("local_blocks", local_blocks, lnum)
-        rids = block_ids("remote_blocks", remote_blocks, rnum)
-        if lids.size != rids.size:
-            raise DescriptorError(
-                f"local_blocks has {lids.size} ids and remote_blocks {rids.size}: they pair"
-            )
-        if op is Op.WRITE:
-            check_unique("remote_blocks", rids)
-        else:
-            check_unique("local_blocks", lids)
-        need = wire.REMOTE_WRITE if op is Op.WRITE else wire.REMOTE_READ
         for r in rkv.regions:
-            if not r.access & need:
+            if not r.access & (wire.REMOTE_WRITE if op is Op.WRITE else wire.REMOTE_READ):
                 verb = "writable" if op is Op.WRITE else "readable"
                 raise RegistrationError(
                     f"peer {peer}'s KV cache {remote_name!r}: region {r.name!r} is not "
@@ -551,32 +586,27 @@ class KVBlocks:
                 )
         if op is Op.READ and not all(r.access & Access.LOCAL_WRITE for r in kv.regions):
             raise RegistrationError(f"{kv!r}: get_blocks needs LOCAL_WRITE access")
-        lregs, rregs = kv.regions, rkv.regions
-        items = []
-        for i, lp, rp in pairs:
-            lt, rt = lgeo[i], rgeo[i]
-            lr, rr = lregs[lt.region], rregs[rt.region]
-            items.append((lp, rp, lr.addr + lt.offset, rr.addr + rt.offset, lr.lkey, rr.rkey))
-        plan = plan_request(items, lids, rids, op, host.limits)
-        key = ("kv", _pow2(plan.num_wrs), _pow2(plan.num_sges))
-        chain = host._idle_chain(key)
-        if chain is None:
-            chain = SendChain(key[1], key[2])
-        chain.fill_keyed(
-            opcode=verbs.WR_RDMA_WRITE if op is Op.WRITE else verbs.WR_RDMA_READ,
-            remote_addr=plan.wr_remote,
-            rkeys=plan.wr_key,
-            sge_start=plan.sge_start,
-            sge_addr=plan.sge_addr,
-            sge_length=plan.sge_length,
-            lkeys=plan.sge_key,
-            lengths=plan.lengths,
-            regions=lregs,
+        req = build_request(
+            op,
+            kv.geometry,
+            [(r.addr, r.lkey) for r in kv.regions],
+            rkv.geometry,
+            [(r.addr, r.rkey) for r in rkv.regions],
+            local_blocks,
+            remote_blocks,
+            tensors=tensors,
+            heads=heads,
+            remote_heads=remote_heads,
+            limits=host.limits,
+            idle=host._idle_chain,
+            regions=kv.regions,
+            memory=self._memory,
         )
+        chain, nbytes, key, lids, rids = req
         inner = host._queue_chain(
             conn,
             chain,
-            plan.nbytes,
+            nbytes,
             key,
             notify,
             notify_message,
@@ -585,3 +615,107 @@ class KVBlocks:
             now,
         )
         return BlocksHandle(inner, notify, lids.tolist(), rids.tolist())
+
+
+def warm_up(
+    geometry: KVGeometry,
+    regions: Sequence[tuple[int, int]],
+    limits: DeviceLimits,
+    memory: ChainMemory | None = None,
+) -> None:
+    """Build (and drop) the chain of a one-block request of a cache into itself: the
+    first run of the checks, the planner and the chain code in a process costs several
+    times a later one (numpy's first calls, the cached block patterns and run plans),
+    and :meth:`Engine.register_kv` pays that rather than the first transfer."""
+    build_request(
+        Op.WRITE, geometry, regions, geometry, regions, [0], [0],
+        tensors=None, heads=None, remote_heads=None, limits=limits, memory=memory,
+    )  # fmt: skip
+
+
+#: Pairings of two caches' tensors, by the caches' identities and the selection (a cache
+#: of immutable values: an entry is used only for the very geometry objects it holds).
+_PAIRS: dict[tuple[Any, ...], tuple[KVGeometry, KVGeometry, list[Any]]] = {}
+_PAIRS_MAX = 256
+
+
+def _paired(
+    local: KVGeometry,
+    remote: KVGeometry,
+    tensors: Sequence[int] | range | None,
+    heads: tuple[int, int] | None,
+    remote_heads: tuple[int, int] | None,
+) -> list[Any]:
+    """:func:`pair_tensors`, remembered for a repeated selection between two caches."""
+    try:
+        chosen = None if tensors is None else tuple(tensors)
+        key = (
+            id(local),
+            id(remote),
+            chosen,
+            None if heads is None else tuple(heads),
+            None if remote_heads is None else tuple(remote_heads),
+        )
+        hash(key)
+    except TypeError:
+        return pair_tensors(local, remote, tensors, heads, remote_heads)
+    known = _PAIRS.get(key)
+    if known is not None and known[0] is local and known[1] is remote:
+        return known[2]
+    pairs = pair_tensors(local, remote, tensors, heads, remote_heads)
+    if len(_PAIRS) >= _PAIRS_MAX:
+        _PAIRS.clear()
+    _PAIRS[key] = (local, remote, pairs)
+    return pairs
+
+
+def build_request(
+    op: Op,
+    local: KVGeometry,
+    local_regions: Sequence[tuple[int, int]],
+    remote: KVGeometry,
+    remote_regions: Sequence[tuple[int, int]],
+    local_blocks: object,
+    remote_blocks: object,
+    *,
+    tensors: Sequence[int] | range | None,
+    heads: tuple[int, int] | None,
+    remote_heads: tuple[int, int] | None,
+    limits: DeviceLimits,
+    idle: Callable[[tuple[Any, ...]], SendChain | None] = lambda key: None,
+    regions: tuple[Any, ...] = (),
+    memory: ChainMemory | None = None,
+) -> tuple[SendChain, int, tuple[Any, ...], I64Array, I64Array]:
+    """The checks, the plan and the chain of one request (no I/O): what a ``put_blocks``
+    costs before the engine queues it.  ``local_regions``/``remote_regions`` are each
+    region's ``(address, key)``; ``idle`` returns a pooled chain for a size key, and a
+    new chain takes its memory from ``memory`` (the engine's kept, touched memory).  Returns
+    the chain, its bytes, its pool key and the two block id arrays.  Raises
+    :class:`DescriptorError` before anything is built."""
+    pairs = _paired(local, remote, tensors, heads, remote_heads)
+    lgeo, rgeo = local.tensors, remote.tensors
+    lnum = min(lgeo[i].num_blocks for i, _, _ in pairs)
+    rnum = min(rgeo[i].num_blocks for i, _, _ in pairs)
+    lids = block_ids("local_blocks", local_blocks, lnum)
+    rids = block_ids("remote_blocks", remote_blocks, rnum)
+    if lids.size != rids.size:
+        raise DescriptorError(
+            f"local_blocks has {lids.size} ids and remote_blocks {rids.size}: they pair"
+        )
+    check_unique(
+        "remote_blocks" if op is Op.WRITE else "local_blocks", rids if op is Op.WRITE else lids
+    )
+    items = []
+    for i, lp, rp in pairs:
+        lt, rt = lgeo[i], rgeo[i]
+        la, lkey = local_regions[lt.region]
+        ra, rkey = remote_regions[rt.region]
+        items.append((lp, rp, la + lt.offset, ra + rt.offset, lkey, rkey))
+    plan = plan_request(items, lids, rids, op, limits)
+    key = ("kv", _pow2(plan.num_wrs), _pow2(plan.num_sges))
+    opcode = verbs.WR_RDMA_WRITE if op is Op.WRITE else verbs.WR_RDMA_READ
+    chain = idle(key)
+    if chain is None:
+        chain = SendChain.blank(key[1], key[2], opcode, memory)
+    chain.fill_tiles(opcode, plan.tiles, regions)
+    return chain, plan.nbytes, key, lids, rids

@@ -480,53 +480,95 @@ class SendChain:
             regions,
         )
 
-    def fill_keyed(
-        self,
-        *,
-        opcode: int,
-        remote_addr: npt.NDArray[np.int64],
-        rkeys: npt.NDArray[np.int64],
-        sge_start: npt.NDArray[np.int64],
-        sge_addr: npt.NDArray[np.int64],
-        sge_length: npt.NDArray[np.int64],
-        lkeys: npt.NDArray[np.int64],
-        lengths: tuple[int, int],
-        regions: tuple[Any, ...] = (),
-    ) -> None:
-        """:meth:`fill` for a chain over several regions: WR ``i`` carries ``rkeys[i]``,
-        SGE ``j`` carries ``lkeys[j]`` (32-bit each, checked).  ``lengths`` is the
-        shortest and longest SGE length (known to the caller).  Raises as :meth:`fill`."""
-        n, m = int(remote_addr.size), int(sge_addr.size)
-        if sge_start.size != n + 1 or sge_length.size != m or rkeys.size != n or lkeys.size != m:
-            raise DescriptorError(
-                f"chain arrays disagree: {n} WRs, {rkeys.size} remote keys, {sge_start.size} "
-                f"sge_start entries, {m} SGE addresses, {sge_length.size} lengths, "
-                f"{lkeys.size} local keys"
-            )
-        for name, keys in (("rkeys", rkeys), ("lkeys", lkeys)):
-            if keys.size and (int(keys.min()) < 0 or int(keys.max()) > 0xFFFF_FFFF):
-                raise DescriptorError(f"{name} must be 32-bit")
-        self._write(
-            opcode,
-            remote_addr,
-            0,
-            0,
-            sge_start,
-            n == m,
-            sge_addr,
-            0,
-            sge_length,
-            lengths,
-            0,
-            regions,
-        )
+    def _begin(self, n: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+        """Start a fill of ``n`` WRs: restore the old terminator's link, mark the chain
+        half-written, and clear ``wr_id`` and the flags where a signal call set them."""
         q, sq = self._words()
-        # Word 6 is the key and the union's padding after it; word 1 of an SGE is
-        # length | lkey << 32 (see _write).
-        np.copyto(q[:n, _RKEY_WORD], rkeys, casting="unsafe")
+        old = self.num_wrs
+        if old and old != n:
+            q[old - 1, 1] = self.wr_address(old) if old < self.capacity else 0
+        self.num_wrs = self.num_sges = 0  # half-written: not postable until the end
+        dirty = self._dirty
+        if dirty:
+            w = q[:dirty]
+            w[:, 0] = 0
+            marks = self._flags
+            if marks is None:
+                w[:, 4] = 0
+            elif marks != _NO_FLAGS:  # only the signaled WRs of a known pattern
+                first, stop, every = marks
+                flagged = q[first:stop, 4]
+                flagged[every - 1 :: every] = 0
+                flagged[-1] = 0
+            self._dirty = 0
+            self._flags = _NO_FLAGS
+        return q, sq
+
+    def fill_tiles(self, opcode: int, tiles: Sequence[Any], regions: tuple[Any, ...] = ()) -> None:
+        """Fill from :class:`hixl.core.kvblocks.Tile` s: each is a plan laid out at several
+        places, copy ``i`` at ``local_base[i]``/``remote_base[i]`` (absolute addresses)
+        with its own keys ``local_key[i]``/``remote_key[i]``; the tiles' WRs follow each
+        other in order.  Every word is written straight into the chain's memory by
+        broadcasting a plan's rows against its copies' bases (no array per WR or SGE in
+        between).  Raises :class:`ArgumentError` when the chain is too small and
+        :class:`DescriptorError` for a key or length that does not fit its C field."""
+        n = sum(t.copies * t.plan.num_wrs for t in tiles)
+        m = sum(t.copies * t.plan.num_sges for t in tiles)
+        if n < 1:
+            raise DescriptorError("a chain needs at least one work request, got 0")
+        if n > self.capacity or m > self.sge_capacity:
+            raise ArgumentError(
+                f"chain too small: {n} WRs and {m} SGEs into capacity={self.capacity} "
+                f"sge_capacity={self.sge_capacity}"
+            )
+        for t in tiles:
+            lo, hi = t.plan.sge_length_range
+            if hi > _MAX_SGE_LEN or lo < 0:
+                raise DescriptorError(f"SGE lengths must lie in 0..{_MAX_SGE_LEN}, got {lo}..{hi}")
+            for name, keys in (("remote", t.remote_key), ("local", t.local_key)):
+                if int(keys.min()) < 0 or int(keys.max()) > 0xFFFF_FFFF:
+                    raise DescriptorError(f"{name} keys must be 32-bit")
+        q, sq = self._begin(n)
+        op_word = np.uint64((opcode & 0xFFFF_FFFF) << 32)
+        w0 = s0 = 0
+        for t in tiles:
+            p, c = t.plan, t.copies
+            nw, ns = p.num_wrs, p.num_sges
+            wr = q[w0 : w0 + c * nw]
+            # sg_list = &sges[s0 + i*ns + start[j]]; num_sge | opcode << 32
+            first = (np.uint64(self.sge_base + s0 * _SGE_SIZE)) + p.wr_sge_start[:-1].astype(
+                np.uint64
+            ) * np.uint64(_SGE_SIZE)
+            step = np.arange(c, dtype=np.uint64) * np.uint64(ns * _SGE_SIZE)
+            np.add(step[:, None], first[None, :], out=wr[:, 2].reshape(c, nw))
+            counts = np.diff(p.wr_sge_start).astype(np.uint64) | op_word
+            wr[:, 3].reshape(c, nw)[:] = counts[None, :]
+            np.add(
+                t.remote_base[:, None],
+                p.wr_remote_offset[None, :],
+                out=wr[:, _RADDR_WORD].reshape(c, nw),
+                casting="unsafe",
+            )
+            wr[:, _RKEY_WORD].reshape(c, nw)[:] = t.remote_key.astype(np.uint64)[:, None]
+            sg = sq[s0 : s0 + c * ns]
+            np.add(
+                t.local_base[:, None],
+                p.sge_local_offset[None, :],
+                out=sg[:, 0].reshape(c, ns),
+                casting="unsafe",
+            )
+            np.bitwise_or(
+                p.sge_length.astype(np.uint64)[None, :],
+                np.left_shift(t.local_key.astype(np.uint64), np.uint64(32))[:, None],
+                out=sg[:, 1].reshape(c, ns),
+            )
+            w0 += c * nw
+            s0 += c * ns
+        self._one_each = 0
         self._rkey_n = 0
-        keyed = sq[:m, 1]
-        keyed |= np.left_shift(lkeys.astype(np.uint64), np.uint64(32))
+        q[n - 1, 1] = 0
+        self.num_wrs, self.num_sges = n, m
+        self.regions = regions
 
     def _write(
         self,
@@ -561,11 +603,7 @@ class SendChain:
             )
         if not (0 <= rkey <= 0xFFFF_FFFF and 0 <= lkey <= 0xFFFF_FFFF):
             raise DescriptorError(f"keys must be 32-bit: rkey={rkey:#x} lkey={lkey:#x}")
-        q, sq = self._words()
-        old = self.num_wrs
-        if old and old != n:
-            q[old - 1, 1] = self.wr_address(old) if old < self.capacity else 0
-        self.num_wrs = self.num_sges = 0  # half-written: not postable until the end
+        q, sq = self._begin(n)
         # Two strided passes over the WRs (one cache line per WR each, whatever the width
         # written), each storing two adjacent 64-bit words from a small contiguous array:
         # words 2-3 (sg_list; num_sge | opcode << 32) and words 5-6 (wr.rdma.remote_addr;
@@ -575,20 +613,6 @@ class SendChain:
         # they hold one SGE per WR for this opcode already, word 6 not when every WR
         # holds the key already.  An SGE is two words: addr, length | lkey << 32.  The
         # offsets are checked at import.
-        dirty = self._dirty
-        if dirty:
-            w = q[:dirty]
-            w[:, 0] = 0
-            marks = self._flags
-            if marks is None:
-                w[:, 4] = 0
-            elif marks != _NO_FLAGS:  # only the signaled WRs of a known pattern
-                first, stop, every = marks
-                flagged = q[first:stop, 4]
-                flagged[every - 1 :: every] = 0
-                flagged[-1] = 0
-            self._dirty = 0
-            self._flags = _NO_FLAGS
         sg_words, rdma_words = self._pairs()
         pair = np.empty((n, 2), dtype=np.uint64)
         op_word = (opcode & 0xFFFF_FFFF) << 32
@@ -656,6 +680,28 @@ class SendChain:
             rkey=rkey,
             regions=regions,
         )
+        return chain
+
+    @classmethod
+    def blank(
+        cls,
+        capacity: int,
+        sge_capacity: int,
+        opcode: int = 0,
+        memory: ChainMemory | None = None,
+    ) -> SendChain:
+        """A new chain of this capacity, its WRs formatted and linked and nothing filled:
+        what :meth:`fill_tiles` writes into (its memory is written once, not zeroed
+        first; see :meth:`_format`).  ``memory``: where its arrays come from (default:
+        the C heap)."""
+        if capacity < 1 or sge_capacity < 1:
+            raise ArgumentError(
+                f"a chain needs room for >= 1 WR and >= 1 SGE, got capacity={capacity} "
+                f"sge_capacity={sge_capacity}"
+            )
+        chain = cls.__new__(cls)
+        chain._make(capacity, sge_capacity, _UNCLEARED if memory is None else memory.allocator)
+        chain._format(opcode, 0, False)
         return chain
 
     def _format(self, opcode: int, rkey: int, one_each: bool) -> None:

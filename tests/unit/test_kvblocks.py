@@ -19,6 +19,7 @@ from hixl.core.kvblocks import (
 )
 from hixl.core.plan import DeviceLimits, Op
 from hixl.errors import DescriptorError
+from hixl.verbs.chain import WR_DTYPE, SendChain
 
 Arr = np.ndarray[Any, Any]
 
@@ -38,10 +39,11 @@ def geometry(a: Arr, base: Arr, block_axis: int, heads_axis: int | None) -> Tens
 def run(plan: Any, src: Arr, dst: Arr) -> None:
     """Execute a RequestPlan as WRITEs from src's buffer into dst's (addresses = offsets)."""
     s, d = src.view(np.uint8).reshape(-1), dst.view(np.uint8).reshape(-1)
+    wr_remote, _, sge_start, sge_addr, sge_length, _ = plan.arrays()
     for w in range(plan.num_wrs):
-        r = int(plan.wr_remote[w])
-        for j in range(int(plan.sge_start[w]), int(plan.sge_start[w + 1])):
-            a, n = int(plan.sge_addr[j]), int(plan.sge_length[j])
+        r = int(wr_remote[w])
+        for j in range(int(sge_start[w]), int(sge_start[w + 1])):
+            a, n = int(sge_addr[j]), int(sge_length[j])
             d[r : r + n] = s[a : a + n]
             r += n
 
@@ -132,10 +134,28 @@ def test_request_plan_moves_exactly_the_blocks(case: tuple[Any, ...]) -> None:
     rid = block_ids("remote_blocks", rids, nb_r)
     items = [(lp, rp, lgeo.tensors[i].offset, rgeo.tensors[i].offset, 1, 2) for i, lp, rp in pairs]
     plan = plan_request(items, lid, rid, op, limits)
-    assert int(plan.sge_length.max()) <= limits.max_msg_sz
-    per_wr = np.diff(plan.sge_start)
+    wr_remote, wr_key, sge_start, sge_addr, sge_length, sge_key = plan.arrays()
+    assert int(sge_length.max()) <= limits.max_msg_sz
+    per_wr = np.diff(sge_start)
     assert per_wr.min() >= 1 and per_wr.max() <= limits.sge_limit(op)
-    assert (plan.wr_key == 2).all() and (plan.sge_key == 1).all()
+    assert (wr_key == 2).all() and (sge_key == 1).all()
+    # The chain the engine posts holds exactly these work requests.
+    chain = SendChain.blank(plan.num_wrs + 3, plan.num_sges + 5)
+    chain.fill_tiles(7, plan.tiles)
+    chain.set_signals(5, 2)  # a pooled chain was signalled for its last transfer
+    chain.fill_tiles(7, plan.tiles)
+    assert not chain.wrs["wr_id"].any() and not chain.wrs["send_flags"].any()
+    links = chain.wrs["next"].astype(np.int64)
+    assert links[-1] == 0
+    assert (links[:-1] == chain.wr_base + WR_DTYPE.itemsize * np.arange(1, plan.num_wrs)).all()
+    wrs, sges = chain.wrs, chain.sges
+    assert wrs.size == plan.num_wrs and sges.size == plan.num_sges
+    assert (wrs["remote_addr"] == wr_remote.astype(np.uint64)).all()
+    assert (wrs["rkey"] == 2).all() and (wrs["opcode"] == 7).all()
+    assert (wrs["num_sge"] == per_wr).all()
+    assert (wrs["sg_list"] == chain.sge_base + 16 * sge_start[:-1].astype(np.uint64)).all()
+    assert (sges["addr"] == sge_addr.astype(np.uint64)).all()
+    assert (sges["length"] == sge_length).all() and (sges["lkey"] == 1).all()
 
     def sel(a: Arr, ids: list[int], hr: tuple[int, int] | None) -> Arr:
         b = np.take(a, ids, axis=baxis)
@@ -208,6 +228,9 @@ def test_geometry_document_round_trips_and_refuses_bad_input() -> None:
     for bad in (b"", b"[]", b'{"version":1}', geo.to_bytes().replace(b'"region"', b'"regio"')):
         with pytest.raises(DescriptorError):
             KVGeometry.from_bytes(bad)
+    lying = geo.to_bytes().replace(b'"block_bytes":', b'"block_bytes":1')
+    with pytest.raises(DescriptorError, match="bytes per block"):
+        KVGeometry.from_bytes(lying)
     short = geo.to_bytes().replace(str(a.nbytes).encode(), b"64")
     with pytest.raises(DescriptorError, match="ends at byte"):
         KVGeometry.from_bytes(short)

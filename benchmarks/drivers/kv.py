@@ -1,0 +1,287 @@
+"""A request's KV blocks: the engine's software cost natively, and on the wire in the VM.
+
+Natively (no device), the engine's own path of one ``put_blocks`` -- the checks of both
+caches and of the block lists, the plan, the chain of work requests
+(:func:`hixl.engine.kv.build_request`, what ``put_blocks`` runs before it queues the
+chain) -- for two requests of vLLM's FlashAttention layout, ``(2, num_blocks, 16, 8,
+128)`` fp16 per layer:
+
+* ``full``: 32 layers x (K, V) x 64 scattered blocks of 32 KiB (128 MiB, 4096 WRs);
+* ``tp4``: the same with a quarter of the heads (heads 2..3 of 8) into a 2-head cache
+  (decode at tensor parallel 4): rows of 512 B, 65536 SGEs, 32 MiB.
+
+Every request draws a new scattered block list (``--blocks`` of ``--num-blocks`` on each
+side). *Cold* is the first request in a fresh process (a child per form, run
+``--cold-runs`` times: the median; the child first does what opening an engine and
+``register_kv`` do anyway: the engine's planner, with its kept chain memory, and the
+cache's warm-up); *warm* the median of ``--repeat`` requests after it.
+Minor page faults are counted per request (``getrusage``). Chains come from and go
+back to a real :class:`hixl.engine.datapath.Planner`'s pool and memory, as in the
+engine. The target: software time <= the request's wire time at 100 Gb/s (moonshot:
+400 Gb/s).
+
+With ``--device`` (in the VM: ``hixl run -- ... --device``), the same shape scaled down
+(``--device-layers``, ``--device-blocks``) is moved by ``put_blocks`` between two engines
+on one device, alternating round by round with ``ib_write_bw`` moving the same bytes in
+the same number of work requests of the same size, in every configuration of the C
+yardstick (``benchmarks/common/yardstick.py``: plain, a post list ``-l``, one process
+pair per lane); the ratio against the best configuration, paired by round.
+
+    python benchmarks/bench_kv.py                      # native: cold and warm, both forms
+    python benchmarks/bench_kv.py --json results/kv.json --repeat 50
+    hixl run -- .venv/bin/python benchmarks/bench_kv.py --device --device-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hixl.core.kvblocks import KVGeometry, TensorGeometry
+from hixl.core.plan import DeviceLimits, Op
+
+from ..common import (
+    command_line,
+    fmt_us,
+    gather_setup,
+    markdown_table,
+    median_of,
+    print_header,
+    write_json,
+)
+
+FORMS = ("full", "tp4")
+TOKENS, HEADS, HEAD_DIM, ITEM = 16, 8, 128, 2
+LIMITS = DeviceLimits()  # rxe's: 32 SGEs per WR, 8 MiB per WR
+
+
+def geometry(layers: int, num_blocks: int, heads: int) -> KVGeometry:
+    """One FlashAttention tensor per layer, each its own region."""
+    shape = (2, num_blocks, TOKENS, heads, HEAD_DIM)
+    strides = []
+    step = ITEM
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    t = tuple(
+        TensorGeometry(
+            dtype="float16",
+            itemsize=ITEM,
+            shape=shape,
+            strides=tuple(reversed(strides)),
+            region=k,
+            block_axis=1,
+            heads_axis=3,
+        )
+        for k in range(layers)
+    )
+    return KVGeometry(region_lengths=(step,) * layers, tensors=t)
+
+
+def form(name: str, layers: int, num_blocks: int) -> dict[str, Any]:
+    """The two caches, their regions' (address, key) and the head range of a form."""
+    local = geometry(layers, num_blocks, HEADS)
+    out: dict[str, Any] = {
+        "local": local,
+        "lreg": [(0x7F00_0000_0000 + k * (1 << 32), 0x1000 + k) for k in range(layers)],
+        "rreg": [(0x5500_0000_0000 + k * (1 << 32), 0x2000 + k) for k in range(layers)],
+    }
+    if name == "full":
+        return {**out, "remote": local, "heads": None}
+    return {**out, "remote": geometry(layers, num_blocks, 2), "heads": (2, 4)}
+
+
+def wire_us(nbytes: int, gbps: float) -> float:
+    return nbytes * 8 / (gbps * 1e9) * 1e6
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def one_request(
+    f: dict[str, Any], rng: np.random.Generator, blocks: int, num_blocks: int, plan: Any
+) -> tuple[float, int, Any]:
+    """Time the engine's path for one request with a new scattered block list; the chain
+    goes back to ``plan``'s pool (the engine's :class:`Planner`) as a posted one does."""
+    from hixl.engine.datapath import Built
+    from hixl.engine.kv import build_request
+
+    lids = rng.choice(num_blocks, blocks, replace=False)
+    rids = rng.choice(num_blocks, blocks, replace=False)
+    f0 = _faults()
+    t0 = time.perf_counter()
+    chain, nbytes, key, _, _ = build_request(
+        Op.WRITE,
+        f["local"],
+        f["lreg"],
+        f["remote"],
+        f["rreg"],
+        lids,
+        rids,
+        tensors=None,
+        heads=f["heads"],
+        remote_heads=None,
+        limits=LIMITS,
+        idle=lambda k: _chain_of(plan.take(k)),
+        memory=plan.memory,
+    )
+    dt = (time.perf_counter() - t0) * 1e6
+    faults = _faults() - f0
+    plan.give_back(Built(chain, nbytes, key, (0, 0)))
+    return dt, faults, (chain.num_wrs, chain.num_sges, nbytes)
+
+
+def _chain_of(built: Any) -> Any:
+    return None if built is None else built.chain
+
+
+def planner() -> Any:
+    """What opening an engine makes for this path: its planner, with the chain pool and
+    the kept, touched chain memory (and its warm-up of the chain code)."""
+    from hixl.engine.datapath import Planner
+
+    return Planner(LIMITS, 64)
+
+
+def cold_child(name: str, blocks: int, num_blocks: int, layers: int, seed: int) -> None:
+    """The first request of a fresh process, as one JSON line.  Before it, what opening
+    an engine and ``register_kv`` do anyway: the engine's planner (kept chain memory,
+    touched; its warm-up) and the cache's warm-up (:func:`hixl.engine.kv.warm_up`)."""
+    from hixl.engine.kv import warm_up
+
+    plan = planner()
+    f = form(name, layers, num_blocks)
+    warm_up(f["local"], f["lreg"], LIMITS, plan.memory)
+    dt, faults, (wrs, sges, nbytes) = one_request(
+        f, np.random.default_rng(seed), blocks, num_blocks, plan
+    )
+    print(json.dumps({"us": dt, "faults": faults, "wrs": wrs, "sges": sges, "nbytes": nbytes}))
+
+
+def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    cold = []
+    for run in range(args.cold_runs):
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_kv",
+            "--cold-child",
+            name,
+            "--blocks",
+            str(args.blocks),
+            "--num-blocks",
+            str(args.num_blocks),
+            "--layers",
+            str(args.layers),
+            "--seed",
+            str(run),
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300)
+        cold.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    f = form(name, args.layers, args.num_blocks)
+    rng = np.random.default_rng(1234)
+    plan = planner()
+    for _ in range(args.warmup):
+        one_request(f, rng, args.blocks, args.num_blocks, plan)
+    warm, faults = [], []
+    shape: Any = None
+    for _ in range(args.repeat):
+        dt, pf, shape = one_request(f, rng, args.blocks, args.num_blocks, plan)
+        warm.append(dt)
+        faults.append(pf)
+    wrs, sges, nbytes = shape
+    return {
+        "name": name,
+        "wrs": wrs,
+        "sges": sges,
+        "nbytes": nbytes,
+        "cold_us": median_of([c["us"] for c in cold]),
+        "cold_faults": median_of([float(c["faults"]) for c in cold]),
+        "warm_us": median_of(warm),
+        "warm_p90_us": float(np.percentile(warm, 90)),
+        "warm_faults": median_of([float(x) for x in faults]),
+        "wire_100g_us": wire_us(nbytes, 100),
+        "wire_400g_us": wire_us(nbytes, 400),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
+    p.add_argument("--layers", type=int, default=32, help="layers (one (2, ...) tensor each)")
+    p.add_argument("--blocks", type=int, default=64, help="blocks per request")
+    p.add_argument("--num-blocks", type=int, default=4096, help="blocks per cache")
+    p.add_argument("--repeat", type=int, default=30, help="warm requests (median)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed requests before them")
+    p.add_argument("--cold-runs", type=int, default=5, help="fresh processes per form")
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--cold-child", choices=FORMS, help=argparse.SUPPRESS)
+    p.add_argument("--json", type=Path, default=None, help="write results to this file")
+    p.add_argument("--quick", action="store_true", help="a smoke run: few repeats")
+    p.add_argument("--device", action="store_true", help="also move the scaled shape vs perftest")
+    p.add_argument("--device-only", action="store_true", help="with --device: only the wire")
+    p.add_argument("--device-layers", type=int, default=4)
+    p.add_argument("--device-blocks", type=int, default=16)
+    p.add_argument("--device-repeat", type=int, default=5, help="alternating pairs (median)")
+    args = p.parse_args(argv)
+    if args.cold_child:
+        cold_child(args.cold_child, args.blocks, args.num_blocks, args.layers, args.seed)
+        return 0
+    if args.quick:
+        args.repeat, args.warmup, args.cold_runs = 3, 1, 1
+        args.device_repeat = 1
+    setup = gather_setup(need_device=args.device)
+    print_header(
+        "hixl put_blocks: the engine's software cost per request"
+        + (" and the wire vs ib_write_bw" if args.device else ""),
+        setup,
+        [
+            f"command: {command_line(argv)}",
+            "target: software time (checks + plan + chain) <= the request's wire time at "
+            "100 Gb/s, cold and warm; moonshot 400 Gb/s",
+        ],
+    )
+    results = [] if args.device_only else [measure(n, args) for n in args.forms]
+    rows = []
+    for r in results:
+        rows.append(
+            [
+                r["name"],
+                f"{r['wrs']} WRs, {r['sges']} SGEs, {r['nbytes'] >> 20} MiB",
+                f"{fmt_us(r['cold_us'])} ({r['cold_faults']:.0f} faults)",
+                f"{fmt_us(r['warm_us'])} (p90 {fmt_us(r['warm_p90_us'])}, "
+                f"{r['warm_faults']:.0f} faults)",
+                fmt_us(r["wire_100g_us"]),
+                fmt_us(r["wire_400g_us"]),
+                "met" if max(r["cold_us"], r["warm_us"]) <= r["wire_100g_us"] else "NOT met",
+            ]
+        )
+    if rows:
+        print()
+        print(
+            markdown_table(
+                ["form", "request", "cold", "warm", "wire 100G", "wire 400G", "100G target"],
+                rows,
+            )
+        )
+    wire: list[dict[str, Any]] = []
+    if args.device:
+        from .kv_device import device_section
+
+        wire = device_section(args.device_layers, args.device_blocks, args.device_repeat)
+    if args.json is not None:
+        write_json(
+            args.json,
+            {"setup": setup, "command": command_line(argv), "results": results, "wire": wire},
+        )
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,120 @@
+"""The wire part of ``bench_kv --device``: put_blocks vs ib_write_bw, alternating pairs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ..common import BenchError, fmt_ratio, gather_setup, median, quiet_logs
+
+TOKENS, HEADS, HEAD_DIM = 16, 8, 128
+DEPTH = 128  # WRs in flight of the C configurations (perftest -t, and -l for the post list)
+LANES = 2  # the engine's queue pairs per connection (Engine(lanes=2), the default)
+
+
+def device_section(layers: int, blocks: int, repeat: int) -> list[dict[str, Any]]:
+    """Both forms (all heads; a quarter of them into a 2-head cache) moved by
+    ``put_blocks`` with a new scattered block list per request, alternating round by
+    round with ``ib_write_bw`` moving the same bytes in as many WRs of the same size, in
+    every configuration of :func:`~benchmarks.common.yardstick.bw_configs` (plain, a post
+    list, one pair per lane); the ratio against the best, paired by round."""
+    from hixl.engine import Engine
+    from hixl.testbed.net import free_tcp_port
+
+    from ..backends.perftest import Perftest, bw_wall_check, sum_bw
+    from ..common.yardstick import CConfig, against_best, bw_configs
+
+    quiet_logs()
+    setup = gather_setup(need_device=True)
+    perftest = Perftest(setup["device"], setup["gid_index"])
+    num_blocks = 4 * blocks
+    out: list[dict[str, Any]] = []
+    server = Engine(f"127.0.0.1:{free_tcp_port()}")
+    client = Engine("127.0.0.1:0")
+    try:
+        shape = (2, num_blocks, TOKENS, HEADS, HEAD_DIM)
+        rng = np.random.default_rng(7)
+        src = [
+            rng.integers(0, 1 << 16, int(np.prod(shape)), dtype=np.uint16).view(np.float16)
+            for _ in range(layers)
+        ]
+        src = [s.reshape(shape) for s in src]
+        full = [np.zeros(shape, np.float16) for _ in range(layers)]
+        quarter = [
+            np.zeros((2, num_blocks, TOKENS, 2, HEAD_DIM), np.float16) for _ in range(layers)
+        ]
+        kv = client.register_kv("src", src, block_axis=1, heads_axis=3)
+        server.register_kv("full", full, block_axis=1, heads_axis=3)
+        server.register_kv("quarter", quarter, block_axis=1, heads_axis=3)
+        client.connect(server.id, timeout=30.0)
+        forms = [
+            ("full", "full", None, full, TOKENS * HEADS * HEAD_DIM * 2),
+            ("tp4", "quarter", (2, 4), quarter, TOKENS * 2 * HEAD_DIM * 2),
+        ]
+        for name, remote, heads, dst, wr_bytes in forms:
+            wrs = layers * 2 * blocks
+            nbytes = wrs * wr_bytes
+            last: tuple[Any, Any] = (None, None)
+
+            def put(remote: str = remote, heads: tuple[int, int] | None = heads) -> float:
+                nonlocal last
+                lids = rng.choice(num_blocks, blocks, replace=False)
+                rids = rng.choice(num_blocks, blocks, replace=False)
+                t0 = time.perf_counter()
+                client.put_blocks(server.id, kv, remote, lids, rids, heads=heads, timeout=300)
+                dt = time.perf_counter() - t0
+                last = (lids, rids)
+                return dt
+
+            put()  # the first request's geometry read
+            configs = bw_configs("ib_write_bw", wr_bytes, wrs, min(DEPTH, wrs), LANES)
+            hixl_bps: list[float | None] = []
+            c_rounds: list[dict[str, float]] = []
+            for i in range(repeat):
+                items: list[CConfig | None] = [None, *configs]
+                if i % 2:
+                    items.reverse()
+                rnd: dict[str, float] = {}
+                for cfg in items:
+                    if cfg is None:
+                        hixl_bps.append(nbytes / put())
+                        continue
+                    pr = perftest.run_pairs(
+                        cfg.tool, cfg.args, cfg.pairs, check=bw_wall_check(wr_bytes, wrs)
+                    )
+                    rnd[cfg.name] = sum_bw([r.output for r in pr.runs])
+                c_rounds.append(rnd)
+            lids, rids = last
+            hs = slice(None) if heads is None else slice(*heads)
+            for s, d in zip(src, dst, strict=True):
+                if d[:, rids].tobytes() != np.ascontiguousarray(s[:, lids, :, hs]).tobytes():
+                    raise BenchError(f"{name}: destination blocks differ from the source")
+            best = against_best(hixl_bps, c_rounds)
+            h = median([x for x in hixl_bps if x is not None]) or 0.0
+            row = {
+                "form": name,
+                "layers": layers,
+                "blocks": blocks,
+                "wrs": wrs,
+                "wr_bytes": wr_bytes,
+                "nbytes": nbytes,
+                "hixl_Bps": h,
+                "c_medians_Bps": dict(best.medians),
+                "yardstick": best.winner,
+                "ratio": best.ratio,
+                "rounds": best.rounds,
+            }
+            out.append(row)
+            others = ", ".join(f"{k}: {v / 1e6:.1f} MB/s" for k, v in best.medians.items())
+            print(
+                f"{name}: put_blocks of {layers} layers x (K,V) x {blocks} scattered blocks = "
+                f"{nbytes} B in {wrs} WRs of {wr_bytes} B: {h / 1e6:.1f} MB/s; C ({others}); "
+                f"against the best ({best.winner}, same bytes and WR count): "
+                f"{fmt_ratio(best.ratio)} (median of {best.rounds} paired rounds)"
+            )
+    finally:
+        client.close()
+        server.close()
+    return out

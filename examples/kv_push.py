@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Push a request's KV blocks layer by layer, as Mooncake's connector does, and check
+every byte.
+
+Two processes. *Decode* owns a paged KV cache (separate K and V tensors per layer,
+``(num_blocks, block_size, kv_heads, head_dim)`` fp16, as SGLang holds them), allocates
+blocks for each incoming request and tells the prefill side their ids; then it waits for
+one notification per request (named after it) and checks the blocks.
+
+*Prefill* "computes" the request one layer at a time and writes each layer's blocks as
+soon as that layer is done, without waiting for the write::
+
+    engine.put_blocks_async(decode_id, kv, "decode", mine, theirs, tensors=[2 * l, 2 * l + 1])
+
+and attaches ``notify=request_id`` to the last layer's call. The engine sends a
+notification only after every earlier transfer on the connection has completed, so the
+decode side sees it when all the request's layers have landed.
+
+    python examples/kv_push.py                  # both roles (prefill is a child process)
+    python examples/kv_push.py --requests 8 --layers 4
+
+Each process exits 0 only when everything it checked is right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+
+from hixl import Engine, TransferHandle
+
+BLOCK, HEADS, HEAD_DIM = 16, 4, 64
+
+
+def block_value(request: int, tensor: int, block: int) -> np.ndarray[Any, Any]:
+    """What prefill computes for a request's block of one K or V tensor, deterministic."""
+    rng = np.random.default_rng([request, tensor, block])
+    return rng.standard_normal((BLOCK, HEADS, HEAD_DIM)).astype(np.float16)
+
+
+def cache(layers: int, num_blocks: int) -> list[np.ndarray[Any, Any]]:
+    shape = (num_blocks, BLOCK, HEADS, HEAD_DIM)
+    return [np.zeros(shape, np.float16) for _ in range(2 * layers)]  # K0, V0, K1, V1, ...
+
+
+def decode(args: argparse.Namespace) -> int:
+    tensors = cache(args.layers, args.num_blocks)
+    free = list(range(args.num_blocks))
+    bad = 0
+    with Engine(f"127.0.0.1:{args.port}") as engine:
+        engine.register_kv("decode", tensors, heads_axis=2)
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--role", "prefill", "--peer", engine.id, *_shape(args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdin is not None and child.stdout is not None
+        if child.stdout.readline().strip() != "ready":
+            print("decode: prefill did not start")
+            return 1
+        rng = np.random.default_rng(1)
+        pending: dict[str, list[int]] = {}
+        for r in range(args.requests):
+            mine = [free.pop(int(rng.integers(len(free)))) for _ in range(args.blocks)]
+            rid = f"req-{r}"
+            pending[rid] = mine
+            child.stdin.write(json.dumps({"request": rid, "blocks": mine}) + "\n")
+            child.stdin.flush()
+        child.stdin.write(json.dumps({"done": True}) + "\n")
+        child.stdin.close()
+        for rid, mine in pending.items():
+            engine.wait_notification(rid, timeout=60)  # every layer of it has landed
+            r = int(rid.removeprefix("req-"))
+            for t, tensor in enumerate(tensors):
+                for m in mine:  # prefill computed block m of decode's cache
+                    if tensor[m].tobytes() != block_value(r, t, m).tobytes():
+                        bad += 1
+            free.extend(mine)
+        prefill_ok = child.wait(timeout=60) == 0
+    print(f"decode: {args.requests} requests, one notification each, {bad} bad blocks")
+    return 0 if bad == 0 and prefill_ok else 1
+
+
+def prefill(args: argparse.Namespace) -> int:
+    tensors = cache(args.layers, args.num_blocks)
+    free = list(range(args.num_blocks))
+    with Engine("127.0.0.1:0") as engine:
+        kv = engine.register_kv("prefill", tensors, heads_axis=2)
+        engine.connect(args.peer, timeout=30)
+        print("ready", flush=True)
+        for line in sys.stdin:
+            msg = json.loads(line)
+            if msg.get("done"):
+                break
+            rid, theirs = msg["request"], msg["blocks"]
+            r = int(rid.removeprefix("req-"))
+            mine = [free.pop() for _ in theirs]
+            handles: list[TransferHandle] = []
+            for layer in range(args.layers):
+                pair = [2 * layer, 2 * layer + 1]
+                for t in pair:  # this layer's forward pass
+                    for m, b in zip(mine, theirs, strict=True):
+                        tensors[t][m] = block_value(r, t, b)
+                last = layer == args.layers - 1
+                handles.append(
+                    engine.put_blocks_async(
+                        args.peer,
+                        kv,
+                        "decode",
+                        mine,
+                        theirs,
+                        tensors=pair,
+                        notify=rid if last else None,
+                    )
+                )
+            for h in handles:
+                h.wait(60)
+            free.extend(mine)
+    return 0
+
+
+def _shape(args: argparse.Namespace) -> list[str]:
+    return [
+        "--requests",
+        str(args.requests),
+        "--layers",
+        str(args.layers),
+        "--blocks",
+        str(args.blocks),
+        "--num-blocks",
+        str(args.num_blocks),
+    ]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--role", choices=("prefill", "decode"), default="decode")
+    p.add_argument("--peer", help="prefill: the decode engine's id")
+    p.add_argument("--port", type=int, default=None, help="decode: listen port (default: any)")
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--blocks", type=int, default=6, help="blocks per request")
+    p.add_argument("--num-blocks", type=int, default=64, help="blocks per cache")
+    args = p.parse_args()
+    if args.role == "prefill" and not args.peer:
+        p.error("--role prefill needs --peer")
+    if args.role == "decode" and args.port is None:
+        from hixl.testbed.net import free_tcp_port
+
+        args.port = free_tcp_port()
+    return decode(args) if args.role == "decode" else prefill(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""A request's chain as the engine builds it (no device), and the errors its handle raises."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hixl.core.kvblocks import KVGeometry, TensorGeometry
+from hixl.core.plan import DeviceLimits, Op
+from hixl.engine.handles import TransferHandle, TransferStatus
+from hixl.engine.kv import BlocksHandle, build_request
+from hixl.errors import (
+    CompletionError,
+    ConnectionFailed,
+    DescriptorError,
+    HixlError,
+    TransferTimeout,
+)
+
+
+def flash_attention(layers: int, blocks: int, heads: int) -> KVGeometry:
+    shape = (2, blocks, 4, heads, 8)
+    a = np.empty(shape, np.float16)
+    tensors = tuple(
+        TensorGeometry(
+            dtype="float16",
+            itemsize=2,
+            shape=shape,
+            strides=a.strides,
+            region=k,
+            block_axis=1,
+            heads_axis=3,
+        )
+        for k in range(layers)
+    )
+    return KVGeometry(region_lengths=(a.nbytes,) * layers, tensors=tensors)
+
+
+def test_one_chain_carries_each_tensors_keys_and_fuses_runs() -> None:
+    local, remote = flash_attention(3, 16, 4), flash_attention(3, 16, 4)
+    lregs = [(0x10000 * (k + 1), 100 + k) for k in range(3)]
+    rregs = [(0x900000 * (k + 1), 200 + k) for k in range(3)]
+    chain, nbytes, key, lids, rids = build_request(
+        Op.WRITE, local, lregs, remote, rregs, [1, 2, 3, 9], [5, 6, 7, 0],
+        tensors=None, heads=None, remote_heads=None, limits=DeviceLimits(),
+    )  # fmt: skip
+    block = 4 * 4 * 8 * 2  # bytes of one block of one plane
+    assert nbytes == 3 * 4 * 2 * block
+    # a run of 3 blocks per plane (K, V) and one lone block per plane, per tensor
+    assert chain.num_wrs == 3 * (2 + 2)
+    assert sorted(set(chain.wrs["rkey"].tolist())) == [200, 201, 202]
+    assert sorted(set(chain.sges["lkey"].tolist())) == [100, 101, 102]
+    assert key[0] == "kv" and key[1] >= chain.num_wrs and key[2] >= chain.num_sges
+    assert lids.tolist() == [1, 2, 3, 9] and rids.tolist() == [5, 6, 7, 0]
+    # each WR of a run moves 3 blocks of one plane of one tensor as one range
+    assert sorted(set(chain.sges["length"].tolist())) == [block, 3 * block]
+
+
+def test_mismatch_and_bad_ids_raise_before_any_chain() -> None:
+    local, remote = flash_attention(2, 16, 4), flash_attention(2, 8, 2)
+    regs = [(0x1000, 1), (0x2000, 2)]
+
+    def build(lb: list[int], rb: list[int], **kw: object) -> object:
+        args: dict[str, object] = {"tensors": None, "heads": None, "remote_heads": None}
+        args.update(kw)
+        return build_request(
+            Op.WRITE,
+            local,
+            regs,
+            remote,
+            regs,
+            lb,
+            rb,
+            limits=DeviceLimits(),
+            **args,  # type: ignore[arg-type]
+        )
+
+    with pytest.raises(DescriptorError, match=r"block shape \(2, 4, 4, 8\) vs \(2, 4, 2, 8\)"):
+        build([0], [0])
+    build([0], [0], heads=(2, 4))
+    with pytest.raises(DescriptorError, match=r"remote_blocks\[0\]=8 is outside \[0, 8\)"):
+        build([0], [8], heads=(2, 4))
+    with pytest.raises(DescriptorError, match="repeats destination block 1"):
+        build([0, 2], [1, 1], heads=(2, 4))
+    with pytest.raises(DescriptorError, match="2 ids and remote_blocks 1"):
+        build([0, 2], [1], heads=(2, 4))
+
+
+def test_a_failed_handle_names_the_request_and_its_blocks() -> None:
+    inner = TransferHandle("peer-1", 4096, 2, time.monotonic() + 30)
+    h = BlocksHandle(inner, "req-7", [1, 2], [8, 9])
+    assert isinstance(h, TransferHandle) and h.status is TransferStatus.PENDING
+    inner.finish(TransferTimeout("transfer to peer-1 did not complete within its deadline"))
+    with pytest.raises(TransferTimeout) as info:
+        h.wait()
+    err = info.value
+    assert "request 'req-7': blocks not known to have landed: local [1, 2], remote [8, 9]" in str(
+        err
+    )
+    assert err.request == "req-7"  # type: ignore[attr-defined]
+    assert err.remote_blocks == [8, 9]  # type: ignore[attr-defined]
+    assert h.error is err and h.done()
+    assert h.status.value == "failed"
+
+
+def test_a_blocking_wait_returns_only_once_the_engine_has_failed_the_transfer() -> None:
+    """Past its deadline (and its waiter's grace), a blocks handle still waits for the
+    engine to fail the transfer (which stops its queue pairs first) before raising."""
+    inner = TransferHandle("peer-1", 4096, 2, time.monotonic() - 5)
+    h = BlocksHandle(inner, "req-8", [1], [2])
+    engine_error = TransferTimeout("transfer to peer-1 did not complete within its deadline")
+    timer = threading.Timer(0.3, inner.finish, args=(engine_error,))
+    timer.start()
+    try:
+        with pytest.raises(TransferTimeout) as info:
+            h.wait()
+    finally:
+        timer.cancel()
+    assert info.value.__cause__ is engine_error
+    assert h.status.value == "failed"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        CompletionError("post_send", 10, "IBV_WC_REM_ACCESS_ERR", 5),
+        ConnectionFailed("connection to peer-1 failed: a transfer timed out"),
+        TransferTimeout("transfer to peer-1 did not complete within its deadline"),
+    ],
+)
+def test_every_transfer_error_is_annotated_keeping_its_class_and_fields(
+    error: HixlError,
+) -> None:
+    inner = TransferHandle("peer-1", 4096, 2, time.monotonic() + 30)
+    h = BlocksHandle(inner, "req-9", list(range(40)), list(range(40, 80)))
+    inner.finish(error)
+    err = h.error
+    assert type(err) is type(error) and err.__cause__ is error
+    text = str(err)
+    assert text.startswith(str(error)) and "request 'req-9'" in text
+    assert "local [0, 1, 2" in text and "... (40 in all)" in text
+    if isinstance(error, CompletionError):
+        assert isinstance(err, CompletionError)
+        assert (err.status_name, err.wr_id, err.op) == ("IBV_WC_REM_ACCESS_ERR", 5, "post_send")
