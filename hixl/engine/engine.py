@@ -52,8 +52,8 @@ from hixl.engine.handshake import Admission, Listener, client_handshake, error_f
 from hixl.engine.kv import KVBlocks, KVCache
 from hixl.engine.locks import engine_lock
 from hixl.engine.names import Names
-from hixl.engine.posting import Poster
-from hixl.engine.progress import POLL_BATCH, Progress
+from hixl.engine.posting import POLL_BATCH, Poster
+from hixl.engine.progress import Progress
 from hixl.engine.reaping import SendReaper, deadline_error
 from hixl.engine.regions import Access, Region, buffer_span
 from hixl.errors import (
@@ -323,7 +323,7 @@ class Engine:
             self._poster,
             self._reaper,
         )
-        self._poster.attach(self._progress)
+        self._poster.attach(self._progress, self.send_cq, self._reaper.reap_send)
         self._incoming: Listener | None = None
         if listener is not None:
             self._incoming = Listener(
@@ -429,6 +429,7 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
+            self._poster.closed = True
             names, self._names = self._names, None
         if names is not None:
             names.close()
@@ -2175,10 +2176,6 @@ class _Host:
     def __init__(self, engine: Engine) -> None:
         self._engine: Engine = cast("Engine", weakref.proxy(engine))
 
-    @property
-    def closed(self) -> bool:
-        return self._engine._closed
-
     def fail(
         self,
         conn: object,
@@ -2189,10 +2186,6 @@ class _Host:
     ) -> None:
         assert isinstance(conn, Connection)
         self._engine._fail(conn, reason, error, culprit=culprit)
-
-    def reap_send(self) -> int:
-        engine = self._engine
-        return engine._reaper.reap_send(engine.send_cq.poll_rows(POLL_BATCH))
 
     def release_notify(self, chunk: Chunk) -> None:
         self._engine._release_notify(chunk)

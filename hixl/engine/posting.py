@@ -16,6 +16,7 @@ method says otherwise.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 from hixl.core.states import ConnState
@@ -25,14 +26,13 @@ from hixl.engine.datapath import LaneRing, Planner
 from hixl.engine.handles import TransferHandle
 from hixl.errors import HixlError
 
-__all__ = ["Poster", "PostingHost", "Waker"]
+__all__ = ["POLL_BATCH", "Poster", "PostingHost", "SendQueue", "Waker"]
+
+POLL_BATCH = 64  # completions taken per poll of a CQ (a waiter's, the progress thread's)
 
 
 class PostingHost(Protocol):
     """What a :class:`Poster` needs of its engine."""
-
-    @property
-    def closed(self) -> bool: ...
 
     def fail(
         self,
@@ -44,8 +44,11 @@ class PostingHost(Protocol):
     ) -> None:
         """Fail ``conn`` (lock held): flush it and fail its pending transfers."""
 
-    def reap_send(self) -> int:
-        """Poll the send CQ once and handle what it held (lock held); how many."""
+
+class SendQueue(Protocol):
+    """The engine's send completion queue, as a waiter polls it."""
+
+    def poll_rows(self, n: int) -> list[tuple[int, int, int, int]]: ...
 
 
 class Waker(Protocol):
@@ -69,6 +72,11 @@ class Poster:
         self._planner = planner
         self._host = host
         self._waker: Waker = _NoWaker()
+        # A waiter's own reap (reap_inline): the send CQ and what handles its rows, given
+        # by attach(); read per call, so held here rather than asked of the host.
+        self._send_cq: SendQueue | None = None
+        self._reap_rows: Callable[[list[tuple[int, int, int, int]]], int] = _reap_nothing
+        self.closed = False  # set by the engine's close(), under the lock
         # Lanes whose backlog the progress thread posts, whether it was woken for them,
         # and a wake-up asked for under the lock (sent once it is free, wake_if_due).
         self.to_post: dict[int, Lane] = {}
@@ -83,9 +91,16 @@ class Poster:
         self.posted_wrs = 0
         self.slot_messages = 0  # single async requests through a lane's ring
 
-    def attach(self, waker: Waker) -> None:
-        """The progress thread, once it exists."""
+    def attach(
+        self,
+        waker: Waker,
+        send_cq: SendQueue,
+        reap_rows: Callable[[list[tuple[int, int, int, int]]], int],
+    ) -> None:
+        """The progress thread, the send CQ and its reaper, once they exist."""
         self._waker = waker
+        self._send_cq = send_cq
+        self._reap_rows = reap_rows
 
     def close_ring_chunk(self, ring: LaneRing | None) -> None:
         """End ``ring``'s open chunk, if it has one, where its last message went (lock
@@ -203,7 +218,7 @@ class Poster:
         """This thread's post (a batch, or a direct post and its wait) is over (lock
         held); :meth:`close` waits for the last one."""
         self.posters -= 1
-        if self._host.closed and not self.posters:
+        if self.closed and not self.posters:
             self.post_cv.notify_all()
 
     def settle_locked(
@@ -268,9 +283,9 @@ class Poster:
         lane: Lane | None = None
         batch: Batch | None = None
         try:
-            if self._host.closed:
+            if self.closed or self._send_cq is None:
                 return False
-            self._host.reap_send()
+            self._reap_rows(self._send_cq.poll_rows(POLL_BATCH))
             if not self.to_post:
                 return not self.posters
             # A lane waits for the progress thread: post it from here, beside whatever
@@ -296,3 +311,7 @@ class _NoWaker:
 
     def wake(self) -> None:
         pass
+
+
+def _reap_nothing(rows: list[tuple[int, int, int, int]]) -> int:
+    return 0

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from hixl.engine.handshake import Incoming
 from hixl.engine.locks import assert_unlocked
+from hixl.engine.posting import POLL_BATCH
 from hixl.errors import HixlError
 from hixl.verbs import adapter as verbs
 
@@ -49,7 +50,6 @@ IDLE_MAX = 0.002  # longest sleep when the thread has to poll, seconds
 SLEEP_PENDING = 0.02  # with completion events: longest sleep while transfers are pending
 SLEEP_IDLE = 0.1  # ... and with nothing pending
 SWEEP_EVERY = 0.05  # how often unfinished handshakes are checked against their deadlines
-POLL_BATCH = 64  # completions taken per poll
 #: Seconds after a waiter last reaped the send CQ on its own thread during which the
 #: progress thread does not arm that CQ (no event per completion for it to handle); it
 #: looks again after this long.
