@@ -67,6 +67,19 @@ PEERS: dict[str, PeerSpec] = {
         dist="mooncake-transfer-engine-non-cuda",
         check="from mooncake.engine import TransferEngine",
         env={"MC_LOG_LEVEL": "WARNING"},
+        # Its documented runtime options set for this device (rxe: active MTU 1024, the
+        # IPv4-mapped RoCEv2 GID at index 1; slices, QPs per endpoint and workers at the
+        # documented values) and as many batches in flight as hixl has requests.
+        variants={
+            "mooncake-tuned": {
+                "MC_MTU": "1024",
+                "MC_GID_INDEX": "1",
+                "MC_SLICE_SIZE": "65536",
+                "MC_NUM_QP_PER_EP": "2",
+                "MC_WORKERS_PER_CTX": "2",
+                "HIXL_PEER_MC_BATCHES": "depth",
+            }
+        },
         note="host memory, P2PHANDSHAKE metadata (no etcd), RDMA on the device hixl uses, "
         "system libibverbs; about 170 MB download",
     ),
@@ -87,7 +100,15 @@ PEERS: dict[str, PeerSpec] = {
             "UCX_KEEPALIVE_INTERVAL": "inf",
             "UCX_UD_TIMEOUT": "600s",
         },
-        variants={"nixl-tuned": {"UCX_ZCOPY_THRESH": "0"}},
+        # Tuned: descriptor lists prepared once and reused (make_prepped_xfer), no progress
+        # thread (two cores: the caller's polling progresses), UCX zero-copy throughout.
+        variants={
+            "nixl-tuned": {
+                "UCX_ZCOPY_THRESH": "0",
+                "HIXL_PEER_NIXL_PREPPED": "1",
+                "HIXL_PEER_NIXL_PROGRESS_THREAD": "0",
+            }
+        },
         opt_in=True,
         verbs_shim=True,
         note="opt in (--peers mooncake,nixl); host memory over UCX rc_verbs; its wheel's "

@@ -254,12 +254,16 @@ class MooncakeSide(Side):
         self._ok(self.te.get_batch_transfer_status([bid]), "get_batch_transfer_status")
 
     def stream(self, segments: list[list[int]], depth: int) -> None:
-        # No handle per message: batches of depth/2, two in flight, so that at most
-        # ``depth`` messages are outstanding, as for every other contender.
-        step = max(1, depth // 2)
+        # No handle per message: ``batches`` batches in flight (HIXL_PEER_MC_BATCHES, 2 by
+        # default; "depth": as many as hixl has requests in flight) of depth/batches
+        # messages each, so that at most ``depth`` messages are outstanding, as for every
+        # other contender.
+        wanted = os.environ.get("HIXL_PEER_MC_BATCHES", "2")
+        batches = depth if wanted == "depth" else max(1, int(wanted))
+        step = max(1, depth // batches)
         window: deque[int] = deque()
         for i in range(0, len(segments), step):
-            if len(window) >= 2:
+            if len(window) >= batches:
                 self._wait(window.popleft())
             window.append(self._batch(segments[i : i + step]))
         while window:
@@ -293,7 +297,18 @@ class NixlSide(Side):
 
         self.version = version("nixl-cu12")
         self.name = f"{role}-{os.getpid()}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        # HIXL_PEER_NIXL_PROGRESS_THREAD=0: no progress thread on the initiator (it spins a
+        # CPU; on two cores the initiator's polling progresses its transfers itself).  The
+        # target keeps its own: nothing else progresses it (the connection's wire-up hangs
+        # without).
+        thread = role == "target" or os.environ.get("HIXL_PEER_NIXL_PROGRESS_THREAD") != "0"
+        self.agent = nixl_agent(
+            self.name, nixl_agent_config(enable_prog_thread=thread, backends=["UCX"])
+        )
+        # HIXL_PEER_NIXL_PREPPED=1: descriptor lists prepared once per segment list
+        # (prep_xfer_dlist) and every request made from them by index (make_prepped_xfer).
+        self.prepped = os.environ.get("HIXL_PEER_NIXL_PREPPED", "0") == "1"
+        self._dlists: dict[tuple[int, int, int, int], tuple[Any, Any]] = {}
         self.agent.register_memory([(buf.address, buf.nbytes, 0, "")], "DRAM")
         self.remote = ""
         self.remote_base = 0
@@ -311,6 +326,27 @@ class NixlSide(Side):
         self.remote = name.decode() if isinstance(name, bytes) else str(name)
         self.remote_base = int(peer["base"])
         self._wait(self._post([[0, 0, 64]]))  # the first transfer opens the connection
+
+    def _lists(self, segments: list[list[int]]) -> tuple[Any, Any]:
+        """The prepared local and remote lists of ``segments`` (made on first use)."""
+        key = (len(segments), segments[0][0], segments[-1][1], hash(str(segments)))
+        lists = self._dlists.get(key)
+        if lists is None:
+            base, rbase = self.buf.address, self.remote_base
+            local = self.agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", [(base + s[0], s[2], 0) for s in segments], "DRAM"
+            )
+            remote = self.agent.prep_xfer_dlist(
+                self.remote, [(rbase + s[1], s[2], 0) for s in segments], "DRAM"
+            )
+            lists = self._dlists[key] = (local, remote)
+        return lists
+
+    def _post_prepped(self, lists: tuple[Any, Any], indices: list[int]) -> Any:
+        handle = self.agent.make_prepped_xfer("WRITE", lists[0], indices, lists[1], indices)
+        if self.agent.transfer(handle) == "ERR":
+            raise RuntimeError("nixl transfer() returned ERR")
+        return handle
 
     def _post(self, segments: list[list[int]]) -> Any:
         base, rbase = self.buf.address, self.remote_base
@@ -337,15 +373,23 @@ class NixlSide(Side):
 
     def stream(self, segments: list[list[int]], depth: int) -> None:
         window: deque[Any] = deque()
-        for seg in segments:
+        lists = self._lists(segments) if self.prepped else None
+        for i, seg in enumerate(segments):
             if len(window) >= depth:
                 self._wait(window.popleft())
-            window.append(self._post([seg]))
+            if lists is not None:
+                window.append(self._post_prepped(lists, [i]))
+            else:
+                window.append(self._post([seg]))
         while window:
             self._wait(window.popleft())
 
     def request(self, segments: list[list[int]]) -> None:
-        self._wait(self._post(segments))
+        if self.prepped:
+            lists = self._lists(segments)
+            self._wait(self._post_prepped(lists, list(range(len(segments)))))
+        else:
+            self._wait(self._post(segments))
 
 
 BACKENDS: dict[str, type[Side]] = {

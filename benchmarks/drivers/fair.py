@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -588,11 +589,82 @@ def report_markdown(data: dict[str, Any], targets: bool = True) -> str:
     )
     lines.append("")
     for c in chunks:
+        cut = (
+            "; cut short by the VM's timeout, its finished cases read from its output "
+            "with `--from-log`"
+            if c.get("from_log")
+            else ""
+        )
         lines.append(
             f"- `{c.get('command')}` ({c['setup'].get('date_utc')}, guest load "
-            f"{c.get('load', 'n/a')})"
+            f"{c.get('load', 'n/a')}{cut})"
         )
     return "\n".join(lines)
+
+
+_LOG_LINE = re.compile(r"^  (?P<name>.+?): (?P<value>[\d.]+) (?P<unit>µs|ms|MB/s)$")
+_LOG_LAYER = re.compile(
+    r"^  hixl layer put: first (?P<first>[\d.]+) ms, second (?P<second>[\d.]+) ms$"
+)
+
+
+def rows_from_log(text: str) -> list[dict[str, Any]]:
+    """The ``lat`` and ``layer`` rows of a run from its progress lines, for a run that was
+    cut short before it printed its JSON.  Each round printed one line per row (2 for
+    ``lat``, 3 for ``layer``, in either order); an incomplete last round is left out."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if re.fullmatch(r"\[\w+\]", line.strip()):
+            current = line.strip()[1:-1]
+            sections[current] = []
+        elif current is not None and line.startswith("  "):
+            sections[current].append(line.rstrip())
+    rows: list[dict[str, Any]] = []
+    lat = sections.get("lat", [])
+    if lat:
+        h: list[float | None] = []
+        c_rounds: list[dict[str, float]] = []
+        name = ""
+        for i in range(0, len(lat) - 1, 2):
+            cr: dict[str, float] = {}
+            hv = None
+            for line in lat[i : i + 2]:
+                m = _LOG_LINE.match(line)
+                if m is None:
+                    raise BenchError(f"not a latency line: {line!r}")
+                us = float(m["value"]) * (1000 if m["unit"] == "ms" else 1)
+                if m["name"].startswith("hixl"):
+                    hv = us
+                else:
+                    name = m["name"]
+                    cr[name] = us
+            h.append(hv)
+            c_rounds.append(cr)
+        y = against_best(h, c_rounds, higher_is_better=False)
+        rows.append(_row("lat", 4096, LAT_ROW, h, y, {name: name}, "us"))
+    layer = sections.get("layer", [])
+    if layer:
+        nbytes = LAYER_ROWS * LAYER_BYTES
+        first: list[float | None] = []
+        second: list[float | None] = []
+        lc_rounds: list[dict[str, float]] = []
+        for i in range(0, len(layer) - 2, 3):
+            cr = {}
+            for line in layer[i : i + 3]:
+                m2 = _LOG_LAYER.match(line)
+                if m2 is not None:
+                    first.append(nbytes / (float(m2["first"]) / 1e3))
+                    second.append(nbytes / (float(m2["second"]) / 1e3))
+                    continue
+                m = _LOG_LINE.match(line)
+                if m is None or m["unit"] != "MB/s":
+                    raise BenchError(f"not a layer line: {line!r}")
+                cr[m["name"]] = float(m["value"]) * 1e6
+            lc_rounds.append(cr)
+        for label, vals in ((FIRST_LAYER, first), ("hixl layer put, second (warm)", second)):
+            rows.append(_row("layer", nbytes, label, vals, against_best(vals, lc_rounds), {}))
+    return rows
 
 
 def merge(paths: list[Path]) -> dict[str, Any]:
@@ -627,6 +699,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--merge", nargs="+", type=Path, default=None, help="join these runs' JSON into --json"
     )
+    ap.add_argument(
+        "--from-log",
+        type=Path,
+        default=None,
+        help="the lat and layer rows of a run cut short, from its output, into --json",
+    )
     ap.add_argument("--layer-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--pong-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -635,6 +713,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.pong_child:
         return pong_child()
     quiet_logs()
+    if args.from_log:
+        text = args.from_log.read_text()
+        got = rows_from_log(text)
+        head = [ln[2:] for ln in text.splitlines() if ln.startswith("# ")]
+        data = {
+            "benchmark": "fair",
+            "setup": {"date_utc": next((h.split()[1] for h in head if h.startswith("date")), "")},
+            "command": next((h[len("command: ") :] for h in head if h.startswith("command")), ""),
+            "header": head,
+            "load": next((h.rsplit("load ", 1)[1] for h in head if "; load " in h), "n/a"),
+            "rows": got,
+            "from_log": str(args.from_log),
+        }
+        print(markdown(got))
+        if args.json:
+            write_json(Path(args.json), data)
+        return 0
     if args.merge:
         merged = merge(args.merge)
         print(report_markdown(merged))
@@ -670,13 +765,17 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         log(f"[{case}]")
         if case == "put":
-            rows += bw_case("write", sizes, args, perftest, log)
+            got = bw_case("write", sizes, args, perftest, log)
         elif case == "get":
-            rows += bw_case("read", sizes, args, perftest, log)
+            got = bw_case("read", sizes, args, perftest, log)
         elif case == "layer":
-            rows += layer_case(args, perftest, log)
+            got = layer_case(args, perftest, log)
         else:
-            rows += lat_case(args, perftest, setup.get("cpu_mhz"), log)
+            got = lat_case(args, perftest, setup.get("cpu_mhz"), log)
+        rows += got
+        if args.json == "-":  # each case as it ends: a run cut short keeps what it measured
+            part = {"benchmark": "fair", "setup": setup, "command": command_line(), "rows": got}
+            print(MARK + json.dumps(part, default=str), flush=True)
     data = {
         "benchmark": "fair",
         "setup": setup,
@@ -688,8 +787,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     print()
     print(report_markdown(data))
-    if args.json == "-":
-        print(MARK + json.dumps(data, default=str), flush=True)
-    elif args.json:
+    if args.json and args.json != "-":
         write_json(Path(args.json), data)
     return 0

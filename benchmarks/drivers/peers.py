@@ -510,6 +510,7 @@ def _title(name: str) -> str:
         "mooncake": "Mooncake TE",
         "nixl": "NIXL (as installed)",
         "nixl-tuned": "NIXL (tuned)",
+        "mooncake-tuned": "Mooncake (tuned)",
     }
     return titles.get(name, name)
 
@@ -597,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-tokens", type=int, default=16)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=None, help="repeats (default 3)")
+    ap.add_argument("--repeat", type=int, default=None, help="repeats (default 5)")
     ap.add_argument("--depth", type=int, default=128, help="messages in flight")
     ap.add_argument("--lat-iters", type=int, default=None, help="blocking writes (default 30)")
     ap.add_argument("--device", default=None)
@@ -624,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.quick
     sizes = parse_sizes(args.sizes)
     total = parse_sizes(args.bytes or ("2M" if quick else "16M"))[0]
-    repeat = args.repeat or (1 if quick else 3)
+    repeat = args.repeat or (1 if quick else 5)
     blocks = args.blocks or (16 if quick else 64)
     lat_iters = args.lat_iters or (10 if quick else 30)
     span = total
@@ -679,6 +680,15 @@ def main(argv: list[str] | None = None) -> int:
                 c.pause(True)
         try:
             running = [c for c in contenders if c.running]
+            for c in running:  # a warm-up for every library: each case once, untimed
+                c.pause(False)
+                try:
+                    for ci, case in enumerate(cases):
+                        stream(c, case, args.depth, 7 + ci, dev)
+                except BenchError as exc:
+                    print(f"[peers] {c.name} warm-up failed: {exc}", flush=True)
+                finally:
+                    c.pause(True)
             impls = ["perftest", *[c.name for c in running]]
             progress = Progress(repeat * len(cases) * len(impls), "peers")
             for rep in range(repeat):

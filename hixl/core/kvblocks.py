@@ -596,11 +596,17 @@ def pair_tensors(
     tensors: Sequence[int] | range | None,
     heads: tuple[int, int] | None,
     remote_heads: tuple[int, int] | None,
-) -> list[tuple[int, BlockPattern, BlockPattern]]:
-    """The tensors to move (``tensors``: indices into both caches, None: all) with each
-    side's block pattern. Raises :class:`DescriptorError` naming the first mismatch:
-    tensor count, dtype, block shape (with the head ranges) or a bad index."""
+    remote_tensors: Sequence[int] | range | None = None,
+) -> list[tuple[int, int, BlockPattern, BlockPattern]]:
+    """The tensor pairs to move, ``(local index, remote index, local pattern, remote
+    pattern)``: ``tensors`` are indices into the local cache (None: all), paired with the
+    same indices of the remote cache, or with ``remote_tensors`` (as many, in order: a
+    layer range of one cache into another range of the other). Raises
+    :class:`DescriptorError` naming the first mismatch: tensor count, dtype, block shape
+    (with the head ranges) or a bad or repeated index."""
     if tensors is None:
+        if remote_tensors is not None:
+            raise DescriptorError("remote_tensors= needs tensors= (the local side of each pair)")
         if len(local.tensors) != len(remote.tensors):
             raise DescriptorError(
                 f"caches hold {len(local.tensors)} tensors here and {len(remote.tensors)} "
@@ -611,38 +617,45 @@ def pair_tensors(
         chosen = tensors
         if len(chosen) == 0:
             raise DescriptorError("tensors= is empty: nothing to move")
+    theirs: Sequence[int] = chosen if remote_tensors is None else remote_tensors
+    if len(theirs) != len(chosen):
+        raise DescriptorError(
+            f"tensors= lists {len(chosen)} tensors and remote_tensors= {len(theirs)}: they pair"
+        )
     out = []
     seen: set[int] = set()
-    for i in chosen:
+    seen_remote: set[int] = set()
+    for i, j in zip(chosen, theirs, strict=True):
         idx = _int("tensor index", i)
-        if idx >= len(local.tensors) or idx >= len(remote.tensors):
+        rdx = _int("remote tensor index", j)
+        if idx >= len(local.tensors) or rdx >= len(remote.tensors):
             raise DescriptorError(
-                f"tensor {idx} is outside the caches ({len(local.tensors)} tensors here, "
-                f"{len(remote.tensors)} on the peer)"
+                f"tensor {idx} (peer's {rdx}) is outside the caches ({len(local.tensors)} "
+                f"tensors here, {len(remote.tensors)} on the peer)"
             )
-        if idx in seen:
-            raise DescriptorError(f"tensor {idx} is listed twice")
+        if idx in seen or rdx in seen_remote:
+            raise DescriptorError(f"tensor {idx} (peer's {rdx}) is listed twice")
         seen.add(idx)
-        lt, rt = local.tensors[idx], remote.tensors[idx]
+        seen_remote.add(rdx)
+        name = f"tensor {idx}" if idx == rdx else f"tensor {idx} (peer's tensor {rdx})"
+        lt, rt = local.tensors[idx], remote.tensors[rdx]
         if lt.dtype != rt.dtype or lt.itemsize != rt.itemsize:
-            raise DescriptorError(
-                f"tensor {idx}: dtype {lt.dtype} vs {rt.dtype} (here vs the peer)"
-            )
+            raise DescriptorError(f"{name}: dtype {lt.dtype} vs {rt.dtype} (here vs the peer)")
         try:
             lp = block_pattern(lt, heads)
         except DescriptorError as exc:
-            raise DescriptorError(f"tensor {idx} here: {exc}") from None
+            raise DescriptorError(f"{name} here: {exc}") from None
         try:
             rp = block_pattern(rt, remote_heads)
         except DescriptorError as exc:
-            raise DescriptorError(f"tensor {idx} on the peer: {exc}") from None
+            raise DescriptorError(f"{name} on the peer: {exc}") from None
         if lp.shape != rp.shape:
             lh = f" heads {heads}" if heads is not None else ""
             rh = f" heads {remote_heads}" if remote_heads is not None else ""
             raise DescriptorError(
-                f"tensor {idx}: block shape {lp.shape}{lh} vs {rp.shape}{rh} (here vs the "
+                f"{name}: block shape {lp.shape}{lh} vs {rp.shape}{rh} (here vs the "
                 f"peer; whole shapes {lt.shape} block_axis {lt.block_axis} vs {rt.shape} "
                 f"block_axis {rt.block_axis})"
             )
-        out.append((idx, lp, rp))
+        out.append((idx, rdx, lp, rp))
     return out

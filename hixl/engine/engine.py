@@ -1191,13 +1191,15 @@ class Engine:
         tensors: Sequence[int] | range | None = None,
         heads: tuple[int, int] | None = None,
         remote_heads: tuple[int, int] | None = None,
+        remote_tensors: Sequence[int] | range | None = None,
         notify: str | None = None,
         notify_message: bytes = b"",
         timeout: float = 30.0,
     ) -> None:
         """RDMA WRITE blocks ``local_blocks[i]`` of ``kv`` into blocks ``remote_blocks[i]``
-        of the peer's cache ``remote_name``, for every tensor (or the indices ``tensors``),
-        narrowed to head ranges ``heads``/``remote_heads``; block until done.  The
+        of the peer's cache ``remote_name``, for every tensor (or the indices ``tensors``,
+        paired with the same indices there or with ``remote_tensors``), narrowed to head
+        ranges ``heads``/``remote_heads``; block until done.  The
         notification, if any, arrives after all the data.  Errors before posting:
         :class:`DescriptorError` (a mismatch of the caches, a bad or repeated destination
         block id), :class:`RegistrationError`; after: as :meth:`put`, naming the request
@@ -1206,6 +1208,7 @@ class Engine:
             Op.WRITE, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
             heads=heads, remote_heads=remote_heads, notify=notify,
             notify_message=notify_message, timeout=timeout, now=True,
+            remote_tensors=remote_tensors,
         ).wait()  # fmt: skip
 
     def get_blocks(
@@ -1219,6 +1222,7 @@ class Engine:
         tensors: Sequence[int] | range | None = None,
         heads: tuple[int, int] | None = None,
         remote_heads: tuple[int, int] | None = None,
+        remote_tensors: Sequence[int] | range | None = None,
         notify: str | None = None,
         notify_message: bytes = b"",
         timeout: float = 30.0,
@@ -1229,6 +1233,7 @@ class Engine:
             Op.READ, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
             heads=heads, remote_heads=remote_heads, notify=notify,
             notify_message=notify_message, timeout=timeout, now=True,
+            remote_tensors=remote_tensors,
         ).wait()  # fmt: skip
 
     def put_blocks_async(
@@ -1242,6 +1247,7 @@ class Engine:
         tensors: Sequence[int] | range | None = None,
         heads: tuple[int, int] | None = None,
         remote_heads: tuple[int, int] | None = None,
+        remote_tensors: Sequence[int] | range | None = None,
         notify: str | None = None,
         notify_message: bytes = b"",
         timeout: float = 30.0,
@@ -1251,6 +1257,7 @@ class Engine:
             Op.WRITE, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
             heads=heads, remote_heads=remote_heads, notify=notify,
             notify_message=notify_message, timeout=timeout, now=False,
+            remote_tensors=remote_tensors,
         )  # fmt: skip
 
     def get_blocks_async(
@@ -1264,6 +1271,7 @@ class Engine:
         tensors: Sequence[int] | range | None = None,
         heads: tuple[int, int] | None = None,
         remote_heads: tuple[int, int] | None = None,
+        remote_tensors: Sequence[int] | range | None = None,
         notify: str | None = None,
         notify_message: bytes = b"",
         timeout: float = 30.0,
@@ -1273,6 +1281,7 @@ class Engine:
             Op.READ, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
             heads=heads, remote_heads=remote_heads, notify=notify,
             notify_message=notify_message, timeout=timeout, now=False,
+            remote_tensors=remote_tensors,
         )  # fmt: skip
 
     def _queue_chain(

@@ -565,6 +565,7 @@ class KVBlocks:
         notify_message: bytes,
         timeout: float,
         now: bool,
+        remote_tensors: Sequence[int] | range | None = None,
     ) -> BlocksHandle:
         """Check, plan, build and queue one request's blocks (see Engine.put_blocks)."""
         if not isinstance(kv, KVCache) or kv._owner is not self:
@@ -598,6 +599,7 @@ class KVBlocks:
             heads=heads,
             remote_heads=remote_heads,
             limits=host.limits,
+            remote_tensors=remote_tensors,
             idle=host._idle_chain,
             regions=kv.regions,
             memory=self._memory,
@@ -645,24 +647,27 @@ def _paired(
     tensors: Sequence[int] | range | None,
     heads: tuple[int, int] | None,
     remote_heads: tuple[int, int] | None,
+    remote_tensors: Sequence[int] | range | None,
 ) -> list[Any]:
     """:func:`pair_tensors`, remembered for a repeated selection between two caches."""
     try:
         chosen = None if tensors is None else tuple(tensors)
+        theirs = None if remote_tensors is None else tuple(remote_tensors)
         key = (
             id(local),
             id(remote),
             chosen,
+            theirs,
             None if heads is None else tuple(heads),
             None if remote_heads is None else tuple(remote_heads),
         )
         hash(key)
     except TypeError:
-        return pair_tensors(local, remote, tensors, heads, remote_heads)
+        return pair_tensors(local, remote, tensors, heads, remote_heads, remote_tensors)
     known = _PAIRS.get(key)
     if known is not None and known[0] is local and known[1] is remote:
         return known[2]
-    pairs = pair_tensors(local, remote, tensors, heads, remote_heads)
+    pairs = pair_tensors(local, remote, tensors, heads, remote_heads, remote_tensors)
     if len(_PAIRS) >= _PAIRS_MAX:
         _PAIRS.clear()
     _PAIRS[key] = (local, remote, pairs)
@@ -682,6 +687,7 @@ def build_request(
     heads: tuple[int, int] | None,
     remote_heads: tuple[int, int] | None,
     limits: DeviceLimits,
+    remote_tensors: Sequence[int] | range | None = None,
     idle: Callable[[tuple[Any, ...]], SendChain | None] = lambda key: None,
     regions: tuple[Any, ...] = (),
     memory: ChainMemory | None = None,
@@ -692,10 +698,10 @@ def build_request(
     new chain takes its memory from ``memory`` (the engine's kept, touched memory).  Returns
     the chain, its bytes, its pool key and the two block id arrays.  Raises
     :class:`DescriptorError` before anything is built."""
-    pairs = _paired(local, remote, tensors, heads, remote_heads)
+    pairs = _paired(local, remote, tensors, heads, remote_heads, remote_tensors)
     lgeo, rgeo = local.tensors, remote.tensors
-    lnum = min(lgeo[i].num_blocks for i, _, _ in pairs)
-    rnum = min(rgeo[i].num_blocks for i, _, _ in pairs)
+    lnum = min(lgeo[i].num_blocks for i, _, _, _ in pairs)
+    rnum = min(rgeo[j].num_blocks for _, j, _, _ in pairs)
     lids = block_ids("local_blocks", local_blocks, lnum)
     rids = block_ids("remote_blocks", remote_blocks, rnum)
     if lids.size != rids.size:
@@ -706,8 +712,8 @@ def build_request(
         "remote_blocks" if op is Op.WRITE else "local_blocks", rids if op is Op.WRITE else lids
     )
     items = []
-    for i, lp, rp in pairs:
-        lt, rt = lgeo[i], rgeo[i]
+    for i, j, lp, rp in pairs:
+        lt, rt = lgeo[i], rgeo[j]
         la, lkey = local_regions[lt.region]
         ra, rkey = remote_regions[rt.region]
         items.append((lp, rp, la + lt.offset, ra + rt.offset, lkey, rkey))

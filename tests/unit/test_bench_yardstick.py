@@ -73,3 +73,39 @@ def test_pairs_that_ran_at_once_add_up_in_bytes_per_second() -> None:
         perftest.sum_bw([])
     with pytest.raises(BenchError, match="no perftest result table"):
         perftest.sum_bw([ROW.format(avg="10.00"), "Couldn't connect to 127.0.0.1:18600"])
+
+
+CUT_SHORT = """\
+# date 2026-12-06T10:44:00+00:00  commit abc
+# cases lat,layer,get; sizes 4K,64K; 2 rounds; depth 32; lanes 2; 8 MiB per stream; load 1.18
+# command: python benchmarks/bench_fair.py --cases lat,layer,get --repeat 2 --json -
+[lat]
+  ib_write_lat -s 4096 -n 200 -C: 200 µs
+  hixl put ping-pong, new offset each: 300 µs
+  hixl put ping-pong, new offset each: 500 µs
+  ib_write_lat -s 4096 -n 200 -C: 250 µs
+[layer]
+  ib_write_bw -s 256 -n 8192 -t 128 -l 64: 6.0 MB/s
+  ib_write_bw -s 256 -n 8192 -t 128: 3.0 MB/s
+  hixl layer put: first 1000.0 ms, second 500.0 ms
+  hixl layer put: first 2000.0 ms, second 1000.0 ms
+  ib_write_bw -s 256 -n 8192 -t 128: 2.0 MB/s
+  ib_write_bw -s 256 -n 8192 -t 128 -l 64: 4.0 MB/s
+[get]
+  ib_read_bw -t 32 -o 32 4 KiB: 3.7 MB/s
+hixl: error: VM run exceeded its timeout of 900 s; killed vm
+"""
+
+
+def test_a_run_cut_short_keeps_its_finished_cases_paired_by_round() -> None:
+    from benchmarks.drivers import fair
+
+    rows = {r["row"]: r for r in fair.rows_from_log(CUT_SHORT)}
+    lat = rows[fair.LAT_ROW]
+    assert lat["ratio"] == pytest.approx(1.75)  # median of 300/200 and 500/250
+    assert lat["yardstick"] == "ib_write_lat -s 4096 -n 200 -C"
+    first = rows[fair.FIRST_LAYER]
+    assert first["yardstick"] == "ib_write_bw -s 256 -n 8192 -t 128 -l 64"
+    # 2 MiB in 1 s and in 2 s against 6 and 4 MB/s of the winning -l 64
+    assert first["ratio"] == pytest.approx((2097152 / 6e6 + 1048576 / 4e6) / 2)
+    assert first["rounds"] == 2

@@ -129,10 +129,14 @@ def test_request_plan_moves_exactly_the_blocks(case: tuple[Any, ...]) -> None:
     rgeo = KVGeometry(
         region_lengths=(rbuf.size,), tensors=tuple(geometry(a, rbuf, baxis, haxis) for a in rt)
     )
-    pairs = pair_tensors(lgeo, rgeo, None, heads, rheads)
+    # the local tensors in order, paired with the remote ones in a shuffled order
+    perm = [int(x) for x in np.random.default_rng(len(lids) + nt).permutation(nt)]
+    pairs = pair_tensors(lgeo, rgeo, range(nt), heads, rheads, remote_tensors=perm)
     lid = block_ids("local_blocks", lids, nb_l)
     rid = block_ids("remote_blocks", rids, nb_r)
-    items = [(lp, rp, lgeo.tensors[i].offset, rgeo.tensors[i].offset, 1, 2) for i, lp, rp in pairs]
+    items = [
+        (lp, rp, lgeo.tensors[i].offset, rgeo.tensors[j].offset, 1, 2) for i, j, lp, rp in pairs
+    ]
     plan = plan_request(items, lid, rid, op, limits)
     wr_remote, wr_key, sge_start, sge_addr, sge_length, sge_key = plan.arrays()
     assert int(sge_length.max()) <= limits.max_msg_sz
@@ -168,7 +172,8 @@ def test_request_plan_moves_exactly_the_blocks(case: tuple[Any, ...]) -> None:
     # plan is executed as a copy from local to remote either way.
     src, dst, dst_t, src_t = lbuf, rbuf.copy(), rt, lt
     expect_dst = [a.copy() for a in dst_t]
-    for e, s in zip(expect_dst, src_t, strict=True):
+    for t, s in enumerate(src_t):
+        e = expect_dst[perm[t]]
         sub = sel(s, lids, heads)
         # write sub into e at (rids, rheads)
         view = np.moveaxis(e, baxis, 0)
@@ -188,7 +193,7 @@ def test_request_plan_moves_exactly_the_blocks(case: tuple[Any, ...]) -> None:
     ]
     for g, e in zip(got, expect_dst, strict=True):
         assert g.tobytes() == e.tobytes()  # moved blocks and untouched ones
-    assert plan.nbytes == len(lids) * nt * pairs[0][1].nbytes
+    assert plan.nbytes == len(lids) * nt * pairs[0][2].nbytes
 
 
 def test_incompatible_caches_name_the_mismatch() -> None:
@@ -208,8 +213,17 @@ def test_incompatible_caches_name_the_mismatch() -> None:
     assert len(pair_tensors(g(a), g(b), [1, 3], (4, 8), None)) == 2
     with pytest.raises(DescriptorError, match=r"heads=\(4, 9\)"):
         pair_tensors(g(a), g(b), None, (4, 9), None)
-    with pytest.raises(DescriptorError, match="tensor 7 is outside"):
+    with pytest.raises(DescriptorError, match=r"tensor 7 \(peer's 7\) is outside"):
         pair_tensors(g(a), g(b), [7], (0, 4), None)
+    # a layer range of one cache into another range of the other
+    pairs = pair_tensors(g(a), g(b), range(2, 4), (4, 8), None, remote_tensors=[0, 1])
+    assert [(i, j) for i, j, _, _ in pairs] == [(2, 0), (3, 1)]
+    with pytest.raises(DescriptorError, match="lists 2 tensors and remote_tensors= 1"):
+        pair_tensors(g(a), g(b), [2, 3], (4, 8), None, remote_tensors=[0])
+    with pytest.raises(DescriptorError, match=r"tensor 3 \(peer's 1\) is listed twice"):
+        pair_tensors(g(a), g(b), [2, 3], (4, 8), None, remote_tensors=[1, 1])
+    with pytest.raises(DescriptorError, match="remote_tensors= needs tensors="):
+        pair_tensors(g(a), g(b), None, (4, 8), None, remote_tensors=[1])
 
 
 def test_block_lists_are_checked() -> None:
