@@ -49,11 +49,16 @@ way makes the proof fail. What that gives:
 * **The server's answer is authentic.** Ps covers the ACCEPT the client acts on (its QP
   number, PSN, GID and every region with its rkey).
 
+* **The server is the one dialled.** The client checks that the CHALLENGE names the engine
+  id it dialled (a relay at another address that passes the handshake on is refused).
+* **Messages after the handshake are authentic.** Both ends derive a key per connection
+  and direction from the token and the transcript, and seal every later message with a
+  sequence number and a MAC (:mod:`hixl.core.seal`, :meth:`session`).
+
 What the token does not protect: the bytes are not encrypted (an on-path observer sees the
-regions and their rkeys, and RoCE packets carry no authentication at all), messages after
-the handshake are not authenticated, and a client that connects to an impostor hands the
-impostor Pc, against which a weak token can be guessed offline. Use a random token
-(``hixl token`` prints 256 bits) and a private fabric.
+regions and their rkeys, and RoCE packets carry no authentication at all), and a client
+that connects to an impostor hands the impostor Pc, against which a weak token can be
+guessed offline. Use a random token (``hixl token`` prints 256 bits) and a private fabric.
 
 Without a token every proof is empty. An end with a token refuses an empty proof and an end
 without one refuses a non-empty proof, each with a message that says which side lacks it.
@@ -65,13 +70,17 @@ import dataclasses
 import enum
 import hashlib
 import hmac
+import ipaddress
 
 from hixl.core import wire
+from hixl.core.seal import Opener, Sealer, session_keys
 from hixl.errors import AuthenticationError, HandshakeError
 
 __all__ = [
     "ClientHandshake",
     "ServerHandshake",
+    "claim_mismatch",
+    "source_for",
     "client_proof",
     "server_proof",
 ]
@@ -130,6 +139,52 @@ def server_proof(
     return _mac(token, b"server", (hello, challenge, _unproven(info), _unproven(accept)))
 
 
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(text.partition("%")[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def claim_mismatch(claim: str, source: str) -> str | None:
+    """Why a client connecting from the IP address ``source`` may not use the engine id
+    ``claim``, or None when it may.
+
+    A listening id (``host:port``, port not 0) whose host is an IP address must be the
+    address the connection comes from: otherwise anyone could take the id of an engine
+    that is not connected yet and receive what is meant for it. Not checked: ids that do
+    not listen (port 0: nobody dials them, and their random suffix keeps them apart) and
+    ids that name their host by name (no name lookups here).
+    """
+    host, port = wire.parse_engine_id(claim)
+    claimed, src = _ip(host), _ip(source)
+    if port == 0 or claimed is None or src is None or claimed == src:
+        return None
+    return (
+        f"the client claims engine id {claim}, but its connection comes from {source}, "
+        f"not {host}: an engine's id must be the address it connects from (an engine "
+        "behind NAT or a proxy needs Engine(trust_peer_hosts=True) on the server)"
+    )
+
+
+def source_for(engine_id: str, dest_host: str) -> str | None:
+    """The local address a client with ``engine_id`` binds before dialling ``dest_host``,
+    so that the server sees it come from its id's host (see :func:`claim_mismatch`), or
+    None to let the system choose: for an id that does not listen, a host name, the
+    unspecified address, or an address of another family or scope (loopback or not)
+    than the destination."""
+    host, port = wire.parse_engine_id(engine_id)
+    own, dest = _ip(host), _ip(dest_host)
+    if port == 0 or own is None or dest is None or own.is_unspecified:
+        return None
+    if own.version != dest.version or own.is_loopback != dest.is_loopback:
+        return None
+    return host
+
+
 def _matches(expected: bytes, got: bytes) -> bool:
     return len(got) == len(expected) and hmac.compare_digest(expected, got)
 
@@ -167,6 +222,21 @@ class _Machine:
         """True once the handshake completed on this end."""
         return self._step is _Step.DONE
 
+    _token: bytes | None
+    _transcript: tuple[wire.Hello, wire.Challenge, wire.Info, wire.Accept] | None = None
+
+    def session(self) -> tuple[Sealer, Opener]:
+        """This end's :class:`Sealer` and :class:`Opener` for the messages after the
+        handshake (keys from :func:`hixl.core.seal.session_keys`); once ACCEPT is settled."""
+        if self._transcript is None:
+            raise HandshakeError(
+                f"{self.role} handshake: no session before ACCEPT (state {self._step.value})"
+            )
+        cs, sc = session_keys(self._token, *self._transcript)
+        if self.role == "client":
+            return Sealer(cs), Opener(sc)
+        return Sealer(sc), Opener(cs)
+
 
 class ClientHandshake(_Machine):
     """The connecting end. Use in this order::
@@ -179,7 +249,9 @@ class ClientHandshake(_Machine):
         send(hs.ready())
 
     ``token`` is the shared secret (non-empty bytes) or None. ``peer`` names the server in
-    error messages. ``nonce`` is for tests; by default a fresh one is drawn.
+    error messages. ``expect_id``, when given, is the engine id the client dialled: a
+    CHALLENGE naming another one is refused (:class:`AuthenticationError`). ``nonce`` is
+    for tests; by default a fresh one is drawn.
     """
 
     role = "client"
@@ -190,19 +262,32 @@ class ClientHandshake(_Machine):
         token: bytes | None,
         *,
         peer: str = "the server",
+        expect_id: str | None = None,
         nonce: bytes | None = None,
     ) -> None:
         _check_token(token)
         self._token = token
         self.peer = peer
+        self.expect_id = expect_id
         self.hello = wire.Hello(engine_id=engine_id, nonce=nonce or wire.make_nonce())
         self.challenge: wire.Challenge | None = None
         self._info: wire.Info | None = None
         self._step = _Step.HELLO
 
     def on_challenge(self, msg: wire.Challenge) -> None:
-        """Take the server's CHALLENGE (its id and nonce)."""
+        """Take the server's CHALLENGE (its id and nonce).
+
+        Raises :class:`AuthenticationError` when it names another engine than
+        ``expect_id``.
+        """
         self._advance(_Step.HELLO, _Step.CHALLENGE, "CHALLENGE")
+        if self.expect_id is not None and msg.engine_id != self.expect_id:
+            raise self._fail(
+                AuthenticationError(
+                    f"{self.peer} answered as engine {msg.engine_id!r}, not the "
+                    f"{self.expect_id!r} dialled: a relay or a misdirected address"
+                )
+            )
         self.challenge = msg
 
     def info(self, draft: wire.Info) -> wire.Info:
@@ -233,6 +318,7 @@ class ClientHandshake(_Machine):
                         "token: give Engine(token=...) the same token on both ends"
                     )
                 )
+            self._transcript = (self.hello, self.challenge, self._info, msg)
             return msg
         expected = server_proof(self._token, self.hello, self.challenge, self._info, msg)
         if not msg.proof:
@@ -249,6 +335,7 @@ class ClientHandshake(_Machine):
                     "different token, or the handshake was altered on the way"
                 )
             )
+        self._transcript = (self.hello, self.challenge, self._info, msg)
         return msg
 
     def ready(self) -> wire.Ready:
@@ -338,7 +425,9 @@ class ServerHandshake(_Machine):
         assert self.hello is not None and self._challenge is not None
         assert self._info is not None
         proof = server_proof(self._token, self.hello, self._challenge, self._info, draft)
-        return dataclasses.replace(draft, proof=proof)
+        accept = dataclasses.replace(draft, proof=proof)
+        self._transcript = (self.hello, self._challenge, self._info, accept)
+        return accept
 
     def on_ready(self, msg: wire.Ready) -> None:
         """Take the client's READY: the handshake is complete."""

@@ -31,6 +31,9 @@ ERROR       ``code`` (one of :class:`ErrorCode`), ``message``
 BYE         ``reason``
 PING        ``nonce`` (16 bytes)
 PONG        ``nonce`` (16 bytes)
+CREDIT      ``notes`` (1..2**31: notifications the receiver lets the sender add)
+SEALED      binary, not JSON: ``seq`` (u64, big-endian), ``mac`` (32 bytes), then one
+            whole frame of another type (see :mod:`hixl.core.seal`)
 ==========  ==========================================================================
 
 A region object has the keys ``addr``, ``length``, ``rkey``, ``access``, ``name``
@@ -44,15 +47,20 @@ driven by :mod:`hixl.core.handshake`: the client proves first, and with a token 
 proofs cover every field of every handshake message. Version 2 changed the handshake
 (no proof in CHALLENGE, a real one in ACCEPT), REGIONS (deltas) and added PING/PONG.
 
-Afterwards the same TCP connection carries, in either direction, REGIONS (regions the
+Afterwards every message is carried inside a SEALED frame: a sequence number and a MAC
+under a key of this connection's (see :mod:`hixl.core.seal`); a frame that is not sealed,
+or whose MAC or number is wrong, fails the connection. Inside, the connection carries,
+in either direction, REGIONS (regions the
 sender has started or stopped exposing since its last message: ``remove`` applies first,
-then ``add``), PING (answered by a PONG with the same nonce: a liveness probe), ERROR and
+then ``add``), PING (answered by a PONG with the same nonce: a liveness probe), CREDIT (the
+sender may send that many more notifications: see :mod:`hixl.engine.inbox`), ERROR and
 BYE. Either side may answer a message it cannot accept with ERROR and close:
 ``VERSION`` (another protocol version), ``MALFORMED`` (a bad frame), ``AUTH`` (a proof
 that does not match), ``ALREADY_CONNECTED`` (a live connection holds the claimed id),
 ``BUSY`` (too many handshakes at once: try again), ``LIMIT`` (a configured limit such as
 ``max_peers``), ``TIMEOUT`` (a handshake step came too late), ``OVERFLOW`` (the sender
-filled a bounded queue, such as unread notifications) or ``INTERNAL``.
+filled a bounded queue, such as unread notifications), ``INTEGRITY`` (a control message
+failed its MAC or sequence check) or ``INTERNAL``.
 :attr:`Decoder.error_code` says which code fits a decoding failure.
 """
 
@@ -89,6 +97,7 @@ __all__ = [
     "Accept",
     "Bye",
     "Challenge",
+    "Credit",
     "Decoder",
     "Error",
     "ErrorCode",
@@ -102,6 +111,8 @@ __all__ = [
     "Ready",
     "Regions",
     "RemoteRegion",
+    "SEAL_OVERHEAD",
+    "Sealed",
     "decode",
     "encode",
     "expect",
@@ -115,7 +126,8 @@ __all__ = [
 #: 3: the handshake proofs are keyed with SHA-256 of the token (see hixl.core.handshake).
 #: 4: INFO and ACCEPT carry ``lanes``, the sender's extra queue pairs (see :class:`QpInfo`).
 #: 5: INFO and ACCEPT carry ``direct``: whether the last extra queue pair is a direct lane.
-PROTOCOL_VERSION = 5
+#: 6: every message after the handshake is SEALED (sequence number and MAC); CREDIT.
+PROTOCOL_VERSION = 6
 #: Most queue pairs (lanes) one connection may have, the first included.
 MAX_LANES = 8
 #: Bytes one extra lane takes in ``QpInfo.lanes``: its QP number and its starting PSN,
@@ -170,6 +182,8 @@ class MsgType(enum.IntEnum):
     # 9 was NOTIFY (version 1): retired, refused as unknown
     PING = 10
     PONG = 11
+    SEALED = 12
+    CREDIT = 13
 
 
 class ErrorCode(enum.StrEnum):
@@ -183,6 +197,7 @@ class ErrorCode(enum.StrEnum):
     LIMIT = "LIMIT"
     TIMEOUT = "TIMEOUT"
     OVERFLOW = "OVERFLOW"
+    INTEGRITY = "INTEGRITY"
     INTERNAL = "INTERNAL"
 
 
@@ -614,11 +629,80 @@ class Pong:
         _set(self, "nonce", _bytes("Pong.nonce", self.nonce, (NONCE_SIZE,)))
 
 
-Message = Hello | Challenge | Info | Accept | Ready | Regions | Error | Bye | Ping | Pong
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Credit:
+    """Either direction, after READY: the sender of this message lets its peer send
+    ``notes`` (1..2**31) more notifications (flow control, see :mod:`hixl.engine.inbox`)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CREDIT
+    notes: int
+
+    def __post_init__(self) -> None:
+        _set(self, "notes", _int("Credit.notes", self.notes, 1, 1 << 31))
+
+
+#: Bytes a SEALED frame adds around the frame it carries: its own header, ``seq``, ``mac``.
+SEAL_OVERHEAD = HEADER_SIZE + 8 + PROOF_SIZE
+_SEALED_HEAD = struct.Struct("!Q32s")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sealed:
+    """Either direction, after READY: one whole frame (``frame``, its header included) with
+    the sender's sequence number ``seq`` (u64) and ``mac`` (32 bytes) over both.
+
+    The payload is binary (``seq`` big-endian, ``mac``, ``frame``), not JSON. Decoding a
+    SEALED frame does not look inside ``frame``: :class:`hixl.core.seal.Opener` checks the
+    MAC and the number first, then decodes it.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.SEALED
+    seq: int
+    mac: bytes
+    frame: bytes
+
+    def __post_init__(self) -> None:
+        _set(self, "seq", _int("Sealed.seq", self.seq, 0, _U64_MAX))
+        _set(self, "mac", _bytes("Sealed.mac", self.mac, (PROOF_SIZE,)))
+        frame = _bytes("Sealed.frame", self.frame, None, _U32_MAX)
+        if len(frame) < HEADER_SIZE:
+            raise HandshakeError(
+                f"Sealed.frame has {len(frame)} bytes, less than a {HEADER_SIZE}-byte header"
+            )
+        _set(self, "frame", frame)
+
+
+Message = (
+    Hello
+    | Challenge
+    | Info
+    | Accept
+    | Ready
+    | Regions
+    | Error
+    | Bye
+    | Ping
+    | Pong
+    | Sealed
+    | Credit
+)
 
 _CLASSES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Challenge, Info, Accept, Ready, Regions, Error, Bye, Ping, Pong)
+    for cls in (
+        Hello,
+        Challenge,
+        Info,
+        Accept,
+        Ready,
+        Regions,
+        Error,
+        Bye,
+        Ping,
+        Pong,
+        Sealed,
+        Credit,
+    )
 }
 assert set(_CLASSES) == set(MsgType)
 
@@ -664,6 +748,14 @@ def encode(msg: Message, *, max_payload: int = MAX_PAYLOAD) -> bytes:
     msg_type = getattr(cls, "TYPE", None)
     if not isinstance(msg_type, MsgType) or _CLASSES.get(msg_type) is not cls:
         raise TypeError(f"encode() takes a hixl wire message, got {cls.__name__}")
+    if isinstance(msg, Sealed):
+        payload = _SEALED_HEAD.pack(msg.seq, msg.mac) + msg.frame
+        if len(payload) > max_payload + SEAL_OVERHEAD:
+            raise HandshakeError(
+                f"SEALED payload of {len(payload)} bytes exceeds max_payload={max_payload} "
+                f"plus {SEAL_OVERHEAD}"
+            )
+        return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, len(payload)) + payload
     obj: dict[str, object] = {}
     for name, kind in _FIELDS[msg_type]:
         value = getattr(msg, name)
@@ -809,6 +901,14 @@ _WIRE_KINDS: dict[str, Callable[[str, object], Any]] = {
 
 def _decode_payload(msg_type: MsgType, payload: bytes) -> Message:
     where = msg_type.name
+    if msg_type is MsgType.SEALED:
+        if len(payload) < _SEALED_HEAD.size + HEADER_SIZE:
+            raise HandshakeError(
+                f"SEALED payload has {len(payload)} bytes, less than "
+                f"{_SEALED_HEAD.size + HEADER_SIZE}"
+            )
+        seq, mac = _SEALED_HEAD.unpack_from(payload)
+        return Sealed(seq=seq, mac=mac, frame=payload[_SEALED_HEAD.size :])
     obj = _parse_json(where, payload)
     fields = _FIELDS[msg_type]
     _check_keys(where, obj, tuple(name for name, _ in fields))
@@ -958,7 +1058,10 @@ class Decoder:
                 raise HandshakeError(f"unknown message type {raw_type}{retired} (known: {known})")
         if n >= HEADER_SIZE:
             (length,) = struct.unpack_from("!I", head, 8)
-            if length > self._max_payload:
+            (raw_type,) = struct.unpack_from("!H", head, 6)
+            # A SEALED frame carries a whole frame of up to max_payload, and its own fields.
+            allowed = self._max_payload + (SEAL_OVERHEAD if raw_type == MsgType.SEALED else 0)
+            if length > allowed:
                 raise HandshakeError(
                     f"frame announces a {length}-byte payload, more than "
                     f"max_payload={self._max_payload}"
@@ -978,7 +1081,7 @@ def decode(frame: bytes | bytearray | memoryview, *, max_payload: int = MAX_PAYL
     return messages[0]
 
 
-_M = TypeVar("_M", Hello, Challenge, Info, Accept, Ready, Regions, Error, Bye, Ping, Pong)
+_M = TypeVar("_M", Hello, Challenge, Info, Accept, Ready, Regions, Error, Bye, Ping, Pong, Sealed)
 
 
 def expect(msg: Message, kind: type[_M]) -> _M:

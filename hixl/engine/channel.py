@@ -442,6 +442,7 @@ class Channel:
         if reason:
             with eng._lock:
                 eng._fail(conn, reason, error)
+            self._poster.wake_if_due()  # the goodbye the failure queued
         conn.direct_busy = False
         self._token.append(None)
         self._after()

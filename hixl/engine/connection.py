@@ -15,10 +15,13 @@ except where a method says otherwise.  It keeps three things behind methods:
   pair with a completion queue of its own, reserved for a :class:`~hixl.engine.channel.Channel`
   (one caller thread posts one work request and polls that queue itself: no window, no
   progress thread, no engine lock around the wait);
-* the *control channel*: the TCP socket the handshake ran on, its decoder, and an outbox
-  of encoded control messages.  Messages are queued under the engine lock and written by
-  the progress thread with non-blocking sends, so no caller ever blocks on a peer that
-  stops reading; an outbox that grows past :data:`MAX_OUTBOX` fails the connection.
+* the *control channel*: the TCP socket the handshake ran on, its decoder, the session's
+  :class:`~hixl.core.seal.Sealer` and :class:`~hixl.core.seal.Opener`, and an outbox of
+  sealed control messages.  Messages are sealed and queued under the engine lock (so their
+  numbers follow the outbox order) and written by the progress thread with non-blocking
+  sends, so no caller ever blocks on a peer that stops reading; an outbox that grows past
+  :data:`MAX_OUTBOX` fails the connection.  Received bytes are decoded and opened by the
+  progress thread alone, outside the engine lock (:meth:`Connection.take_control`).
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ import contextlib
 import itertools
 import secrets
 import socket
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from hixl.core import notify, wire
+from hixl.core.ratelimit import Budget
+from hixl.core.seal import Opener, Sealer
 from hixl.core.states import ConnEvent, ConnState, next_state
 from hixl.core.window import Batch, SendWindow
 from hixl.core.wire import RemoteRegion
@@ -44,14 +50,21 @@ if TYPE_CHECKING:
     from hixl.engine.datapath import LaneRing
     from hixl.engine.engine import Engine
 
-__all__ = ["Connection", "Lane", "MAX_OUTBOX", "RECV_SLOTS"]
+__all__ = ["Connection", "Lane", "MAX_OUTBOX", "MAX_REMOTE_END", "RECV_SLOTS"]
 
 RECV_SLOTS = 64  # receive buffers per connection, for notifications
 DIRECT_SQ_DEPTH = 2  # send slots of the direct lane: a channel has one request out at a time
 DIRECT_CQ_DEPTH = 4  # its completion queue: that request's completion, or its flush
 MAX_OUTBOX = 1 << 20  # bytes of control messages a peer may leave unread before it fails
+#: A peer's region must end at or below this address (the wire allows up to 2**64).
+MAX_REMOTE_END = 1 << 63
+#: What one peer's control messages may cost per second (a burst of one second's worth):
+#: past it, its socket is not read until the budget is back, and TCP slows the peer down.
+CONTROL_BYTES_PER_S = 1 << 20
+CONTROL_MSGS_PER_S = 2000
 
 _QI = TypeVar("_QI", wire.Info, wire.Accept)
+_KEYS = itertools.count(1)  # Connection.note_key
 
 
 class Lane:
@@ -108,6 +121,12 @@ class Connection:
         self._remote_map: dict[tuple[int, int], RemoteRegion] = {}  # by (rkey, addr)
         # Liveness probe (engine lock): the nonce of our last PING, when it went out, and
         # when a PONG with that nonce came back.
+        # Notification flow control (engine lock, see hixl.engine.inbox): this
+        # connection's key in the receiving inbox, the credits the peer has granted us and
+        # not used, and its first grant (for error messages).
+        self.note_key = next(_KEYS)
+        self.credits = 0
+        self.credit_grant = 0
         self.probe_nonce: bytes | None = None
         self.probe_started = 0.0
         self.pong_at = -1.0
@@ -176,6 +195,9 @@ class Connection:
             raise
         self.sock: socket.socket | None = None
         self.decoder: wire.Decoder | None = None
+        self.sealer: Sealer | None = None
+        self.opener: Opener | None = None
+        self.inflow = Budget(CONTROL_BYTES_PER_S, CONTROL_MSGS_PER_S, time.monotonic())
         self._outbox = bytearray()
 
     # -- what users read -----------------------------------------------------------------
@@ -228,7 +250,12 @@ class Connection:
         return self._remote_map.get((region.rkey, region.addr)) == region
 
     def set_remote_regions(self, regions: tuple[RemoteRegion, ...]) -> None:
-        """The peer's regions as its handshake announced them (one tuple swap)."""
+        """The peer's regions as its handshake announced them (one tuple swap).
+
+        Raises :class:`HandshakeError` for a region this engine cannot address (see
+        :data:`MAX_REMOTE_END`).
+        """
+        self._check_reachable(regions)
         self._remote_map = {(r.rkey, r.addr): r for r in regions}
         self._remote = tuple(self._remote_map.values())
 
@@ -238,18 +265,31 @@ class Connection:
         """Apply a peer's REGIONS change: ``remove`` first, then ``add`` (engine lock).
 
         Readers see the old or the new tuple, never a mix.  Raises :class:`HandshakeError`
-        when the peer would expose more than :data:`wire.MAX_REGIONS` regions.
+        (and changes nothing) when the peer would expose more than :data:`wire.MAX_REGIONS`
+        regions or one this engine cannot address.
         """
+        self._check_reachable(add)
+        new = dict(self._remote_map)
         for r in remove:
-            self._remote_map.pop((r.rkey, r.addr), None)
+            new.pop((r.rkey, r.addr), None)
         for r in add:
-            self._remote_map[(r.rkey, r.addr)] = r
-        if len(self._remote_map) > wire.MAX_REGIONS:
+            new[(r.rkey, r.addr)] = r
+        if len(new) > wire.MAX_REGIONS:
             raise HandshakeError(
-                f"peer {self.peer} would expose {len(self._remote_map)} regions "
-                f"(at most {wire.MAX_REGIONS})"
+                f"peer {self.peer} would expose {len(new)} regions (at most {wire.MAX_REGIONS})"
             )
-        self._remote = tuple(self._remote_map.values())
+        self._remote_map = new
+        self._remote = tuple(new.values())
+
+    def _check_reachable(self, regions: tuple[RemoteRegion, ...]) -> None:
+        for r in regions:
+            if r.end > MAX_REMOTE_END:
+                raise HandshakeError(
+                    f"peer {self.peer} announces region {r.name!r} at addr={r.addr:#x} "
+                    f"length={r.length} ending at {r.end:#x}, past {MAX_REMOTE_END:#x} "
+                    "(2**63): no user-space address is that high, and transfers address "
+                    "remote memory with signed 64-bit offsets"
+                )
 
     def __repr__(self) -> str:
         return (
@@ -322,19 +362,54 @@ class Connection:
         self.lane_cycle = itertools.cycle(self.lanes)
         self.set_remote_regions(remote.regions)
 
-    def attach(self, sock: socket.socket, decoder: wire.Decoder) -> None:
-        """Keep the handshake socket as the control channel (non-blocking from now on)."""
+    def attach(
+        self, sock: socket.socket, decoder: wire.Decoder, session: tuple[Sealer, Opener]
+    ) -> None:
+        """Keep the handshake socket as the control channel (non-blocking from now on),
+        with the session's sealer and opener."""
         sock.setblocking(False)
         self.sock = sock
         self.decoder = decoder
+        self.sealer, self.opener = session
 
     # -- control channel -----------------------------------------------------------------
     def queue_control(self, data: bytes) -> bool:
-        """Queue an encoded control message; False when the peer has left too much unread."""
-        if len(self._outbox) + len(data) > MAX_OUTBOX:
+        """Seal and queue an encoded control message (engine lock); False when the peer has
+        left too much unread (nothing is queued then)."""
+        if self.sealer is None or len(self._outbox) + len(data) + wire.SEAL_OVERHEAD > MAX_OUTBOX:
             return False
-        self._outbox += data
+        self._outbox += self.sealer.seal(data)
         return True
+
+    def take_control(self, data: bytes) -> tuple[list[wire.Message], HandshakeError | None]:
+        """Decode and open what the peer sent: the messages in order, and the error that
+        stopped the decoding (a malformed frame, a failed MAC or sequence check), if any.
+
+        Progress thread only (or the adopting thread before the socket is watched); needs
+        no engine lock: the decoder and opener are this connection's alone.
+        """
+        assert self.decoder is not None and self.opener is not None
+        out: list[wire.Message] = []
+        try:
+            for msg in self.decoder.feed(data):
+                out.append(self.opener.open(msg))
+        except HandshakeError as exc:
+            return out, exc
+        return out, None
+
+    def open_control(
+        self, msgs: list[wire.Message]
+    ) -> tuple[list[wire.Message], HandshakeError | None]:
+        """:meth:`take_control` for messages already decoded (those that came with the
+        handshake's last message)."""
+        assert self.opener is not None
+        out: list[wire.Message] = []
+        try:
+            for msg in msgs:
+                out.append(self.opener.open(msg))
+        except HandshakeError as exc:
+            return out, exc
+        return out, None
 
     @property
     def wants_write(self) -> bool:

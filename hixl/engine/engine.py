@@ -15,15 +15,15 @@ import threading
 import time
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from hixl.core import notify, wire
 from hixl.core.descriptors import ContiguousDesc, Descriptor
 from hixl.core.notify import Notification
 from hixl.core.plan import DeviceLimits, Op
+from hixl.core.seal import IntegrityError, Opener, Sealer
 from hixl.core.states import ConnEvent, ConnState
 from hixl.core.window import MAX_BATCHES, Chunk
 from hixl.core.wire import RemoteRegion
@@ -48,7 +48,16 @@ from hixl.engine.handles import (
     TransferRequest,
     TransferStatus,
 )
-from hixl.engine.handshake import Admission, Listener, client_handshake, error_frame, printable
+from hixl.engine.handshake import (
+    PROBE_S,
+    Admission,
+    Listener,
+    client_handshake,
+    error_frame,
+    escape,
+    printable,
+)
+from hixl.engine.inbox import Inbox
 from hixl.engine.kv import KVBlocks, KVCache
 from hixl.engine.locks import engine_lock
 from hixl.engine.names import Names
@@ -129,6 +138,7 @@ class Diagnostics:
     handshakes: int = 0
     refused_busy: int = 0
     notifications: int = 0
+    notifications_dropped: int = 0
     send_posts: int = 0
     posted_wrs: int = 0
     direct_posts: int = 0
@@ -154,10 +164,13 @@ class Engine:
     handshakes under way, in all and from one IP address (over either, a
     client is answered ERROR(BUSY) and asks again); ``handshake_timeout``
     bounds a whole handshake, each of its steps has a shorter deadline.
-    ``max_notifications_per_peer`` and ``max_notifications`` cap
-    notifications received and not yet taken, from one peer and in all: a
-    peer that would pass either has its connection failed (it is told
-    ERROR(OVERFLOW)).  ``completion_events=False`` makes the progress thread
+    ``max_notifications_per_peer`` and ``max_notifications`` bound
+    notifications received and not yet taken, from one peer and in all: each
+    connection is granted ``min(max_notifications_per_peer, max_notifications //
+    max_peers)`` credits, a sender out of credits waits for the application here
+    to take some (its call fails with TransferTimeout at its deadline; nothing
+    else fails), and at the total the peer holding the most loses its oldest
+    (see :mod:`hixl.engine.inbox`).  ``completion_events=False`` makes the progress thread
     poll the CQs instead of sleeping on completion channels (a test hook).
     ``lanes`` is how many queue pairs a connection sends its work over (as many as both
     ends allow); ``direct_lane`` makes each connection one more, with a completion queue of
@@ -167,6 +180,11 @@ class Engine:
     default) for the whole process when that is longer, so the thread that posts and
     reaps gets the GIL back sooner while the application thread runs Python.  The
     default, None, leaves the process's interval alone.
+
+    A client whose id names a listening ``ip:port`` must connect from that ip, so that
+    nobody takes the id of an engine not connected yet (the client side binds its socket
+    to its id's address); ``trust_peer_hosts=True`` lifts that for peers behind NAT or a
+    proxy, whose connections come from another address than their id names.
 
     Without a token any client that reaches the port learns the rkeys of
     every remotely accessible region; an engine listening on an address
@@ -209,6 +227,7 @@ class Engine:
         registry: str | Registry | None = None,
         role: str = "engine",
         capacity: int = 0,
+        trust_peer_hosts: bool = False,
     ) -> None:
         self._closed = True  # until fully built, so __del__ stays quiet on failure
         cfg = EngineConfig.check(
@@ -243,6 +262,7 @@ class Engine:
         self._max_peers = max_peers
         self._lock = engine_lock()
         self._notify_cv = threading.Condition(self._lock)
+        self._credit_cv = threading.Condition(self._lock)  # notification credits came back
         try:
             self._dev = verbs.open_device(device, port, gid_index)
         except BaseException:
@@ -299,8 +319,8 @@ class Engine:
         self._conns: dict[str, Connection] = {}
         self._by_qpn: dict[int, Lane] = {}  # every lane made, connected or not
         self._handles: set[TransferHandle] = set()
-        self._notes: deque[Notification] = deque()
-        self._note_counts: dict[str, int] = {}  # notifications queued, per peer
+        # Unread notifications and the credits that bound them (see hixl.engine.inbox).
+        self._inbox = Inbox(max_notifications_per_peer, max_notifications, max_peers)
         # What peers see: every remotely accessible region, by (rkey, addr), in
         # registration order, and the bytes they take in a handshake message.
         self._exposed_map: dict[tuple[int, int], RemoteRegion] = {}
@@ -334,6 +354,7 @@ class Engine:
                 max_handshakes=max_handshakes,
                 max_per_source=max_handshakes_per_source,
                 timeout=handshake_timeout,
+                trust_hosts=trust_peer_hosts,
             )
         self._closed = False
         self._progress.start()
@@ -400,7 +421,8 @@ class Engine:
                 regions=len(self._regions),
                 handshakes=self._incoming.pending if self._incoming is not None else 0,
                 refused_busy=self._incoming.refused_busy if self._incoming is not None else 0,
-                notifications=len(self._notes),
+                notifications=len(self._inbox),
+                notifications_dropped=self._inbox.dropped,
                 send_posts=self._poster.send_posts + self._direct_posts + self._lane_posts,
                 posted_wrs=self._poster.posted_wrs + self._direct_posts + self._lane_posts,
                 direct_posts=self._direct_posts + self._lane_posts,
@@ -613,8 +635,16 @@ class Engine:
         self._poster.wake_due = True
 
     # -- connections ---------------------------------------------------------------------
-    def connect(self, peer: str, timeout: float = 10.0) -> Connection:
+    def connect(
+        self, peer: str, timeout: float = 10.0, *, address: str | None = None
+    ) -> Connection:
         """Connect to the engine listening at ``peer`` (``"ip:port"``, or a name).
+
+        The engine that answers must call itself ``peer`` (or, for a name, the id the
+        registry gives): one that names another id is refused with
+        :class:`AuthenticationError`, so a relay at another address gets nothing.
+        ``address`` (``"host:port"``) is where to dial when that is not ``peer``'s own
+        address (a port forward or tunnel); the answer must still name ``peer``.
 
         A name (no ``:``) is resolved through the engine's registry each time; the
         returned connection is then also found under that name (``put("decode-1", ...)``).
@@ -666,6 +696,11 @@ class Engine:
             raise ArgumentError(f"bad peer id {peer!r}: {exc}{hint}") from exc
         if port == 0:
             raise ArgumentError(f"peer {peer!r} does not listen (port 0)")
+        if address is not None:
+            try:
+                host, port = wire.parse_engine_id(address)
+            except ValueError as exc:
+                raise ArgumentError(f"bad address {address!r}: {exc}") from exc
         with self._lock:
             old = self._conns.get(peer)
             if old is not None and old.state is ConnState.READY:
@@ -679,6 +714,7 @@ class Engine:
         if reason is not None:  # it left just before the connection went live: fail it
             with self._lock:
                 self._fail(conn, reason)
+            self._poster.wake_if_due()
             raise ConnectionFailed(f"connection to {peer} failed: {reason}")
         log.debug("connected to %r", conn)
         return conn
@@ -742,6 +778,14 @@ class Engine:
                 )
             old = self._conns.get(peer)
             if old is not None and old.state is ConnState.READY:
+                since = time.monotonic() - old.pong_at
+                if since < PROBE_S / 2:  # answered a probe just now: no new one
+                    return Admission(
+                        code=wire.ErrorCode.ALREADY_CONNECTED,
+                        message=f"{peer} is already connected to {self.id} and answered a "
+                        f"liveness probe {since:.2f} s ago; a connection keeps its id until "
+                        "it fails or disconnects",
+                    )
                 self._start_probe(old)
                 return Admission(probe=old)
             count = len(self._conns) - (old is not None) + len(claims - set(self._conns))
@@ -768,10 +812,18 @@ class Engine:
         return Admission(conn=conn)
 
     def _start_probe(self, conn: Connection) -> None:
-        """Ask a READY connection whether it is alive: PING on its control channel."""
+        """Ask a READY connection whether it is alive: PING on its control channel.
+
+        One probe at a time per connection: while one is out (less than ``PROBE_S`` old),
+        later claims of the id wait for its answer instead of sending another PING, so a
+        stream of claims can neither flood the peer nor make its answer stale.
+        """
+        now = time.monotonic()
+        if conn.probe_nonce is not None and now - conn.probe_started < PROBE_S:
+            return
         nonce = wire.make_nonce()
         conn.probe_nonce = nonce
-        conn.probe_started = time.monotonic()
+        conn.probe_started = now
         self._queue_control(conn, wire.encode(wire.Ping(nonce=nonce)))
 
     def _probe_outcome(self, conn: Connection, expired: bool) -> str | None:
@@ -807,10 +859,12 @@ class Engine:
         sock: socket.socket,
         decoder: wire.Decoder,
         pending: list[wire.Message],
+        session: tuple[Sealer, Opener],
     ) -> None:
         """Make a handshaken connection live: index it and watch its control socket.
 
-        ``pending`` are control messages that arrived with the handshake's last one.
+        ``pending`` are control messages that arrived with the handshake's last one;
+        ``session`` seals what we send from now on and opens what we receive.
         """
         with self._lock:
             self._check_open()
@@ -820,11 +874,12 @@ class Engine:
                     raise ConnectionFailed(f"{conn.peer} got connected meanwhile")
                 self._drop(old, "replaced by a new connection", send_bye=False)
             conn.transition(ConnEvent.ESTABLISHED)
-            conn.attach(sock, decoder)
+            conn.attach(sock, decoder, session)
             self._conns[conn.peer] = conn
+            # Opened before the socket is watched: the progress thread opens the rest.
+            msgs, problem = conn.open_control(pending)
             self._progress.watch(conn)
-            for msg in pending:
-                self._on_control(conn, msg)
+            self._on_controls(conn, msgs, problem, eof=False)
             # Regions registered or released since the handshake carried ours were announced
             # only to live connections, which this one was not yet: tell the peer now.
             sent = {(r.rkey, r.addr): r for r in conn.sent_regions}
@@ -832,6 +887,7 @@ class Engine:
             removed = tuple(r for k, r in sent.items() if k not in self._exposed_map)
             if added or removed:
                 self._queue_control(conn, wire.encode(wire.Regions(add=added, remove=removed)))
+            self._queue_control(conn, wire.encode(wire.Credit(notes=self._inbox.grant)))
         self._poster.wake_if_due()
 
     def disconnect(self, peer: str) -> None:
@@ -861,6 +917,7 @@ class Engine:
             conn = self._conns.get(engine_id)
             if conn is not None and not self._closed:
                 self._fail(conn, reason)
+        self._poster.wake_if_due()
 
     @property
     def registry(self) -> Registry | None:
@@ -898,6 +955,7 @@ class Engine:
         *,
         culprit: TransferHandle | None = None,
         expected: bool = False,
+        tell: tuple[wire.ErrorCode, str] | Literal["bye"] | None = "bye",
     ) -> None:
         """Mark ``conn`` failed: flush its queue pair and fail its pending transfers.
 
@@ -905,7 +963,9 @@ class Engine:
         a caller woken by its handle already sees the state.  ``culprit`` (the transfer
         that caused the failure) gets ``error``; every other pending transfer gets
         :class:`ConnectionFailed` naming ``reason``.  ``expected`` (a peer's orderly
-        goodbye) logs at INFO instead of WARNING.
+        goodbye) logs at INFO instead of WARNING.  The peer is told, so that it does not
+        keep a connection we gave up: with ``tell="bye"`` a BYE naming ``reason``, with a
+        ``(code, message)`` an ERROR, with None nothing (the peer left already).
         """
         if conn.state in (ConnState.FAILED, ConnState.CLOSED):
             if culprit is not None and error is not None:
@@ -914,12 +974,22 @@ class Engine:
             return
         conn.transition(ConnEvent.FAIL)
         conn.failure = reason
+        self._credit_cv.notify_all()  # senders waiting for its credits give up
         log.log(
             logging.INFO if expected else logging.WARNING,
             "connection to %s failed: %s",
             conn.peer,
             reason,
         )
+        if tell is not None and conn.sock is not None:
+            text = printable(f"connection failed at {self.id}: {reason}", 1000)
+            if isinstance(tell, tuple):
+                frame = error_frame(tell[0], text)
+            else:
+                frame = wire.encode(wire.Bye(reason=text))
+            if conn.queue_control(frame):  # best effort: a peer that reads nothing is gone
+                self._outgoing.add(conn)
+                self._poster.wake_due = True  # sent once the lock is free (wake_if_due)
         if culprit is not None and error is not None:
             culprit.finish(error)
             self._handles.discard(culprit)
@@ -956,6 +1026,8 @@ class Engine:
                 log.debug("moving qp of %s to ERR failed: %s", conn.peer, exc)
         self._fail_pending(conn, ConnectionFailed(f"connection to {conn.peer} closed: {reason}"))
         conn.transition(ConnEvent.CLOSE)
+        self._credit_cv.notify_all()
+        self._inbox.closed(conn.note_key)
         self._progress.unwatch(conn)
         self._outgoing.discard(conn)
         for qpn in conn.qpns:
@@ -1468,6 +1540,8 @@ class Engine:
             try:
                 self._check_open()
                 conn.check_ready()
+                if payload is not None:  # may wait (lock released): before any id is taken
+                    self._take_credit(conn, handle.deadline, timeout)
             except HixlError:
                 for b in built:
                     self._planner.give_back(b)
@@ -2003,10 +2077,7 @@ class Engine:
     def notifications(self) -> list[Notification]:
         """Take every notification received so far (oldest first)."""
         with self._lock:
-            out = list(self._notes)
-            self._notes.clear()
-            self._note_counts.clear()
-            return out
+            return self._inbox.take_all(self._return_credits)
 
     def wait_notification(self, name: str, timeout: float, peer: str | None = None) -> Notification:
         """Wait up to ``timeout`` s for a notification called ``name`` (from ``peer``).
@@ -2019,10 +2090,11 @@ class Engine:
         deadline = time.monotonic() + timeout
         with self._notify_cv:
             while True:
-                for note in self._notes:
+                for note in self._inbox.notes:
                     if note.name == name and (peer is None or note.peer == peer):
-                        self._notes.remove(note)
-                        self._note_taken(note.peer)
+                        owed = self._inbox.take(note)
+                        if owed is not None:
+                            self._return_credits(*owed)
                         return note
                 if self._closed or self._broken is not None:
                     self._check_open()
@@ -2035,34 +2107,42 @@ class Engine:
             f"no notification {name!r}{' from ' + peer if peer else ''} within {timeout} s"
         )
 
-    def _note_taken(self, peer: str) -> None:
-        left = self._note_counts.get(peer, 1) - 1
-        if left > 0:
-            self._note_counts[peer] = left
-        else:
-            self._note_counts.pop(peer, None)
+    def _return_credits(self, key: int, credits: int) -> None:
+        """Give ``credits`` back to the connection ``key`` if it is live (lock held)."""
+        for conn in self._conns.values():
+            if conn.note_key == key:
+                if conn.state is ConnState.READY and conn.sock is not None:
+                    self._queue_control(conn, wire.encode(wire.Credit(notes=credits)))
+                return
+
+    def _take_credit(self, conn: Connection, deadline: float, timeout: float) -> None:
+        """Take one of ``conn``'s notification credits, waiting for the peer to grant one
+        until ``deadline`` (lock held; the wait releases it).
+
+        Raises :class:`TransferTimeout` naming the backlog (the connection stays up), or
+        the connection's or engine's error if either fails meanwhile.
+        """
+        while conn.credits <= 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(
+                    f"notification to {conn.peer} not sent within {timeout} s: no credit "
+                    f"left; {conn.peer} has not taken the notifications sent before (its "
+                    f"backlog: up to {conn.credit_grant or 'its grant of'} unread from us); "
+                    "the connection stays up"
+                )
+            self._credit_cv.wait(left)
+            self._check_open()
+            conn.check_ready()
+        conn.credits -= 1
 
     def _queue_note(self, conn: Connection, note: Notification) -> None:
-        """Keep a received notification, or fail its sender past a cap (caller holds lock)."""
-        queued = self._note_counts.get(note.peer, 0)
-        if queued >= self._max_notes_per_peer or len(self._notes) >= self._max_notes:
-            if queued >= self._max_notes_per_peer:
-                why = (
-                    f"{queued} notifications from {note.peer} are not taken yet "
-                    f"(max_notifications_per_peer={self._max_notes_per_peer})"
-                )
-            else:
-                why = (
-                    f"{len(self._notes)} notifications are not taken yet "
-                    f"(max_notifications={self._max_notes})"
-                )
-            reason = f"notification queue full at {self.id}: {why}; the sender is cut off"
-            if conn.state is ConnState.READY and conn.sock is not None:
-                self._queue_control(conn, error_frame(wire.ErrorCode.OVERFLOW, reason))
-            self._fail(conn, reason)
+        """Keep a received notification, or fail a sender past its credits (lock held)."""
+        overrun = self._inbox.arrive(conn.note_key, note)
+        if overrun is not None:
+            reason = f"notification queue full at {self.id}: {overrun}; the sender is cut off"
+            self._fail(conn, reason, tell=(wire.ErrorCode.OVERFLOW, reason))
             return
-        self._notes.append(note)
-        self._note_counts[note.peer] = queued + 1
         self._notify_cv.notify_all()
 
     # -- progress thread callbacks (all but the socket reads run under the lock) -----------
@@ -2111,39 +2191,74 @@ class Engine:
         except OSError as exc:
             with self._lock:
                 self._progress.unwatch(conn)
-                self._fail(conn, f"control connection lost: {exc}")
+                self._fail(conn, f"control connection lost: {exc}", tell=None)
+                self._let_go(conn, f"control connection lost: {exc}")
             return
         with self._lock:
             if conn.state is not ConnState.CLOSED and conn.sock is not None:
                 self._progress.watch(conn)  # write interest only while output is left
 
     def _read_control(self, conn: Connection) -> None:
-        """Read and handle what ``conn``'s peer sent on its control socket; never blocks."""
+        """Read and handle what ``conn``'s peer sent on its control socket; never blocks.
+
+        The bytes are decoded and each message's MAC and number checked outside the engine
+        lock (this thread owns the decoder); only the handling takes the lock.
+        """
         if conn.sock is None or conn.decoder is None:
             return
         try:
             data = conn.read_control()
         except OSError as exc:
             data = b""
-            log.debug("control socket of %s: %s", conn.peer, exc)
+            log.debug("control socket of %s: %s", conn.peer, printable(str(exc), 200))
         if data is None:
             return
+        msgs, problem = conn.take_control(data) if data else ([], None)
+        pause = conn.inflow.charge(len(data), len(msgs), time.monotonic())
+        if pause > 0:  # over its budget: not read again until it is back
+            self._progress.pause(conn, pause)
         with self._lock:
-            if conn.state is ConnState.CLOSED:
-                return
-            if not data:
-                self._progress.unwatch(conn)
-                self._fail(conn, "peer closed the control connection (process gone?)")
-                return
-            try:
-                msgs = conn.decoder.feed(data)
-            except HandshakeError as exc:
-                self._progress.unwatch(conn)
-                self._fail(conn, f"malformed control message: {exc}")
-                return
-            for msg in msgs:
-                self._on_control(conn, msg)
+            if conn.state is not ConnState.CLOSED:
+                self._on_controls(conn, msgs, problem, eof=not data)
         self._poster.wake_if_due()
+
+    def _on_controls(
+        self,
+        conn: Connection,
+        msgs: list[wire.Message],
+        problem: HandshakeError | None,
+        *,
+        eof: bool,
+    ) -> None:
+        """Handle opened control messages, then what ended the read (lock held)."""
+        for msg in msgs:
+            self._on_control(conn, msg)
+        if problem is not None:
+            self._progress.unwatch(conn)
+            if isinstance(problem, IntegrityError):
+                what = f"control message integrity check failed: {problem}"
+                code = wire.ErrorCode.INTEGRITY
+            else:
+                what = f"malformed control message: {problem}"
+                code = wire.ErrorCode.MALFORMED
+            self._fail(conn, what, tell=(code, what))
+            self._let_go(conn, what)
+        elif eof:
+            self._peer_left(conn, "peer closed the control connection (process gone?)")
+
+    def _peer_left(self, conn: Connection, reason: str, *, expected: bool = False) -> None:
+        """The peer said goodbye, gave up or closed its socket (lock held): fail ``conn``
+        and let it go if the peer connected to us."""
+        self._progress.unwatch(conn)
+        self._fail(conn, reason, expected=expected, tell=None)
+        self._let_go(conn, reason)
+
+    def _let_go(self, conn: Connection, reason: str) -> None:
+        """Release a failed connection the peer opened (lock held): its queue pairs, memory,
+        socket and ``max_peers`` slot.  A connection we opened stays, FAILED, for the
+        application to see, until it disconnects or connects again."""
+        if not conn.outbound and conn.state is ConnState.FAILED:
+            self._drop(conn, reason, send_bye=False)
 
     def _on_control(self, conn: Connection, msg: wire.Message) -> None:
         if isinstance(msg, wire.Regions):
@@ -2151,9 +2266,15 @@ class Engine:
                 conn.update_remote_regions(msg.add, msg.remove)
             except HandshakeError as exc:
                 self._progress.unwatch(conn)
-                self._fail(conn, f"bad REGIONS update: {exc}")
+                what = f"bad REGIONS update: {exc}"
+                self._fail(conn, what, tell=(wire.ErrorCode.MALFORMED, what))
+                self._let_go(conn, what)
         elif isinstance(msg, wire.Ping):
             self._queue_control(conn, wire.encode(wire.Pong(nonce=msg.nonce)))
+        elif isinstance(msg, wire.Credit):
+            conn.credits += msg.notes
+            conn.credit_grant = conn.credit_grant or msg.notes  # the first is the grant
+            self._credit_cv.notify_all()
         elif isinstance(msg, wire.Pong):
             if msg.nonce == conn.probe_nonce:
                 conn.pong_at = time.monotonic()
@@ -2164,12 +2285,13 @@ class Engine:
             # send completed here, maybe before this thread reaped it (same select round).
             self._reap_recv(self.recv_cq.poll(64))
             self._reaper.reap_send(self.send_cq.poll_rows(POLL_BATCH))
-            self._progress.unwatch(conn)
-            self._fail(conn, f"peer said goodbye: {msg.reason}", expected=True)
+            self._peer_left(conn, f"peer said goodbye: {escape(msg.reason)}", expected=True)
         elif isinstance(msg, wire.Error):
-            self._fail(conn, f"peer reported {msg.code}: {msg.message}")
+            self._peer_left(conn, f"peer reported {msg.code}: {escape(msg.message)}")
         else:
-            self._fail(conn, f"unexpected {type(msg).__name__} on the control channel")
+            what = f"unexpected {type(msg).__name__} on the control channel"
+            self._fail(conn, what, tell=(wire.ErrorCode.MALFORMED, what))
+            self._let_go(conn, what)
 
 
 class _Host:

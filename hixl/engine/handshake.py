@@ -22,6 +22,10 @@ ERROR(TIMEOUT) and closed. There are at most ``max_handshakes`` at once and
 ``max_handshakes_per_source`` from one IP address; a socket over either limit is answered
 ERROR(BUSY) and closed at once, so a client always hears why.
 
+A client whose listening id names another IP address than the one its connection comes
+from is refused with ERROR(AUTH) (unless the engine trusts peer hosts: NAT, proxies);
+the client binds its socket to its id's address to match.
+
 Nothing that depends on the token, no queue pair and no rkey exists before the client's
 INFO has passed its proof check and the engine has admitted the peer (``max_peers``, and
 no live connection under the same id). A READY connection keeps its id: a handshake
@@ -47,7 +51,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hixl.core import wire
-from hixl.core.handshake import ClientHandshake, ServerHandshake
+from hixl.core.handshake import ClientHandshake, ServerHandshake, claim_mismatch, source_for
 from hixl.engine.locks import assert_unlocked
 from hixl.errors import (
     AuthenticationError,
@@ -70,6 +74,7 @@ __all__ = [
     "Incoming",
     "Listener",
     "client_handshake",
+    "escape",
     "printable",
 ]
 
@@ -91,6 +96,14 @@ Abort = Callable[[], str | None]
 def printable(text: str, limit: int) -> str:
     """``text`` cut to ``limit`` characters with anything the wire refuses replaced."""
     return "".join(c if c.isprintable() or c in "\t\n" else "?" for c in text[:limit])
+
+
+def escape(text: str, limit: int = 300) -> str:
+    """Peer text made safe for one log line: anything not printable (newlines too)
+    backslash-escaped, cut to ``limit`` characters."""
+    cut = text[:limit]
+    out = cut if cut.isprintable() else cut.encode("unicode_escape").decode("ascii")
+    return out + ("..." if len(text) > limit else "")
 
 
 def error_frame(code: wire.ErrorCode, message: str) -> bytes:
@@ -198,13 +211,22 @@ def client_handshake(
 
 
 def _dial(
-    peer: str, address: tuple[str, int], deadline: float, abort: Abort | None
+    peer: str,
+    address: tuple[str, int],
+    deadline: float,
+    abort: Abort | None,
+    source: str | None = None,
 ) -> socket.socket:
-    """A connected TCP socket to ``address`` (blocking mode), within ``deadline``."""
+    """A connected TCP socket to ``address`` (blocking mode), within ``deadline``, bound
+    to the local address ``source`` when given."""
     left = deadline - time.monotonic()
     if abort is None:
         try:
-            return socket.create_connection(address, timeout=max(0.01, left))
+            return socket.create_connection(
+                address,
+                timeout=max(0.01, left),
+                source_address=None if source is None else (source, 0),
+            )
         except TimeoutError as exc:
             raise TransferTimeout(f"connect to {peer}: no answer within the deadline") from exc
         except OSError as exc:
@@ -217,6 +239,8 @@ def _dial(
     for family, kind, proto, _, sockaddr in infos:  # like create_connection, one at a time
         sock = socket.socket(family, kind, proto)
         try:
+            if source is not None:
+                sock.bind((source, 0))
             sock.setblocking(False)
             err = sock.connect_ex(sockaddr)
             while err in (errno.EINPROGRESS, errno.EALREADY, errno.EWOULDBLOCK):
@@ -246,19 +270,19 @@ def _client_attempt(
     deadline: float,
     abort: Abort | None,
 ) -> Connection:
-    sock = _dial(peer, address, deadline, abort)
+    sock = _dial(peer, address, deadline, abort, source_for(engine.id, address[0]))
     conn: Connection | None = None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         chan = Channel(sock, peer, abort)
-        hs = ClientHandshake(engine.id, token, peer=peer)
+        hs = ClientHandshake(engine.id, token, peer=peer, expect_id=peer)
         chan.send(hs.hello, deadline)
         hs.on_challenge(chan.expect(wire.Challenge, deadline))
         conn = engine._new_connection(peer, outbound=True)
         chan.send(hs.info(conn.local_info(wire.Info, b"", engine._exposed())), deadline)
         conn.establish(hs.on_accept(chan.expect(wire.Accept, deadline)))
         chan.send(hs.ready(), deadline)
-        engine._adopt(conn, chan.sock, chan.decoder, list(chan.pending))
+        engine._adopt(conn, chan.sock, chan.decoder, list(chan.pending), hs.session())
         return conn
     except BaseException:
         if conn is not None:
@@ -347,6 +371,7 @@ class Listener:
         max_handshakes: int,
         max_per_source: int,
         timeout: float,
+        trust_hosts: bool = False,
     ) -> None:
         self._engine = engine
         self._sock = sock
@@ -354,6 +379,8 @@ class Listener:
         self._unregister = unregister
         self.max_handshakes = max_handshakes
         self.max_per_source = max_per_source
+        # Whether a client's id may name another host than its connection's source.
+        self.trust_hosts = trust_hosts
         self._timeout = timeout
         self._pending: dict[socket.socket, Incoming] = {}
         self._per_source: dict[str, int] = {}
@@ -463,7 +490,7 @@ class Listener:
 
     def _step(self, inc: Incoming, msg: wire.Message) -> None:
         if isinstance(msg, wire.Error):
-            self._finish(inc, f"{inc.peer} gave up: {msg.code}: {msg.message}")
+            self._finish(inc, f"{inc.peer} gave up: {msg.code}: {escape(msg.message)}")
             return
         try:
             if inc.expect == "HELLO":
@@ -476,6 +503,10 @@ class Listener:
                 self._send(inc, wire.encode(challenge))
             elif inc.expect == "INFO":
                 inc.info = inc.hs.on_info(wire.expect(msg, wire.Info))
+                problem = None if self.trust_hosts else claim_mismatch(inc.peer, inc.source)
+                if problem is not None:
+                    self._refuse(inc, wire.ErrorCode.AUTH, problem)
+                    return
                 self._admit(inc)
             else:
                 raise HandshakeError(f"expected {inc.expect}, got {msg.TYPE.name}")
@@ -519,7 +550,7 @@ class Listener:
         self._forget(inc)
         conn, inc.conn = inc.conn, None
         try:
-            self._engine._adopt(conn, inc.sock, inc.decoder, rest)
+            self._engine._adopt(conn, inc.sock, inc.decoder, rest, inc.hs.session())
         except HixlError as exc:
             log.info("handshake from %s: not adopted: %s", inc.peer, exc)
             self._engine._discard(conn)

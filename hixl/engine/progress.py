@@ -30,6 +30,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
+from hixl.core.states import ConnState
 from hixl.engine.handshake import Incoming
 from hixl.engine.locks import assert_unlocked
 from hixl.engine.posting import POLL_BATCH
@@ -91,6 +92,8 @@ class Progress:
         self._wake_w.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._stop = threading.Event()
+        # Control sockets not read until then (monotonic), see pause().
+        self._paused: dict[Connection, float] = {}
         self.sleeping = False  # in select(), or about to be
         self._next_expiry_check = 0.0
         self._next_sweep = 0.0
@@ -118,18 +121,45 @@ class Progress:
             self._wake_w.send(b"\0")
 
     def watch(self, conn: Connection) -> None:
-        """Watch ``conn``'s control socket (for reading, and writing while it has output)."""
+        """Watch ``conn``'s control socket (for reading unless paused, and writing while it
+        has output)."""
         assert conn.sock is not None
-        mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.wants_write else 0)
+        read = 0 if conn in self._paused else selectors.EVENT_READ
+        mask = read | (selectors.EVENT_WRITE if conn.wants_write else 0)
+        if not mask:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn.sock)
+            return
         try:
             self._selector.modify(conn.sock, mask, conn)
         except KeyError:
             self._selector.register(conn.sock, mask, conn)
 
     def unwatch(self, conn: Connection) -> None:
+        self._paused.pop(conn, None)
         if conn.sock is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(conn.sock)
+
+    def pause(self, conn: Connection, seconds: float) -> None:
+        """Stop reading ``conn``'s control socket for ``seconds`` (its peer went over its
+        budget, see ``Connection.inflow``).  Progress thread only."""
+        self._paused[conn] = time.monotonic() + seconds
+        if conn.sock is not None:
+            self.watch(conn)
+
+    def _resume(self, engine: Engine, now: float) -> float | None:
+        """Read again the sockets whose pause is over; the next pause's end, if any."""
+        later = None
+        for conn, until in list(self._paused.items()):
+            if until > now:
+                later = until if later is None else min(later, until)
+                continue
+            del self._paused[conn]
+            with engine._lock:
+                if conn.sock is not None and conn.state is not ConnState.CLOSED:
+                    self.watch(conn)
+        return later
 
     def register(self, sock: socket.socket, data: object, mask: int) -> None:
         """Watch ``sock`` for ``mask`` with ``data`` as its key data (a handshake)."""
@@ -195,6 +225,10 @@ class Progress:
             if incoming is not None and incoming.pending and now >= self._next_sweep:
                 incoming.sweep(now)  # handshake deadlines and liveness probes
                 self._next_sweep = now + SWEEP_EVERY
+            if self._paused:
+                later = self._resume(engine, now)
+                if later is not None:
+                    timeout = min(timeout, max(0.0, later - now))
             # Control messages queued under the lock during this round (answers, region
             # updates, connections dropped) are sent once it is free: wake this thread's
             # own selector rather than sleep on them.

@@ -16,6 +16,7 @@ import socket
 import time
 
 from hixl.core import wire
+from hixl.core.seal import Sealer, session_keys
 
 __all__ = ["RawClient", "accepted", "errors", "fake_info", "raw_handshake"]
 
@@ -38,6 +39,8 @@ class RawClient:
         self.received: list[wire.Message] = []
         self.timeout = timeout
         self.info_sent: float | None = None
+        self.hello: wire.Hello | None = None
+        self.info: wire.Info | None = None
         self._taken = 0
 
     def __enter__(self) -> RawClient:
@@ -68,6 +71,15 @@ class RawClient:
             if not data:
                 return None
             self.received.extend(self.decoder.feed(data))
+
+    def sealer(self) -> Sealer:
+        """The sealer of a handshake the server ACCEPTed without a token: anyone who saw
+        the handshake can derive it (there is no authenticity without a token)."""
+        challenge = next(m for m in self.received if isinstance(m, wire.Challenge))
+        accept = next(m for m in self.received if isinstance(m, wire.Accept))
+        assert self.hello is not None and self.info is not None
+        client_to_server, _ = session_keys(None, self.hello, challenge, self.info, accept)
+        return Sealer(client_to_server)
 
     def close(self) -> None:
         self.sock.close()
@@ -107,11 +119,13 @@ def raw_handshake(
     """
     c = RawClient(target, source, timeout + hold)
     try:
-        c.send(wire.Hello(engine_id=claim, nonce=wire.make_nonce()))
+        c.hello = wire.Hello(engine_id=claim, nonce=wire.make_nonce())
+        c.send(c.hello)
         if isinstance(c.recv(), wire.Challenge):
             time.sleep(hold)
             c.info_sent = time.monotonic()
-            c.send(fake_info(gid, proof))
+            c.info = fake_info(gid, proof)
+            c.send(c.info)
             if isinstance(c.recv(), wire.Accept):
                 c.send(wire.Ready())
     except BaseException:

@@ -20,7 +20,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from hixl.core import wire
-from hixl.core.handshake import ClientHandshake, ServerHandshake, client_proof, server_proof
+from hixl.core.handshake import (
+    ClientHandshake,
+    ServerHandshake,
+    claim_mismatch,
+    client_proof,
+    server_proof,
+    source_for,
+)
 from hixl.errors import AuthenticationError, HandshakeError
 
 PROPS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -395,3 +402,52 @@ def test_proof_is_hmac_sha256_over_the_length_prefixed_frames() -> None:
         client_proof(b"", hello, ch, info)
     with pytest.raises(ValueError, match="token must be non-empty bytes"):
         ClientHandshake("10.0.0.2:0~1", b"")
+
+
+# --------------------------------------------------------------------------- claimed ids
+
+
+@pytest.mark.parametrize(
+    ("claim", "source", "refused"),
+    [
+        ("10.0.0.2:5000", "10.0.0.2", False),
+        ("10.0.0.2:5000", "10.0.0.9", True),
+        ("10.0.0.2:5000", "::ffff:10.0.0.2", False),
+        ("127.0.0.5:5000", "127.0.0.1", True),
+        ("0.0.0.0:5000", "10.0.0.2", True),
+        ("[fe80::1%eth0]:5000", "fe80::1", False),
+        ("10.0.0.2:0~ab", "10.0.0.9", False),  # does not listen
+        ("node-b:5000", "10.0.0.9", False),  # a host name: not looked up
+    ],
+)
+def test_a_listening_id_must_name_the_connections_source(
+    claim: str, source: str, refused: bool
+) -> None:
+    problem = claim_mismatch(claim, source)
+    assert (problem is not None) == refused, problem
+    if problem is not None:
+        assert claim in problem and source in problem and "trust_peer_hosts" in problem
+
+
+@pytest.mark.parametrize(
+    ("own", "dest", "bound"),
+    [
+        ("10.0.0.2:5000", "10.0.0.1", "10.0.0.2"),
+        ("127.0.0.5:5000", "127.0.0.1", "127.0.0.5"),
+        ("127.0.0.5:5000", "10.0.0.1", None),  # loopback cannot reach another host
+        ("10.0.0.2:0~ab", "10.0.0.1", None),
+        ("0.0.0.0:5000", "10.0.0.1", None),
+        ("10.0.0.2:5000", "fe80::1", None),
+        ("node-b:5000", "10.0.0.1", None),
+    ],
+)
+def test_client_binds_its_ids_address_when_it_can(own: str, dest: str, bound: str | None) -> None:
+    assert source_for(own, dest) == bound
+
+
+def test_peer_text_is_escaped_for_one_log_line() -> None:
+    from hixl.engine.handshake import escape
+
+    assert escape("plain text") == "plain text"
+    assert escape("forged\nINFO all is well\x1b[2J") == "forged\\nINFO all is well\\x1b[2J"
+    assert escape("x" * 400) == "x" * 300 + "..."
