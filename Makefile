@@ -24,7 +24,7 @@ test-registry:
 # `hixl run` uses the host's rxe when there is one and boots the VM otherwise.
 # HIXL_REQUIRE_RDMA=1 turns a missing device into a failure, never a skip.
 test-rdma:
-	HIXL_REQUIRE_RDMA=1 $(HIXL) run -- $(PY) -m pytest -p no:cacheprovider tests/rdma -q
+	HIXL_REQUIRE_RDMA=1 $(HIXL) run -- $(PY) -m pytest -p no:cacheprovider tests/rdma -q --durations=12
 
 ## wheel-check: the wheel in a fresh venv with hixl[vm] (no system packages, so no pyverbs):
 ## `hixl doctor` must find a path to run on, and the README's first example runs there

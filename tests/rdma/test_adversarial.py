@@ -43,7 +43,7 @@ from hixl import (
     TransferRequest,
     TransferTimeout,
 )
-from hixl.core import wire
+from hixl.core import seal, wire
 from hixl.testbed.net import free_tcp_port
 from hixl.testbed.rawpeer import accepted, errors, raw_handshake
 
@@ -601,10 +601,50 @@ def test_connect_raises_only_hixl_errors(client: Engine, behaviour: str) -> None
     assert elapsed < 2.5, f"connect(timeout=1.5) took {elapsed:.2f} s"
 
 
+class ResealingRkeyTamper:
+    """A man in the middle of a connection without a token: it rewrites the region key in
+    ACCEPT, then re-seals every later control message under the keys each end derived
+    from the transcript it saw. Without a token those keys come from public values only,
+    so neither end can notice (see :mod:`hixl.core.seal`)."""
+
+    def __init__(self) -> None:
+        self.seen: list[wire.Message] = []  # HELLO, CHALLENGE, INFO, ACCEPT as sent
+        self.forged: wire.Message | None = None
+        self.keys: dict[str, tuple[bytes, bytes]] = {}  # way -> (key checked, key re-sealed)
+
+    def _derive(self) -> None:
+        hello, challenge, info, accept = self.seen
+        assert isinstance(hello, wire.Hello) and isinstance(challenge, wire.Challenge)
+        assert isinstance(info, wire.Info) and isinstance(accept, wire.Accept)
+        assert isinstance(self.forged, wire.Accept)
+        server_cs, server_sc = seal.session_keys(None, hello, challenge, info, accept)
+        client_cs, client_sc = seal.session_keys(None, hello, challenge, info, self.forged)
+        self.keys = {"up": (client_cs, server_cs), "down": (server_sc, client_sc)}
+
+    def __call__(self, way: str, msg: wire.Message) -> wire.Message:
+        if isinstance(msg, wire.Hello | wire.Challenge | wire.Info | wire.Accept):
+            self.seen.append(msg)
+            if isinstance(msg, wire.Accept):
+                self.forged = _bad_rkey(msg)
+                return self.forged
+            return msg
+        if not isinstance(msg, wire.Sealed):
+            return msg
+        if not self.keys:
+            self._derive()
+        checked, resealed = self.keys[way]
+        opener = seal.Opener(checked)
+        opener.seq = msg.seq
+        opener.open(msg)  # the original is genuine under its sender's key
+        sealer = seal.Sealer(resealed)
+        sealer.seq = msg.seq
+        return wire.decode(sealer.seal(msg.frame))
+
+
 def test_first_failing_request_reports_its_own_status(server: Engine, client: Engine) -> None:
-    # A peer that announces a wrong key (here a proxy rewrites it, no token to notice):
-    # every work request of the put fails, and the first one is not signaled.
-    proxy = Proxy(server.id, _tamperer("accept-rkey"))
+    # A peer that announces a wrong key (here a proxy rewrites it; without a token nobody
+    # can notice): every work request of the put fails, and the first one is not signaled.
+    proxy = Proxy(server.id, ResealingRkeyTamper())
     try:
         src = client.register(np.ones(1 << 16, np.uint8), access=Access.NONE)
         client.connect(server.id, timeout=10, address=proxy.id)
