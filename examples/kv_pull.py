@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 from typing import Any
 
 import numpy as np
+from kv_roles import done, parse_args, ready, requests, start_child, tell
 
 from hixl import Engine, TransferTimeout
 
@@ -54,16 +53,11 @@ def prefill(args: argparse.Namespace) -> int:
     free = list(range(args.num_blocks))
     with Engine(f"127.0.0.1:{args.port}") as engine:
         kv = engine.register_kv("prefill", layers, block_axis=1, heads_axis=3)
-        child = subprocess.Popen(
-            [sys.executable, __file__, "--role", "decode", "--peer", engine.id, *_shape(args)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert child.stdin is not None and child.stdout is not None
-        if child.stdout.readline().strip() != "ready":  # decode connected: leases start now
+        child = start_child(__file__, args, "decode", engine.id)
+        if child is None:
             print("prefill: decode did not start")
             return 1
+        # decode has connected: leases start now
         leases: dict[str, tuple[list[int], float]] = {}
         rng = np.random.default_rng(0)
         for r in range(args.requests):
@@ -73,10 +67,8 @@ def prefill(args: argparse.Namespace) -> int:
                     t[:, b] = block_value(r, layer, b)
             rid = f"req-{r}"
             leases[rid] = (blocks, time.monotonic() + args.lease)
-            child.stdin.write(json.dumps({"request": rid, "blocks": blocks}) + "\n")
-            child.stdin.flush()
-        child.stdin.write(json.dumps({"done": True}) + "\n")
-        child.stdin.close()
+            tell(child, rid, blocks)
+        done(child)
         freed_by = {}
         while leases:
             soonest = min(d for _, d in leases.values())
@@ -96,6 +88,7 @@ def prefill(args: argparse.Namespace) -> int:
             if leases and soonest > now:
                 time.sleep(min(0.05, soonest - now))
         decode_ok = child.wait(timeout=60) == 0
+        assert child.stdout is not None
         print(f"prefill: {json.dumps(freed_by)}; decode output: {child.stdout.read().strip()}")
         kv.close()
     last = f"req-{args.requests - 1}"
@@ -116,13 +109,8 @@ def decode(args: argparse.Namespace) -> int:
     with Engine("127.0.0.1:0") as engine:
         kv = engine.register_kv("decode", layers, block_axis=1, heads_axis=3)
         engine.connect(args.peer, timeout=30)
-        print("ready", flush=True)
-        for line in sys.stdin:
-            msg = json.loads(line)
-            if msg.get("done"):
-                break
-            rid, theirs = msg["request"], msg["blocks"]
-            r = int(rid.removeprefix("req-"))
+        ready()
+        for rid, r, theirs in requests():
             if r == args.requests - 1:
                 continue  # abandoned (a cancelled request): prefill's lease frees it
             mine = [free.pop() for _ in theirs]
@@ -136,36 +124,11 @@ def decode(args: argparse.Namespace) -> int:
     return 0 if bad == 0 else 1
 
 
-def _shape(args: argparse.Namespace) -> list[str]:
-    return [
-        "--requests",
-        str(args.requests),
-        "--layers",
-        str(args.layers),
-        "--blocks",
-        str(args.blocks),
-        "--num-blocks",
-        str(args.num_blocks),
-    ]
-
-
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--role", choices=("prefill", "decode"), default="prefill")
-    p.add_argument("--peer", help="decode: the prefill engine's id")
-    p.add_argument("--port", type=int, default=None, help="prefill: listen port (default: any)")
-    p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--blocks", type=int, default=6, help="blocks per request")
-    p.add_argument("--num-blocks", type=int, default=64, help="blocks per cache")
-    p.add_argument("--lease", type=float, default=3.0, help="prefill: lease seconds")
-    args = p.parse_args()
-    if args.role == "decode" and not args.peer:
-        p.error("--role decode needs --peer")
-    if args.role == "prefill" and args.port is None:
-        from hixl.testbed.net import free_tcp_port
+    def lease(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--lease", type=float, default=3.0, help="prefill: lease seconds")
 
-        args.port = free_tcp_port()
+    args = parse_args(__doc__, "prefill", "decode", lease)
     return prefill(args) if args.role == "prefill" else decode(args)
 
 

@@ -25,12 +25,10 @@ Each process exits 0 only when everything it checked is right.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 from typing import Any
 
 import numpy as np
+from kv_roles import done, parse_args, ready, requests, start_child, tell
 
 from hixl import Engine, TransferHandle
 
@@ -54,14 +52,8 @@ def decode(args: argparse.Namespace) -> int:
     bad = 0
     with Engine(f"127.0.0.1:{args.port}") as engine:
         engine.register_kv("decode", tensors, heads_axis=2)
-        child = subprocess.Popen(
-            [sys.executable, __file__, "--role", "prefill", "--peer", engine.id, *_shape(args)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert child.stdin is not None and child.stdout is not None
-        if child.stdout.readline().strip() != "ready":
+        child = start_child(__file__, args, "prefill", engine.id)
+        if child is None:
             print("decode: prefill did not start")
             return 1
         rng = np.random.default_rng(1)
@@ -70,10 +62,8 @@ def decode(args: argparse.Namespace) -> int:
             mine = [free.pop(int(rng.integers(len(free)))) for _ in range(args.blocks)]
             rid = f"req-{r}"
             pending[rid] = mine
-            child.stdin.write(json.dumps({"request": rid, "blocks": mine}) + "\n")
-            child.stdin.flush()
-        child.stdin.write(json.dumps({"done": True}) + "\n")
-        child.stdin.close()
+            tell(child, rid, mine)
+        done(child)
         for rid, mine in pending.items():
             engine.wait_notification(rid, timeout=60)  # every layer of it has landed
             r = int(rid.removeprefix("req-"))
@@ -93,13 +83,8 @@ def prefill(args: argparse.Namespace) -> int:
     with Engine("127.0.0.1:0") as engine:
         kv = engine.register_kv("prefill", tensors, heads_axis=2)
         engine.connect(args.peer, timeout=30)
-        print("ready", flush=True)
-        for line in sys.stdin:
-            msg = json.loads(line)
-            if msg.get("done"):
-                break
-            rid, theirs = msg["request"], msg["blocks"]
-            r = int(rid.removeprefix("req-"))
+        ready()
+        for rid, r, theirs in requests():
             mine = [free.pop() for _ in theirs]
             handles: list[TransferHandle] = []
             for layer in range(args.layers):
@@ -125,35 +110,8 @@ def prefill(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shape(args: argparse.Namespace) -> list[str]:
-    return [
-        "--requests",
-        str(args.requests),
-        "--layers",
-        str(args.layers),
-        "--blocks",
-        str(args.blocks),
-        "--num-blocks",
-        str(args.num_blocks),
-    ]
-
-
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--role", choices=("prefill", "decode"), default="decode")
-    p.add_argument("--peer", help="prefill: the decode engine's id")
-    p.add_argument("--port", type=int, default=None, help="decode: listen port (default: any)")
-    p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--blocks", type=int, default=6, help="blocks per request")
-    p.add_argument("--num-blocks", type=int, default=64, help="blocks per cache")
-    args = p.parse_args()
-    if args.role == "prefill" and not args.peer:
-        p.error("--role prefill needs --peer")
-    if args.role == "decode" and args.port is None:
-        from hixl.testbed.net import free_tcp_port
-
-        args.port = free_tcp_port()
+    args = parse_args(__doc__, "decode", "prefill")
     return decode(args) if args.role == "decode" else prefill(args)
 
 

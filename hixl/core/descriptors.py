@@ -55,6 +55,7 @@ __all__ = [
     "StridedDesc",
     "as_segments",
     "desc_from_view",
+    "fold_dims",
     "normalize_alignment",
 ]
 
@@ -71,8 +72,9 @@ MAX_SEGMENTS = 1 << 26
 # --------------------------------------------------------------------------- helpers
 
 
-def _int(name: str, value: object, minimum: int | None = None) -> int:
-    """``value`` as a Python int (numpy integers accepted, bool and float refused)."""
+def _int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as a Python int (numpy integers accepted, bool and float refused), at
+    least ``minimum`` and at most ``maximum`` (when given) and never above ``INT64_MAX``."""
     if isinstance(value, bool | np.bool_):
         raise DescriptorError(f"{name} must be an integer, got bool {value!r}")
     try:
@@ -83,9 +85,35 @@ def _int(name: str, value: object, minimum: int | None = None) -> int:
         ) from None
     if minimum is not None and result < minimum:
         raise DescriptorError(f"{name} must be >= {minimum}, got {result}")
+    if maximum is not None and result > maximum:
+        raise DescriptorError(f"{name} must be <= {maximum}, got {result}")
     if result > INT64_MAX:
         raise DescriptorError(f"{name}={result} exceeds the int64 limit {INT64_MAX}")
     return result
+
+
+def fold_dims(dims: Iterable[tuple[int, int]], size: int) -> tuple[list[tuple[int, int]], int]:
+    """The fewest, largest elements of a stream of ``size``-byte elements over ``dims``
+    (``(extent, byte stride)`` pairs, outermost first): extents of 1 dropped, an innermost
+    dimension whose stride equals the element size folded into it, and dimensions ``j,
+    j+1`` fused when ``stride[j] == extent[j+1] * stride[j+1]``.  The stream of bytes is
+    unchanged.  Returns the remaining dimensions and the element size."""
+    live = [(n, s) for n, s in dims if n > 1]
+    changed = True
+    while changed:
+        changed = False
+        if live and live[-1][1] == size:
+            size *= live.pop()[0]
+            changed = True
+        j = 0
+        while j + 1 < len(live):
+            (n0, s0), (n1, s1) = live[j], live[j + 1]
+            if s0 == n1 * s1:
+                live[j : j + 2] = [(n0 * n1, s1)]
+                changed = True
+            else:
+                j += 1
+    return live, size
 
 
 _set = object.__setattr__  # a frozen dataclass's own __init__ writes fields this way
@@ -549,22 +577,7 @@ class NdStridedDesc:
         shape[j+1] * strides[j+1]``. The stream is unchanged; its elements may be fewer
         and larger (so the alignment policy then applies to the larger elements).
         """
-        dims = [(n, s) for n, s in zip(self.shape, self.strides, strict=True) if n > 1]
-        size = self.size
-        changed = True
-        while changed:
-            changed = False
-            if dims and dims[-1][1] == size:
-                size *= dims.pop()[0]
-                changed = True
-            j = 0
-            while j + 1 < len(dims):
-                (n0, s0), (n1, s1) = dims[j], dims[j + 1]
-                if s0 == n1 * s1:
-                    dims[j : j + 2] = [(n0 * n1, s1)]
-                    changed = True
-                else:
-                    j += 1
+        dims, size = fold_dims(zip(self.shape, self.strides, strict=True), self.size)
         return NdStridedDesc(
             offset=self.offset,
             shape=tuple(n for n, _ in dims),

@@ -39,7 +39,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +46,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from hixl.core.descriptors import INT64_MAX, Segments
+from hixl.core.descriptors import INT64_MAX, Segments, _int, fold_dims
 from hixl.core.plan import DEFAULT_LIMITS, DeviceLimits, Op, Plan, plan_transfer
 from hixl.errors import DescriptorError
 
@@ -79,24 +78,10 @@ _MAX_DTYPE = 32
 _GEOMETRY_VERSION = 1
 
 
-def _int(where: str, value: object, lo: int = 0, hi: int = INT64_MAX) -> int:
-    if isinstance(value, bool | np.bool_):
-        raise DescriptorError(f"{where} must be an integer, got bool {value!r}")
-    try:
-        out = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise DescriptorError(
-            f"{where} must be an integer, got {type(value).__name__} {value!r}"
-        ) from None
-    if not lo <= out <= hi:
-        raise DescriptorError(f"{where}={out} is outside [{lo}, {hi}]")
-    return out
-
-
-def _ints(where: str, values: object, lo: int, hi: int = INT64_MAX) -> tuple[int, ...]:
+def _ints(where: str, values: object, lo: int) -> tuple[int, ...]:
     if not isinstance(values, list | tuple):
         raise DescriptorError(f"{where} must be a list of integers, got {type(values).__name__}")
-    return tuple(_int(f"{where}[{i}]", v, lo, hi) for i, v in enumerate(values))
+    return tuple(_int(f"{where}[{i}]", v, lo) for i, v in enumerate(values))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,7 +125,7 @@ class TensorGeometry:
             )
         _set(self, "shape", shape)
         _set(self, "strides", strides)
-        _set(self, "offset", _int("offset", self.offset))
+        _set(self, "offset", _int("offset", self.offset, 0))
         _set(self, "region", _int("region", self.region, 0, MAX_TENSORS))
         ndim = len(shape)
         block_axis = _int("block_axis", self.block_axis, -ndim, ndim - 1) % ndim
@@ -326,8 +311,8 @@ class BlockPattern:
 def _heads(where: str, heads: object, num_heads: int) -> tuple[int, int]:
     if not isinstance(heads, tuple | list) or len(heads) != 2:
         raise DescriptorError(f"{where} must be a (start, stop) pair, got {heads!r}")
-    start = _int(f"{where} start", heads[0])
-    stop = _int(f"{where} stop", heads[1])
+    start = _int(f"{where} start", heads[0], 0)
+    stop = _int(f"{where} stop", heads[1], 0)
     if not 0 <= start < stop <= num_heads:
         raise DescriptorError(
             f"{where}={(start, stop)} is not a non-empty range inside [0, {num_heads}) heads"
@@ -374,24 +359,7 @@ def _pattern(
             n = heads[1] - heads[0]
         dims.append((n, s))
     dims_shape = tuple(n for n, _ in dims)
-    # Fewest pieces: drop extents of 1, fold an innermost contiguous axis into the piece,
-    # fuse an axis into its outer neighbour when it continues it.
-    size = itemsize
-    live = [(n, s) for n, s in dims if n > 1]
-    changed = True
-    while changed:
-        changed = False
-        if live and live[-1][1] == size:
-            size *= live.pop()[0]
-            changed = True
-        j = 0
-        while j + 1 < len(live):
-            (n0, s0), (n1, s1) = live[j], live[j + 1]
-            if s0 == n1 * s1:
-                live[j : j + 2] = [(n0 * n1, s1)]
-                changed = True
-            else:
-                j += 1
+    live, size = fold_dims(dims, itemsize)  # the fewest, largest pieces
     offs = np.array([base], dtype=np.int64)
     for n, s in live:
         offs = (offs[:, None] + np.arange(n, dtype=np.int64) * np.int64(s)).ravel()
@@ -626,8 +594,8 @@ def pair_tensors(
     seen: set[int] = set()
     seen_remote: set[int] = set()
     for i, j in zip(chosen, theirs, strict=True):
-        idx = _int("tensor index", i)
-        rdx = _int("remote tensor index", j)
+        idx = _int("tensor index", i, 0)
+        rdx = _int("remote tensor index", j, 0)
         if idx >= len(local.tensors) or rdx >= len(remote.tensors):
             raise DescriptorError(
                 f"tensor {idx} (peer's {rdx}) is outside the caches ({len(local.tensors)} "
