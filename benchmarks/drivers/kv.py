@@ -121,7 +121,7 @@ def one_request(
     f0 = _faults()
     c0 = time.thread_time()
     t0 = time.perf_counter()
-    chain, nbytes, key, _, _ = build_request(
+    chain, nbytes, key, _, _, _ = build_request(
         Op.WRITE,
         f["local"],
         f["lreg"],

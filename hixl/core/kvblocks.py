@@ -48,7 +48,7 @@ import numpy.typing as npt
 
 from hixl.core.descriptors import INT64_MAX, Segments, _int, fold_dims
 from hixl.core.plan import DEFAULT_LIMITS, DeviceLimits, Op, Plan, plan_transfer
-from hixl.errors import DescriptorError
+from hixl.errors import AlignmentError, DescriptorError
 
 __all__ = [
     "BlockPattern",
@@ -60,6 +60,8 @@ __all__ = [
     "Tile",
     "block_ids",
     "block_pattern",
+    "check_alignment",
+    "landed_blocks",
     "pair_tensors",
     "plan_blocks",
     "plan_request",
@@ -368,6 +370,30 @@ def _pattern(
     return BlockPattern(dims_shape, offs, size, strides[block_axis], nbytes)
 
 
+def check_alignment(geometry: KVGeometry, alignment: int | None, where: str = "") -> None:
+    """Apply an engine's alignment policy to a cache's blocks: every block must start on a
+    multiple of ``alignment`` bytes from the start of its region, so each tensor's start
+    (``offset``) and, with more than one block, its block stride must be multiples of it.
+    The pieces inside a block (its K and V planes, token rows, a head range) follow the
+    tensor's own layout and are not checked. ``None`` (the policy off) checks nothing.
+    Raises :class:`AlignmentError` naming the first tensor that breaks the policy;
+    ``where`` prefixes the message."""
+    if not alignment:
+        return
+    for i, t in enumerate(geometry.tensors):
+        if t.offset % alignment:
+            what = f"starts at offset {t.offset} in its region"
+        elif t.num_blocks > 1 and t.block_stride % alignment:
+            what = f"has a block stride of {t.block_stride} bytes"
+        else:
+            continue
+        raise AlignmentError(
+            f"{where}tensor {i} {what}, not a multiple of the alignment policy {alignment} "
+            "bytes: its blocks would start off the policy (Engine(alignment=None) turns the "
+            "check off)"
+        )
+
+
 def block_ids(where: str, ids: object, num_blocks: int) -> I64Array:
     """``ids`` as a 1-D int64 array of block ids in ``[0, num_blocks)``; raises
     :class:`DescriptorError` naming the first bad entry."""
@@ -451,13 +477,23 @@ def _run_plan(
 class Tile:
     """One plan laid out ``n`` times: copy ``i`` has its local offsets shifted to
     ``local_base[i]`` and its remote offsets to ``remote_base[i]`` (absolute addresses),
-    with keys ``local_key[i]``/``remote_key[i]``. All arrays are int64 of length ``n``."""
+    with keys ``local_key[i]``/``remote_key[i]``. All arrays are int64 of length ``n``.
+
+    The plan moves a run of ``run_length`` blocks of one tensor pair (``remote_pattern``
+    is the remote tensor's block). Copies go run by run, each run's tensors together:
+    copy ``i`` moves the run that starts at position ``positions[i // tensors]`` of the
+    request's block lists, of its ``i % tensors``-th tensor (``tensors = n //
+    positions.size``). Tiles made by hand may leave ``positions`` out; the request's
+    landed blocks are then unknown."""
 
     plan: Plan
     local_base: I64Array
     remote_base: I64Array
     local_key: I64Array
     remote_key: I64Array
+    positions: I64Array | None = None
+    run_length: int = 1
+    remote_pattern: BlockPattern | None = None
 
     @property
     def copies(self) -> int:
@@ -517,7 +553,11 @@ def plan_request(
     requests wherever both sides are contiguous across them); the plan of ``L`` blocks
     of a pair of patterns is made once and cached, and laid out for every run of that
     length of every tensor with those patterns. Pairs that are not consecutive on both
-    sides are never fused."""
+    sides are never fused.
+
+    The chain goes run by run (all tensors of a run, then the next run; runs of one
+    length together), so a request that fails part way has whole blocks behind it
+    (:func:`landed_blocks`)."""
     start, length = runs(local_ids, remote_ids)
     lstart, rstart = local_ids[start], remote_ids[start]
     by_length: dict[int, I64Array] = {}
@@ -543,10 +583,13 @@ def plan_request(
             tiles.append(
                 Tile(
                     p,
-                    (lb[:, None] + lo[None, :]).ravel(),
-                    (rb[:, None] + ro[None, :]).ravel(),
-                    np.repeat(lk, m),
-                    np.repeat(rk, m),
+                    (lo[:, None] + lb[None, :]).ravel(),
+                    (ro[:, None] + rb[None, :]).ravel(),
+                    np.tile(lk, m),
+                    np.tile(rk, m),
+                    start[which],
+                    L,
+                    rp,
                 )
             )
             copies = len(members) * m
@@ -556,6 +599,57 @@ def plan_request(
             lo_len, hi_len = p.sge_length_range
             shortest, longest = min(shortest, lo_len), max(longest, hi_len)
     return RequestPlan(tuple(tiles), num_wrs, num_sges, nbytes, (shortest, longest))
+
+
+def _wr_blocks(plan: Plan, remote: BlockPattern, length: int) -> tuple[I64Array, I64Array]:
+    """For each WR of ``plan`` (a run of ``length`` blocks): the first and last block of
+    the run (0-based) whose bytes it carries, found from its remote range."""
+    pieces = remote.offsets.size
+    starts = (
+        np.arange(length, dtype=np.int64)[:, None] * np.int64(remote.block_stride)
+        + remote.offsets[None, :]
+    ).ravel()
+    owner = np.repeat(np.arange(length, dtype=np.int64), pieces)
+    order = np.argsort(starts, kind="stable")
+    starts, owner = starts[order], owner[order]
+    first = np.searchsorted(starts, plan.wr_remote_offset, side="right") - 1
+    last = np.searchsorted(starts, plan.wr_remote_offset + plan.wr_length - 1, side="right") - 1
+    lo = np.empty(plan.num_wrs, np.int64)
+    hi = np.empty(plan.num_wrs, np.int64)
+    for w in range(plan.num_wrs):
+        span = owner[first[w] : last[w] + 1]
+        lo[w], hi[w] = span.min(), span.max()
+    return lo, hi
+
+
+def landed_blocks(
+    plan: RequestPlan, done: npt.NDArray[np.bool_], num_pairs: int
+) -> npt.NDArray[np.bool_]:
+    """Which of a request's ``num_pairs`` block pairs have all their bytes moved, given
+    ``done[w]``: WR ``w`` of the request's chain has completed. A pair is landed when
+    every WR carrying any of its bytes, of every tensor, is done. Raises
+    :class:`DescriptorError` for a ``done`` of the wrong size or a plan whose tiles do not
+    record their runs."""
+    if done.shape != (plan.num_wrs,):
+        raise DescriptorError(f"done has shape {done.shape} for a chain of {plan.num_wrs} WRs")
+    marks = np.zeros(num_pairs + 1, np.int64)  # +1 where a tainted range starts, -1 past it
+    base = 0
+    for t in plan.tiles:
+        p, n = t.plan, t.copies
+        size = n * p.num_wrs
+        missing = ~done[base : base + size].reshape(n, p.num_wrs)
+        base += size
+        if not missing.any():
+            continue
+        if t.positions is None or t.remote_pattern is None:
+            raise DescriptorError("a tile without its runs cannot tell which blocks landed")
+        copy, wr = np.nonzero(missing)
+        lo, hi = _wr_blocks(p, t.remote_pattern, t.run_length)
+        run = t.positions[copy // (n // t.positions.size)]
+        np.add.at(marks, run + lo[wr], 1)
+        np.add.at(marks, run + hi[wr] + 1, -1)
+    landed: npt.NDArray[np.bool_] = np.cumsum(marks[:-1]) == 0
+    return landed
 
 
 def pair_tensors(

@@ -1348,11 +1348,14 @@ class Engine:
         reads: bool,
         timeout: float,
         now: bool,
-    ) -> TransferHandle:
-        """Queue a filled chain as one transfer (pooled under ``key`` once posted)."""
+    ) -> tuple[TransferHandle, list[Chunk]]:
+        """Queue a filled chain as one transfer (pooled under ``key`` once posted); return
+        its handle and the chunks its WRs went out in (their ``done`` counts what has
+        completed, see :class:`~hixl.core.window.Chunk`)."""
         payload = _notify.encode(notify, notify_message) if notify is not None else None
         built = Built(chain, nbytes, key, (0, 0))
-        return self._queue(conn, [built], payload, reads, timeout, now)
+        parts: list[Chunk] = []
+        return self._queue(conn, [built], payload, reads, timeout, now, parts), parts
 
     def _idle_chain(self, key: tuple[Any, ...]) -> SendChain | None:
         idle = self._planner.take(key)
@@ -1501,10 +1504,12 @@ class Engine:
         reads: bool,
         timeout: float,
         now: bool,
+        parts: list[Chunk] | None = None,
     ) -> TransferHandle:
-        """Queue built requests (and a notification) as one transfer; post or hand over."""
+        """Queue built requests (and a notification) as one transfer; post or hand over.
+        ``parts``, if given, receives the chunks of the requests' WRs (ids assigned)."""
         if len(built) == 1 and payload is None:
-            return self._queue1(conn, built[0], timeout, now)
+            return self._queue1(conn, built[0], timeout, now, parts)
         now_s = time.monotonic()
         nbytes = sum(b.nbytes for b in built)
         num_wrs = sum(b.chain.num_wrs for b in built)
@@ -1534,6 +1539,8 @@ class Engine:
                 placed += _spread(chunk, conn)
             for lane, part in placed:
                 lane.window.queue1(part)
+            if parts is not None:
+                parts.extend(part for _, part in placed)
             handle.chunks_left = len(placed) + (payload is not None)
             first = conn.lanes[0]  # where the notifications go, after the data
             if payload is not None:
@@ -1570,7 +1577,14 @@ class Engine:
         self._post_or_wake(lane, batch)
         return handle
 
-    def _queue1(self, conn: Connection, b: Built, timeout: float, now: bool) -> TransferHandle:
+    def _queue1(
+        self,
+        conn: Connection,
+        b: Built,
+        timeout: float,
+        now: bool,
+        parts: list[Chunk] | None = None,
+    ) -> TransferHandle:
         """:meth:`_queue` for the common case, one request and no notification."""
         now_s = time.monotonic()
         chain = b.chain
@@ -1594,12 +1608,16 @@ class Engine:
             self._next_wr = first + chunk.groups
             self._handles.add(handle)
             if chunk.groups > 1 and len(conn.lanes) > 1:  # a long chain: over every lane
-                parts = _spread(chunk, conn)
-                handle.chunks_left = len(parts)
-                for lane, part in parts:
+                spread = _spread(chunk, conn)
+                handle.chunks_left = len(spread)
+                for lane, part in spread:
                     lane.window.queue1(part)
-                lane, batch = self._start_posts([lane for lane, _ in parts], now)
+                if parts is not None:
+                    parts.extend(part for _, part in spread)
+                lane, batch = self._start_posts([lane for lane, _ in spread], now)
             else:
+                if parts is not None:
+                    parts.append(chunk)
                 lane = conn.pick_lane()
                 window = lane.window
                 window.queue1(chunk)

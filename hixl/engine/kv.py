@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -40,9 +40,12 @@ from hixl.core import wire
 from hixl.core.kvblocks import (
     I64Array,
     KVGeometry,
+    RequestPlan,
     TensorGeometry,
     block_ids,
+    check_alignment,
     check_unique,
+    landed_blocks,
     pair_tensors,
     plan_request,
 )
@@ -50,14 +53,29 @@ from hixl.core.plan import DeviceLimits, Op
 from hixl.core.wire import RemoteRegion
 from hixl.engine.handles import TransferHandle, TransferStatus
 from hixl.engine.regions import Access, Region
-from hixl.errors import ArgumentError, DescriptorError, HixlError, RegistrationError
+from hixl.errors import (
+    ArgumentError,
+    CompletionError,
+    DescriptorError,
+    HixlError,
+    RegistrationError,
+)
 from hixl.verbs import adapter as verbs
 from hixl.verbs.chain import ChainMemory, SendChain
 
 if TYPE_CHECKING:
+    from hixl.core.window import Chunk
     from hixl.engine.connection import Connection
 
-__all__ = ["KV_PREFIX", "BlocksHandle", "KVBlocks", "KVCache", "KVHost", "build_request"]
+__all__ = [
+    "KV_PREFIX",
+    "BlocksHandle",
+    "BuiltRequest",
+    "KVBlocks",
+    "KVCache",
+    "KVHost",
+    "build_request",
+]
 
 log = logging.getLogger("hixl.kv")
 
@@ -78,6 +96,9 @@ class KVHost(Protocol):
 
     @property
     def limits(self) -> DeviceLimits: ...
+
+    @property
+    def alignment(self) -> int | None: ...
 
     def register(self, buffer: object, *, access: Access = ..., name: str = ...) -> Region: ...
 
@@ -100,7 +121,7 @@ class KVHost(Protocol):
         reads: bool,
         timeout: float,
         now: bool,
-    ) -> TransferHandle: ...
+    ) -> tuple[TransferHandle, list[Chunk]]: ...
 
     def _idle_chain(self, key: tuple[Any, ...]) -> SendChain | None: ...
 
@@ -274,26 +295,69 @@ class BlocksHandle(TransferHandle):
 
     On failure its error (the transfer's own class: :class:`TransferTimeout`,
     :class:`CompletionError`, :class:`ConnectionFailed`...) names the request and the
-    block ids whose bytes are not known to have landed, and carries them as attributes
-    ``request``, ``local_blocks`` and ``remote_blocks``. Those are all the request's
-    blocks: a transfer that fails reports no partial progress.
+    block ids whose bytes are not known to have landed, and carries attributes
+    ``request``, ``local_blocks`` and ``remote_blocks`` (the pairs not known to have
+    landed) and ``landed_local_blocks``/``landed_remote_blocks`` (the pairs known to have
+    landed, in request order).
+
+    What is known: a queue pair completes its work requests in order, and the engine
+    signals the last WR of every group of them, so a group whose completion was reaped
+    before the failure has landed; a failed WR reports its group, and the groups before
+    it on its queue pair have landed. A pair has landed when every WR carrying its bytes,
+    of every tensor, has. The chain goes run by run (all tensors of a block run, then the
+    next run), so what landed is whole blocks from the front of each queue pair's share
+    of the request. WRs that completed but whose completion was not reaped before the
+    connection failed count as not known.
     """
 
-    __slots__ = ("_inner", "_failed", "local_blocks", "remote_blocks", "request")
+    __slots__ = (
+        "_inner",
+        "_failed",
+        "_parts",
+        "_plan",
+        "local_blocks",
+        "remote_blocks",
+        "request",
+    )
 
     def __init__(
-        self, inner: TransferHandle, request: str | None, local: list[int], remote: list[int]
+        self,
+        inner: TransferHandle,
+        request: str | None,
+        local: list[int],
+        remote: list[int],
+        plan: RequestPlan | None = None,
+        parts: list[Chunk] | None = None,
     ) -> None:
         # The base's own state is never used: every reader goes to ``inner``.
         self._inner = inner
         self.request = request
         self.local_blocks = local
         self.remote_blocks = remote
+        self._plan = plan
+        self._parts = parts or []
         self._failed: HixlError | None = None
         self.peer = inner.peer
         self.nbytes = inner.nbytes
         self.num_wrs = inner.num_wrs
         self.deadline = inner.deadline
+
+    def _landed(self, err: HixlError) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """Which pairs are known to have landed, once the transfer failed with ``err``
+        (the engine no longer changes its chunks' counts then)."""
+        n = len(self.local_blocks)
+        plan = self._plan
+        if plan is None:
+            return np.zeros(n, bool)
+        failed = err.wr_id if isinstance(err, CompletionError) else None
+        done = np.zeros(plan.num_wrs, bool)
+        for part in self._parts:
+            k = part.done
+            if failed is not None and part.first_id <= failed < part.first_id + part.groups:
+                # the failed WR's group counted as complete: only the groups before it are
+                k = min(k, (failed - part.first_id) * part.every)
+            done[part.start : part.start + k] = True
+        return landed_blocks(plan, done, n)
 
     @property
     def status(self) -> TransferStatus:
@@ -306,14 +370,20 @@ class BlocksHandle(TransferHandle):
             return None
         if self._failed is None:
             what = f"request {self.request!r}" if self.request is not None else "request"
+            landed = self._landed(err)
+            lids, rids = np.asarray(self.local_blocks), np.asarray(self.remote_blocks)
+            lost_l, lost_r = lids[~landed].tolist(), rids[~landed].tolist()
             out = _annotated(
                 err,
                 f"{err}; {what}: blocks not known to have landed: local "
-                f"{_show(self.local_blocks)}, remote {_show(self.remote_blocks)}",
+                f"{_show(lost_l)}, remote {_show(lost_r)} ({int(landed.sum())} of "
+                f"{landed.size} known to have landed)",
             )
             out.request = self.request  # type: ignore[attr-defined]
-            out.local_blocks = self.local_blocks  # type: ignore[attr-defined]
-            out.remote_blocks = self.remote_blocks  # type: ignore[attr-defined]
+            out.local_blocks = lost_l  # type: ignore[attr-defined]
+            out.remote_blocks = lost_r  # type: ignore[attr-defined]
+            out.landed_local_blocks = lids[landed].tolist()  # type: ignore[attr-defined]
+            out.landed_remote_blocks = rids[landed].tolist()  # type: ignore[attr-defined]
             out.__cause__ = err
             self._failed = out
         return self._failed
@@ -445,6 +515,7 @@ class KVBlocks:
                     f"tensor {i} is read-only; register the cache with access=Access.REMOTE_READ"
                 )
         geometry = KVGeometry(region_lengths=tuple(n for _, n in spans), tensors=tuple(geoms))
+        check_alignment(geometry, self._host.alignment, f"cache {name!r}: ")
         doc = geometry.to_bytes()
         if len(doc) > MAX_GEOMETRY_BYTES:
             raise RegistrationError(
@@ -514,6 +585,7 @@ class KVBlocks:
             geometry = known.geometry
         else:
             geometry = self._read_geometry(peer, meta, timeout)
+            check_alignment(geometry, self._host.alignment, f"peer {peer}'s KV cache {name!r}: ")
         regions = []
         for k, length in enumerate(geometry.region_lengths):
             r = by_name.get(f"{KV_PREFIX}{name}/{k}")
@@ -604,19 +676,20 @@ class KVBlocks:
             regions=kv.regions,
             memory=self._memory,
         )
-        chain, nbytes, key, lids, rids = req
-        inner = host._queue_chain(
+        inner, parts = host._queue_chain(
             conn,
-            chain,
-            nbytes,
-            key,
+            req.chain,
+            req.nbytes,
+            req.key,
             notify,
             notify_message,
             op is Op.READ,
             timeout,
             now,
         )
-        return BlocksHandle(inner, notify, lids.tolist(), rids.tolist())
+        return BlocksHandle(
+            inner, notify, req.local_ids.tolist(), req.remote_ids.tolist(), req.plan, parts
+        )
 
 
 def warm_up(
@@ -674,6 +747,18 @@ def _paired(
     return pairs
 
 
+class BuiltRequest(NamedTuple):
+    """A request ready to queue: its chain (filled), bytes, the chain's pool key, the two
+    block id arrays and the plan the chain was filled from."""
+
+    chain: SendChain
+    nbytes: int
+    key: tuple[Any, ...]
+    local_ids: I64Array
+    remote_ids: I64Array
+    plan: RequestPlan
+
+
 def build_request(
     op: Op,
     local: KVGeometry,
@@ -691,12 +776,11 @@ def build_request(
     idle: Callable[[tuple[Any, ...]], SendChain | None] = lambda key: None,
     regions: tuple[Any, ...] = (),
     memory: ChainMemory | None = None,
-) -> tuple[SendChain, int, tuple[Any, ...], I64Array, I64Array]:
+) -> BuiltRequest:
     """The checks, the plan and the chain of one request (no I/O): what a ``put_blocks``
     costs before the engine queues it.  ``local_regions``/``remote_regions`` are each
     region's ``(address, key)``; ``idle`` returns a pooled chain for a size key, and a
-    new chain takes its memory from ``memory`` (the engine's kept, touched memory).  Returns
-    the chain, its bytes, its pool key and the two block id arrays.  Raises
+    new chain takes its memory from ``memory`` (the engine's kept, touched memory).  Raises
     :class:`DescriptorError` before anything is built."""
     pairs = _paired(local, remote, tensors, heads, remote_heads, remote_tensors)
     lgeo, rgeo = local.tensors, remote.tensors
@@ -724,4 +808,4 @@ def build_request(
     if chain is None:
         chain = SendChain.blank(key[1], key[2], opcode, memory)
     chain.fill_tiles(opcode, plan.tiles, regions)
-    return chain, plan.nbytes, key, lids, rids
+    return BuiltRequest(chain, plan.nbytes, key, lids, rids, plan)

@@ -10,14 +10,21 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from hixl.engine import Engine
-from hixl.errors import DescriptorError, RegistrationError, TransferTimeout
+from hixl.engine import Access, Engine
+from hixl.errors import (
+    AlignmentError,
+    CompletionError,
+    DescriptorError,
+    RegistrationError,
+    TransferTimeout,
+)
 
 from .conftest import listening_engine
 
@@ -177,6 +184,20 @@ def test_mismatches_fail_before_posting(engines: tuple[Engine, Engine]) -> None:
     # the connection is still good
     prefill.put_blocks(decode.id, kv, "d", [0], [1])
     assert dst16[1][1].tobytes() == src[1][0].tobytes()
+    # the alignment policy: where blocks start, here and (checked here) on the peer
+    flat = np.zeros(NB * BS * H * D + 16, np.float16)
+    odd = [flat[16:].reshape(NB, BS, H, D)] * 2  # starts 32 bytes into its storage
+    with pytest.raises(AlignmentError, match="cache 'odd': tensor 0 starts at offset 32"):
+        prefill.register_kv("odd", odd)
+    loose = listening_engine(alignment=None)
+    try:
+        loose.register_kv("odd", odd)
+        prefill.connect(loose.id, timeout=30)
+        with pytest.raises(AlignmentError, match="KV cache 'odd': tensor 0 starts at offset 32"):
+            prefill.put_blocks(loose.id, kv, "odd", [0], [0])
+        assert not flat.any()
+    finally:
+        loose.close()
 
 
 def test_no_write_lands_after_a_transfer_timeout(engines: tuple[Engine, Engine]) -> None:
@@ -192,10 +213,63 @@ def test_no_write_lands_after_a_transfer_timeout(engines: tuple[Engine, Engine])
         prefill.put_blocks(decode.id, kv, "d", ids, ids[::-1], timeout=0.001, notify="r9")
     err = info.value
     assert "request 'r9'" in str(err)
-    assert err.remote_blocks == ids[::-1]  # type: ignore[attr-defined]
+    lost, landed = err.remote_blocks, err.landed_remote_blocks  # type: ignore[attr-defined]
+    assert sorted(lost + landed) == ids
+    for b in landed:  # reported as landed: every tensor's block is there
+        assert all((d[b] == 1).all() for d in dst)
     snap = [d.copy() for d in dst]
     time.sleep(0.5)
     assert all(np.array_equal(a, b) for a, b in zip(snap, dst, strict=True))
+
+
+def test_a_request_failing_part_way_reports_the_blocks_that_landed() -> None:
+    """The decode side's cache is one storage, block-major (its 4 tensors are strided
+    views); the client is made to believe (test hook) that the region's key is that of a
+    second region over the first half of the blocks, so the device refuses the writes to
+    blocks 32 and up.  One queue pair: the first blocks' WRs complete in order before the
+    refused one, and the error reports them as landed, byte for byte, and the rest as not
+    known to have landed."""
+    decode = listening_engine()
+    prefill = Engine("127.0.0.1:0", lanes=1)
+    try:
+        nb, nt = 64, 4
+        big = np.zeros((nb, nt, BS, H, D), np.float16)
+        decode.register_kv("d", [big[:, t] for t in range(nt)])
+        decode.register(
+            big[: nb // 2], access=Access.REMOTE_WRITE | Access.LOCAL_WRITE, name="half"
+        )
+        src = [filled((nb, BS, H, D), seed=20 + t) for t in range(nt)]
+        kv = prefill.register_kv("p", src)
+        conn = prefill.connect(decode.id, timeout=30)
+        deadline = time.monotonic() + 30
+        while not any(r.name == "half" for r in conn.remote_regions):
+            assert time.monotonic() < deadline, "the region 'half' was never announced"
+            time.sleep(0.01)
+        half = conn.remote_region("half")
+        conn.set_remote_regions(
+            tuple(
+                replace(r, rkey=half.rkey) if r.name == "hixl.kv:d/0" else r
+                for r in conn.remote_regions
+            )
+        )
+        lids = [(7 * k) % nb for k in range(40)]  # never consecutive: one run per block
+        rids = list(range(40))
+        with pytest.raises(CompletionError) as info:
+            prefill.put_blocks(decode.id, kv, "d", lids, rids, notify="req-5", timeout=60)
+        err = info.value
+        assert err.status_name == "IBV_WC_REM_ACCESS_ERR", str(err)
+        landed = err.landed_remote_blocks  # type: ignore[attr-defined]
+        assert err.landed_local_blocks == lids[: len(landed)]  # type: ignore[attr-defined]
+        assert 0 < len(landed) <= nb // 2 and landed == rids[: len(landed)]
+        assert err.remote_blocks == rids[len(landed) :]  # type: ignore[attr-defined]
+        assert f"({len(landed)} of 40 known to have landed)" in str(err)
+        for k, r in enumerate(landed):
+            for t in range(nt):
+                assert big[r, t].tobytes() == src[t][lids[k]].tobytes()
+        assert not big[nb // 2 :].any()
+    finally:
+        prefill.close()
+        decode.close()
 
 
 def test_layouts_registered_by_storage_mla_permuted_views_and_float8(

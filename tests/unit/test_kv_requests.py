@@ -10,6 +10,7 @@ import pytest
 
 from hixl.core.kvblocks import KVGeometry, TensorGeometry
 from hixl.core.plan import DeviceLimits, Op
+from hixl.core.window import Chunk
 from hixl.engine.handles import TransferHandle, TransferStatus
 from hixl.engine.kv import BlocksHandle, build_request
 from hixl.errors import (
@@ -43,7 +44,7 @@ def test_one_chain_carries_each_tensors_keys_and_fuses_runs() -> None:
     local, remote = flash_attention(3, 16, 4), flash_attention(3, 16, 4)
     lregs = [(0x10000 * (k + 1), 100 + k) for k in range(3)]
     rregs = [(0x900000 * (k + 1), 200 + k) for k in range(3)]
-    chain, nbytes, key, lids, rids = build_request(
+    chain, nbytes, key, lids, rids, _ = build_request(
         Op.WRITE, local, lregs, remote, rregs, [1, 2, 3, 9], [5, 6, 7, 0],
         tensors=None, heads=None, remote_heads=None, limits=DeviceLimits(),
     )  # fmt: skip
@@ -145,3 +146,32 @@ def test_every_transfer_error_is_annotated_keeping_its_class_and_fields(
     if isinstance(error, CompletionError):
         assert isinstance(err, CompletionError)
         assert (err.status_name, err.wr_id, err.op) == ("IBV_WC_REM_ACCESS_ERR", 5, "post_send")
+
+
+def test_a_failed_request_reports_the_blocks_its_completed_groups_carried() -> None:
+    """Two queue pairs' shares of a 24-WR chain (3 tensors x 4 lone blocks x K and V),
+    in signal groups of 6.  The first share completed; the second failed in its second
+    group, whose completion the window counted as done: only the group before the
+    failed WR is known, so 3 of the 4 block pairs have landed."""
+    geo = flash_attention(3, 16, 4)
+    regs = [(0x100000 * (k + 1), k + 1) for k in range(3)]
+    req = build_request(
+        Op.WRITE, geo, regs, geo, regs, [9, 7, 5, 3], [0, 2, 4, 6],
+        tensors=None, heads=None, remote_heads=None, limits=DeviceLimits(),
+    )  # fmt: skip
+    assert req.chain.num_wrs == 24  # a block's K and V are two ranges: 6 WRs a block
+    inner = TransferHandle("peer-1", req.nbytes, 24, time.monotonic() + 30)
+    first = Chunk(req.chain, 0, 12, inner, 6, 100, groups=2, posted=12, done=12)
+    second = Chunk(req.chain, 12, 24, inner, 6, 102, groups=2, posted=12, done=12)
+    h = BlocksHandle(inner, "req-3", [9, 7, 5, 3], [0, 2, 4, 6], req.plan, [first, second])
+    inner.finish(CompletionError("RDMA transfer to peer-1", 10, "IBV_WC_REM_ACCESS_ERR", 103))
+    err = h.error
+    assert err is not None and "(3 of 4 known to have landed)" in str(err)
+    assert err.landed_local_blocks == [9, 7, 5]  # type: ignore[attr-defined]
+    assert err.landed_remote_blocks == [0, 2, 4]  # type: ignore[attr-defined]
+    assert err.local_blocks == [3] and err.remote_blocks == [6]  # type: ignore[attr-defined]
+    # a connection failure names no WR: every completed group counts
+    inner2 = TransferHandle("peer-1", req.nbytes, 24, time.monotonic() + 30)
+    h2 = BlocksHandle(inner2, "req-4", [9, 7, 5, 3], [0, 2, 4, 6], req.plan, [first, second])
+    inner2.finish(ConnectionFailed("connection to peer-1 failed"))
+    assert h2.error.landed_remote_blocks == [0, 2, 4, 6]  # type: ignore[union-attr]

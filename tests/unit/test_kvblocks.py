@@ -13,12 +13,14 @@ from hixl.core.kvblocks import (
     KVGeometry,
     TensorGeometry,
     block_ids,
+    check_alignment,
     check_unique,
+    landed_blocks,
     pair_tensors,
     plan_request,
 )
 from hixl.core.plan import DeviceLimits, Op
-from hixl.errors import DescriptorError
+from hixl.errors import AlignmentError, DescriptorError
 from hixl.verbs.chain import WR_DTYPE, SendChain
 
 Arr = np.ndarray[Any, Any]
@@ -253,3 +255,120 @@ def test_geometry_document_round_trips_and_refuses_bad_input() -> None:
 def test_overlapping_tensors_are_refused() -> None:
     with pytest.raises(DescriptorError, match="overlap"):
         TensorGeometry(dtype="float16", itemsize=2, shape=(4, 8), strides=(8, 2))
+
+
+def _element_addresses(t: TensorGeometry) -> Arr:
+    """The byte offset (from the start of its region) of every element of ``t``."""
+    idx = np.indices(t.shape, dtype=np.int64)
+    return t.offset + np.tensordot(np.asarray(t.strides, np.int64), idx, axes=1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases(), st.data())
+def test_landed_blocks_are_those_whose_every_work_request_completed(
+    case: tuple[Any, ...], data: st.DataObject
+) -> None:
+    """Oracle: each remote byte of a moved block is labelled with its pair's position;
+    a pair has landed exactly when every WR whose remote range holds one of its bytes is
+    done, for any set of completed WRs."""
+    name, make, baxis, haxis, nb_l, nb_r, h_l, h_r, lids, rids, heads, rheads, nt, op, limits = case
+    lshape, rshape = make(nb_l, h_l), make(nb_r, h_r)
+    la, ra = np.empty(lshape, np.float16), np.empty(rshape, np.float16)
+    lgeo = KVGeometry(
+        region_lengths=(nt * la.nbytes,),
+        tensors=tuple(
+            TensorGeometry(
+                dtype="float16", itemsize=2, shape=lshape, strides=la.strides,
+                offset=i * la.nbytes, block_axis=baxis, heads_axis=haxis,
+            )
+            for i in range(nt)
+        ),
+    )  # fmt: skip
+    rgeo = KVGeometry(
+        region_lengths=(nt * ra.nbytes,),
+        tensors=tuple(
+            TensorGeometry(
+                dtype="float16", itemsize=2, shape=rshape, strides=ra.strides,
+                offset=i * ra.nbytes, block_axis=baxis, heads_axis=haxis,
+            )
+            for i in range(nt)
+        ),
+    )  # fmt: skip
+    pairs = pair_tensors(lgeo, rgeo, None, heads, rheads)
+    lid = block_ids("local_blocks", lids, nb_l)
+    rid = block_ids("remote_blocks", rids, nb_r)
+    items = [
+        (lp, rp, lgeo.tensors[i].offset, rgeo.tensors[j].offset, 1, 2) for i, j, lp, rp in pairs
+    ]
+    plan = plan_request(items, lid, rid, op, limits)
+    owner = np.full(nt * ra.nbytes, -1, np.int64)
+    for t in rgeo.tensors:
+        addrs = np.moveaxis(_element_addresses(t), baxis, 0)
+        for k, j in enumerate(rids):
+            block = addrs[j]
+            if rheads is not None:
+                assert haxis is not None
+                hax = haxis - (1 if haxis > baxis else 0)
+                block = np.take(block, range(*rheads), axis=hax)
+            for b in range(t.itemsize):
+                owner[block.ravel() + b] = k
+    wr_remote = plan.arrays()[0]
+    lengths = np.concatenate([np.tile(t.plan.wr_length, t.copies) for t in plan.tiles])
+    done = np.asarray(data.draw(st.lists(st.booleans(), min_size=plan.num_wrs,
+                                         max_size=plan.num_wrs)), bool)  # fmt: skip
+    want = np.ones(len(lids), bool)
+    for w in range(plan.num_wrs):
+        carried = owner[int(wr_remote[w]) : int(wr_remote[w] + lengths[w])]
+        assert (carried >= 0).all()  # a WR writes only moved blocks' bytes
+        if not done[w]:
+            want[np.unique(carried)] = False
+    assert landed_blocks(plan, done, len(lids)).tolist() == want.tolist()
+    assert landed_blocks(plan, np.ones(plan.num_wrs, bool), len(lids)).all()
+
+
+def test_the_chain_goes_run_by_run_so_a_done_prefix_is_whole_blocks() -> None:
+    """Three tensors, lone blocks: the first 3k WRs of the chain are k whole blocks."""
+    a = np.empty((8, 2, 4, 8), np.float16)
+    tensors = tuple(
+        TensorGeometry(dtype="float16", itemsize=2, shape=a.shape, strides=a.strides,
+                       offset=i * a.nbytes, block_axis=0)
+        for i in range(3)
+    )  # fmt: skip
+    geo = KVGeometry(region_lengths=(3 * a.nbytes,), tensors=tensors)
+    pairs = pair_tensors(geo, geo, None, None, None)
+    items = [(lp, rp, tensors[i].offset, tensors[j].offset, 1, 2) for i, j, lp, rp in pairs]
+    lid = np.array([5, 3, 1, 7], np.int64)
+    rid = np.array([0, 2, 4, 6], np.int64)
+    plan = plan_request(items, lid, rid, Op.WRITE, DeviceLimits())
+    assert plan.num_wrs == 12
+    block = a.nbytes // 8
+    want = [t * a.nbytes + int(r) * block for r in rid for t in range(3)]
+    assert plan.arrays()[0].tolist() == want  # block 0 of each tensor, then block 1...
+    for k in range(5):
+        done = np.arange(12) < 3 * k
+        assert landed_blocks(plan, done, 4).tolist() == [i < k for i in range(4)]
+    with pytest.raises(DescriptorError, match="shape"):
+        landed_blocks(plan, np.ones(5, bool), 4)
+
+
+def test_the_alignment_policy_applies_to_where_blocks_start() -> None:
+    """A tensor's start in its region and its block stride follow the policy; the
+    pieces inside a block (here 32-byte head rows of an HND block seen as NHD) do not."""
+    hnd = np.empty((8, 4, 2, 16), np.float16)  # blocks of 4 heads x 2 tokens x 32 bytes
+    nhd = hnd.transpose(0, 2, 1, 3)
+
+    def geo(offset: int, a: Arr = nhd) -> KVGeometry:
+        t = TensorGeometry(dtype="float16", itemsize=2, shape=a.shape, strides=a.strides,
+                           offset=offset, heads_axis=2)  # fmt: skip
+        return KVGeometry(region_lengths=(offset + a.nbytes,), tensors=(t,))
+
+    check_alignment(geo(256), 64)
+    check_alignment(geo(32), None)
+    with pytest.raises(AlignmentError, match="cache 'c': tensor 0 starts at offset 32 in its"):
+        check_alignment(geo(32), 64, "cache 'c': ")
+    odd = np.empty((8, 3, 2, 16), np.float16)  # blocks of 192 bytes
+    check_alignment(geo(0, odd), 64)
+    with pytest.raises(AlignmentError, match="block stride of 192 bytes.* policy 128 bytes"):
+        check_alignment(geo(0, odd), 128)
+    one = np.empty((1, 3, 2, 16), np.float16)  # a lone block: only its start counts
+    check_alignment(geo(128, one), 128)
