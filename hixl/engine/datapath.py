@@ -160,6 +160,17 @@ class Planner:
         # Chunks of posted batches whose chains are not pooled yet (see posted()).
         self._posted: deque[list[Chunk]] = deque(maxlen=POSTED_BATCHES)
 
+    def close(self) -> None:
+        """Drop every cached plan and idle chain and give the chain memory back (its
+        reserve as soon as no chain made in it is left).  For the engine's close, after
+        its regions were closed: chains of closed regions are never pooled again."""
+        self._posted.clear()
+        self._chains.clear()
+        self._sized.clear()
+        self._plans.clear()
+        self._chain_wrs = 0
+        self.memory.close()
+
     def _warm_up(self) -> None:
         """Plan, build, refill and signal one small chain, then drop it: the first run
         of this code in a process costs several times a later one (numpy's and cffi's
@@ -629,4 +640,12 @@ class NotifySlots:
         return slot
 
     def release(self, slot: int) -> None:
-        self._free.append(slot)
+        if slot < self.count:  # (none are, once closed)
+            self._free.append(slot)
+
+    def close(self) -> None:
+        """Give the buffers back (the device, and with it their region, is closed)."""
+        self.count = 0
+        self._free.clear()
+        self._buf = np.zeros(0, dtype=np.uint8)
+        self.chain = SendChain(1, 1)

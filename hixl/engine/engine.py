@@ -497,6 +497,9 @@ class Engine:
         self._repeat_put = self._repeat_get = None
         self._ring_put = self._ring_get = None
         self._dev.close()
+        with self._lock:
+            self._notify_slots.close()
+        self._planner.close()
         log.debug("engine %s closed", self.id)
 
     def _check_open(self) -> None:
