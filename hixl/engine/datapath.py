@@ -63,7 +63,9 @@ __all__ = [
 ]
 
 PLAN_CACHE = 512  # planned (descriptor pair, region sizes) kept per engine
-CHAIN_CACHE_WRS = 1 << 18  # WRs (x 128 bytes, plus SGEs) of idle built chains kept per engine
+# Bytes of idle built chains kept per engine (ChainMemory.chain_bytes: WR and SGE arrays in
+# their blocks): the pool starts over past it.
+CHAIN_CACHE_BYTES = 32 << 20
 CHAIN_WRS_PER_KEY = 4096  # WRs of idle chains kept for one layout (at least 4 chains)
 POSTED_BATCHES = 64  # posted batches whose chains wait to be pooled (older ones are dropped)
 SIZED_KEYS = 64  # layouts remembered per chain size for refilling (older ones are dropped)
@@ -150,7 +152,7 @@ class Planner:
         self._warm_up()
         self._plans: dict[tuple[Any, ...], Plan] = {}
         self._chains: dict[tuple[Any, ...], list[Built]] = {}  # idle chains by layout
-        self._chain_wrs = 0  # WRs held by idle chains (approximate: no lock)
+        self._chain_bytes = 0  # bytes held by idle chains (approximate: no lock)
         # Layouts that were given idle chains, by the chains' (WR, SGE) capacity, newest
         # last: a request of a new layout refills an idle chain of its size instead of
         # allocating one (see _take_sized).  Entries may be stale (that pool emptied).
@@ -168,7 +170,7 @@ class Planner:
         self._chains.clear()
         self._sized.clear()
         self._plans.clear()
-        self._chain_wrs = 0
+        self._chain_bytes = 0
         self.memory.close()
 
     def _warm_up(self) -> None:
@@ -472,7 +474,7 @@ class Planner:
             idle = pool.pop()
         except IndexError:  # another thread took the last one
             return None
-        self._chain_wrs -= idle.chain.capacity
+        self._chain_bytes -= ChainMemory.chain_bytes(idle.chain)
         return idle
 
     def give_back(self, built: Built) -> None:
@@ -488,16 +490,17 @@ class Planner:
             if r.closed:
                 return
         capacity = chain.capacity
-        if self._chain_wrs + capacity > CHAIN_CACHE_WRS:
+        nbytes = ChainMemory.chain_bytes(chain)
+        if self._chain_bytes + nbytes > CHAIN_CACHE_BYTES:
             self._chains.clear()
             self._sized.clear()
-            self._chain_wrs = 0
+            self._chain_bytes = 0
         pool = self._chains.get(key)
         if pool is None:
             pool = self._chains[key] = []
         if len(pool) < max(4, CHAIN_WRS_PER_KEY // capacity):
             pool.append(built)
-            self._chain_wrs += capacity
+            self._chain_bytes += nbytes
             # Indexed when its pool gets its first idle chain, not on every return: a
             # layout streamed over and over would fill its size's index with itself.
             if capacity > 1 and len(pool) == 1:

@@ -185,6 +185,12 @@ class ChainMemory:
             f"heap_kept={pool.kept}{' closed' if pool.closed else ''}>"
         )
 
+    @staticmethod
+    def chain_bytes(chain: SendChain) -> int:
+        """The memory a chain of ``chain``'s capacity holds when made here: its WR and
+        SGE arrays, each rounded up to its block's size class."""
+        return _size_class(chain.capacity * _WR_SIZE) + _size_class(chain.sge_capacity * _SGE_SIZE)
+
     @property
     def heap_blocks(self) -> int:
         """Blocks from the C heap, out or kept free."""
@@ -204,6 +210,11 @@ class ChainMemory:
         """Give the free blocks back at once and the reserve when its last block is
         freed; later blocks come from the C heap and go back to it.  Idempotent."""
         self._pool.close()
+
+
+def _size_class(size: int) -> int:
+    """The block size :class:`ChainMemory` gives ``size`` bytes: a power of two, >= a page."""
+    return max(_PAGE, 1 << (max(size, 1) - 1).bit_length())
 
 
 class _Pool:
@@ -241,7 +252,7 @@ class _Pool:
         self.closed = False
 
     def alloc(self, size: int) -> Any:
-        size_class = max(_PAGE, 1 << (max(size, 1) - 1).bit_length())
+        size_class = _size_class(size)
         with self.lock:
             blocks = self.free.get(size_class)
             if blocks:
