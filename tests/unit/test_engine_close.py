@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import os
+import time
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -71,3 +73,29 @@ def test_closed_engines_give_their_buffers_back_without_the_cyclic_collector(
         f"RSS grew {grown / 2**20:.1f} MiB in {cycles} closed engines "
         f"(bound {bound / 2**20:.0f} MiB: half a chain reserve each)"
     )
+
+
+def test_connections_that_are_gone_are_not_kept_by_the_calls_kept_for_them() -> None:
+    """A client puts to three servers in turn, each of which goes away: the calls it keeps
+    checked and planned (templates, fast paths) must not keep those connections, and
+    with them their receive buffers and region tables, for as long as the cache lasts."""
+    # No direct lane: the null device does not poll one.
+    with null_device() as opened, Engine("127.0.0.1:0", direct_lane=False) as cli:
+        src = cli.register(np.ones(1 << 16, np.uint8), access=Access.NONE)
+        gone = []
+        for _ in range(3):
+            with Engine(f"127.0.0.1:{free_tcp_port()}", direct_lane=False) as srv:
+                srv.register(np.zeros(1 << 16, np.uint8), access=RW, name="dst")
+                cli.connect(srv.id, timeout=10)
+                for _ in range(3):
+                    cli.put(srv.id, src, "dst", timeout=10)
+                    cli.put_async(srv.id, src, "dst", timeout=10).wait()
+                gone.append(weakref.ref(cli.connection(srv.id)))
+            cli.disconnect(srv.id)
+            opened.clear()
+        deadline = time.monotonic() + 5
+        while any(r() is not None for r in gone) and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.05)
+        kept = [r() for r in gone if r() is not None]
+    assert not kept, f"{len(kept)} of 3 connections to peers that left are still held: {kept}"
