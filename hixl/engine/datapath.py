@@ -64,7 +64,7 @@ __all__ = [
 
 PLAN_CACHE = 512  # planned (descriptor pair, region sizes) kept per engine
 # Bytes of idle built chains kept per engine (ChainMemory.chain_bytes: WR and SGE arrays in
-# their blocks): the pool starts over past it.
+# their blocks): past it, the idle chains of the layouts pooled first are dropped.
 CHAIN_CACHE_BYTES = 32 << 20
 CHAIN_WRS_PER_KEY = 4096  # WRs of idle chains kept for one layout (at least 4 chains)
 POSTED_BATCHES = 64  # posted batches whose chains wait to be pooled (older ones are dropped)
@@ -477,6 +477,19 @@ class Planner:
         self._chain_bytes -= ChainMemory.chain_bytes(idle.chain)
         return idle
 
+    def _evict(self, room: int) -> None:
+        """Drop the idle chains of the layouts pooled first until at most ``room`` bytes
+        are held (all of them if another thread changes the pool meanwhile)."""
+        chains = self._chains
+        try:
+            while self._chain_bytes > max(room, 0) and chains:
+                for idle in chains.pop(next(iter(chains)), ()):
+                    self._chain_bytes -= ChainMemory.chain_bytes(idle.chain)
+        except (RuntimeError, StopIteration, KeyError):  # changed under the iteration
+            chains.clear()
+            self._sized.clear()
+            self._chain_bytes = 0
+
     def give_back(self, built: Built) -> None:
         """Return a chain whose WRs are all posted, for the next request with its layout."""
         key, chain = built.key, built.chain
@@ -492,9 +505,7 @@ class Planner:
         capacity = chain.capacity
         nbytes = ChainMemory.chain_bytes(chain)
         if self._chain_bytes + nbytes > CHAIN_CACHE_BYTES:
-            self._chains.clear()
-            self._sized.clear()
-            self._chain_bytes = 0
+            self._evict(CHAIN_CACHE_BYTES - nbytes)
         pool = self._chains.get(key)
         if pool is None:
             pool = self._chains[key] = []
