@@ -485,6 +485,8 @@ class Planner:
             while self._chain_bytes > max(room, 0) and chains:
                 for idle in chains.pop(next(iter(chains)), ()):
                     self._chain_bytes -= ChainMemory.chain_bytes(idle.chain)
+            if not chains:  # the count is approximate (no lock): start it over when exact
+                self._chain_bytes = 0
         except (RuntimeError, StopIteration, KeyError):  # changed under the iteration
             chains.clear()
             self._sized.clear()
