@@ -497,6 +497,9 @@ class Engine:
         self._repeat_put = self._repeat_get = None
         self._ring_put = self._ring_get = None
         self._dev.close()
+        with self._lock:
+            self._notify_slots.close()
+        self._planner.close()
         log.debug("engine %s closed", self.id)
 
     def _check_open(self) -> None:
@@ -1029,6 +1032,20 @@ class Engine:
             except OSError as exc:
                 log.debug("goodbye to %s not sent: %s", conn.peer, exc)
             conn.destroy()
+        if dead:
+            with self._lock:
+                self._forget_calls(dead)
+
+    def _forget_calls(self, conns: list[Connection]) -> None:
+        """Drop the kept calls (templates and the fast paths made from them) to ``conns``,
+        which are gone: a template holds its connection, and peers come and go (lock
+        held)."""
+        gone = {id(c) for c in conns}
+        for key in [k for k, t in self._templates.items() if id(t.conn) in gone]:
+            del self._templates[key]
+        self._last_template = None
+        self._repeat_put = self._repeat_get = None
+        self._ring_put = self._ring_get = None
 
     # -- transfers -----------------------------------------------------------------------
     def put(
