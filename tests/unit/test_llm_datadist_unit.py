@@ -509,7 +509,7 @@ def execute(
     lregs = [(int(a.ctypes.data), 1) for a in local]
     rregs = [(int(a.ctypes.data), 2) for a in remote]
     for m in moves:
-        chain, nbytes, _, _, _ = build_request(
+        chain, nbytes, _, _, _, _ = build_request(
             op, compat_geometry(local), lregs, compat_geometry(remote), rregs,
             m.local, m.remote, tensors=[lt for lt, _ in pairs],
             remote_tensors=[rt for _, rt in pairs], heads=m.heads,
