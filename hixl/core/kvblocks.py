@@ -25,6 +25,9 @@ touch), so a run of blocks moves in as few work requests as the device limits al
 Tensors of one geometry share a plan: :func:`plan_request` plans each distinct pair of
 patterns once and lays the plans of all tensors out as one chain of work requests
 (:class:`RequestPlan`), with each WR's remote key index and each SGE's local key index.
+The chain goes block run by block run, all tensors of a run together, so the WRs that
+have completed when a request fails carry whole blocks: :func:`landed_blocks` says which.
+:func:`check_alignment` applies an engine's alignment policy to where blocks start.
 
 :class:`KVGeometry` is what a peer learns about a cache (its regions' lengths and every
 tensor's geometry), as a small JSON document that :meth:`KVGeometry.from_bytes` parses as
