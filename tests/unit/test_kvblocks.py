@@ -263,6 +263,17 @@ def _element_addresses(t: TensorGeometry) -> Arr:
     return t.offset + np.tensordot(np.asarray(t.strides, np.int64), idx, axes=1)
 
 
+def stacked(shape: tuple[int, ...], n: int, baxis: int, haxis: int | None) -> KVGeometry:
+    """``n`` C-contiguous fp16 tensors of ``shape``, one after another in one region."""
+    a = np.empty(shape, np.float16)
+    tensors = tuple(
+        TensorGeometry(dtype="float16", itemsize=2, shape=shape, strides=a.strides,
+                       offset=i * a.nbytes, block_axis=baxis, heads_axis=haxis)
+        for i in range(n)
+    )  # fmt: skip
+    return KVGeometry(region_lengths=(n * a.nbytes,), tensors=tensors)
+
+
 @settings(max_examples=150, deadline=None)
 @given(cases(), st.data())
 def test_landed_blocks_are_those_whose_every_work_request_completed(
@@ -272,28 +283,9 @@ def test_landed_blocks_are_those_whose_every_work_request_completed(
     a pair has landed exactly when every WR whose remote range holds one of its bytes is
     done, for any set of completed WRs."""
     name, make, baxis, haxis, nb_l, nb_r, h_l, h_r, lids, rids, heads, rheads, nt, op, limits = case
-    lshape, rshape = make(nb_l, h_l), make(nb_r, h_r)
-    la, ra = np.empty(lshape, np.float16), np.empty(rshape, np.float16)
-    lgeo = KVGeometry(
-        region_lengths=(nt * la.nbytes,),
-        tensors=tuple(
-            TensorGeometry(
-                dtype="float16", itemsize=2, shape=lshape, strides=la.strides,
-                offset=i * la.nbytes, block_axis=baxis, heads_axis=haxis,
-            )
-            for i in range(nt)
-        ),
-    )  # fmt: skip
-    rgeo = KVGeometry(
-        region_lengths=(nt * ra.nbytes,),
-        tensors=tuple(
-            TensorGeometry(
-                dtype="float16", itemsize=2, shape=rshape, strides=ra.strides,
-                offset=i * ra.nbytes, block_axis=baxis, heads_axis=haxis,
-            )
-            for i in range(nt)
-        ),
-    )  # fmt: skip
+    lgeo = stacked(make(nb_l, h_l), nt, baxis, haxis)
+    rgeo = stacked(make(nb_r, h_r), nt, baxis, haxis)
+    ra = np.empty(make(nb_r, h_r), np.float16)
     pairs = pair_tensors(lgeo, rgeo, None, heads, rheads)
     lid = block_ids("local_blocks", lids, nb_l)
     rid = block_ids("remote_blocks", rids, nb_r)
