@@ -763,29 +763,6 @@ def test_exposed_region_limit_fails_that_register(server: Engine) -> None:
         assert len(conn.remote_regions) == limit
 
 
-def test_listening_without_token_off_loopback_warns(caplog: pytest.LogCaptureFixture) -> None:
-    def warnings_of(engine: Engine) -> list[str]:
-        # Only this engine's: an engine of an earlier test may still log as it winds down.
-        return [
-            r.getMessage()
-            for r in caplog.records
-            if r.levelno >= logging.WARNING and engine.id in r.getMessage()
-        ]
-
-    with caplog.at_level(logging.WARNING, logger="hixl"):
-        quiet = [
-            Engine(f"127.0.0.1:{free_tcp_port()}"),
-            Engine(f"0.0.0.0:{free_tcp_port()}", token=secrets.token_hex(32)),
-        ]
-        for e in quiet:
-            e.close()
-        loud = Engine(f"0.0.0.0:{free_tcp_port()}")
-        loud.close()
-    assert [warnings_of(e) for e in quiet] == [[], []]
-    warned = warnings_of(loud)
-    assert len(warned) == 1 and "token" in warned[0], warned
-
-
 # --------------------------------------------------------------------------- 8. after the handshake
 
 LET_GO_S = 1.0  # the side that stays lets a departed peer go this soon, seconds
