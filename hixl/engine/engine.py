@@ -159,7 +159,8 @@ class Engine:
     bounds how long a silent peer takes to fail a transfer.  ``max_peers``
     caps connections, checked before a queue pair is made or any key sent.
     ``max_handshakes`` and ``max_handshakes_per_source`` cap incoming
-    handshakes under way, in all and from one IP address (over either, a
+    handshakes under way, in all and from one source (an IPv4 address, all of
+    127.0.0.0/8 as one, or an IPv6 /64; over either, a
     client is answered ERROR(BUSY) and asks again); ``handshake_timeout``
     bounds a whole handshake, each of its steps has a shorter deadline.
     ``max_notifications_per_peer`` and ``max_notifications`` bound
@@ -167,7 +168,7 @@ class Engine:
     connection is granted ``min(max_notifications_per_peer, max_notifications //
     max_peers)`` credits, a sender out of credits waits for the application here
     to take some (its call fails with TransferTimeout at its deadline; nothing
-    else fails), and at the total the peer holding the most loses its oldest
+    else fails), and at the total the departed peer holding the most loses its oldest
     (see :mod:`hixl.engine.inbox`).  ``completion_events=False`` makes the progress thread
     poll the CQs instead of sleeping on completion channels (a test hook).
     ``lanes`` is how many queue pairs a connection sends its work over (as many as both

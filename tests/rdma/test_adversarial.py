@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import ipaddress
 import logging
 import multiprocessing as mp
 import os
@@ -188,16 +189,31 @@ def _flood(pipe: Pipe, target: tuple[str, int], sources: list[str], count: int) 
     pipe.send({"opened": opened, "closed": closed, "held": len(sel.get_map())})
 
 
+def _device_ipv4() -> str:
+    """The IPv4 address of the netdev under the RDMA device (its RoCEv2 GID)."""
+    with Engine() as probe:
+        mapped = ipaddress.IPv6Address(probe.device.gid).ipv4_mapped
+    assert mapped is not None, f"the device's GID {probe.device.gid.hex()} is not IPv4"
+    return str(mapped)
+
+
 @pytest.mark.parametrize("sources", [1, 4], ids=["one-source", "four-sources"])
 def test_idle_socket_flood_does_not_lock_out_peers(sources: int) -> None:
+    """An attacker on loopback (all of 127.0.0.0/8 is one source) holds 200 idle sockets;
+    an honest client from the host's own address still connects and puts."""
     port = free_tcp_port()
+    host = _device_ipv4()
+    token = secrets.token_hex(32)
     ctx = mp.get_context("fork")
     here, there = ctx.Pipe()
     attacker_ips = [f"127.0.0.{2 + i}" for i in range(sources)]
-    proc = ctx.Process(target=_flood, args=(there, ("127.0.0.1", port), attacker_ips, 200))
+    proc = ctx.Process(target=_flood, args=(there, (host, port), attacker_ips, 200))
     proc.start()
     try:
-        with Engine(f"127.0.0.1:{port}") as srv, Engine("127.0.0.1:0") as cli:
+        with (
+            Engine(f"{host}:{port}", token=token) as srv,
+            Engine(f"{host}:0", token=token) as cli,
+        ):
             srv.register(np.zeros(4096, np.uint8), access=RW, name="dst")
             src = cli.register(np.ones(4096, np.uint8), access=Access.NONE)
             here.send("go")
