@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -189,6 +190,7 @@ def source_for(engine_id: str, dest_host: str) -> str | None:
 _LOOPBACK_V4 = ipaddress.ip_network("127.0.0.0/8")
 
 
+@functools.lru_cache(maxsize=1024)  # a flood comes from few sources, again and again
 def source_key(source: str) -> str:
     """What a per-source limit counts the connection from IP address ``source`` under.
 

@@ -429,8 +429,6 @@ class Listener:
 
     def _take(self, sock: socket.socket, source: str) -> None:
         sock.setblocking(False)
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._engine.closed:
             _close(sock)
             return
@@ -453,6 +451,8 @@ class Listener:
             self.refused_busy += 1
             _refuse_now(sock, wire.ErrorCode.BUSY, f"engine {self._engine.id} is busy: {busy}")
             return
+        with contextlib.suppress(OSError):  # only for the sockets kept: refusals are cheap
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         now = time.monotonic()
         inc = Incoming(sock, source, ServerHandshake(self._engine.id, self._engine._token), now)
         inc.total_deadline = now + self._timeout
