@@ -23,9 +23,9 @@ for its plan costs.  For each: the call's wall time, the device's share (subtrac
 ``software`` is the rest, so validation, region lookup, planning, building, posting and
 the engine's hand-offs), the time inside the engine's ``Planner.build`` (checks, plan,
 chain), and the minor page faults (``getrusage`` ``ru_minflt``, the whole process).
-Medians over the samples.  Targets (natively): the cold layer's build <= 168 us (2 MiB at 100 Gb/s), and
-<= 120 us warm, for a new layout into memory the engine holds already: step 3 (a
-layer's rows) and step 5 (a block list of a size seen before).
+Medians over the samples.  Targets (natively): the cold layer's build <= 168 us (2 MiB
+at 100 Gb/s), and <= 120 us warm, for a new layout into memory the engine holds
+already: step 3 (a layer's rows) and step 5 (a block list of a size seen before).
 
     python benchmarks/bench_cold.py --samples 30
     python benchmarks/bench_cold.py --samples 30 --json results/cold.json
