@@ -159,7 +159,8 @@ class Engine:
     bounds how long a silent peer takes to fail a transfer.  ``max_peers``
     caps connections, checked before a queue pair is made or any key sent.
     ``max_handshakes`` and ``max_handshakes_per_source`` cap incoming
-    handshakes under way, in all and from one IP address (over either, a
+    handshakes under way, in all and from one source (an IPv4 address, all of
+    127.0.0.0/8 as one, or an IPv6 /64; over either, a
     client is answered ERROR(BUSY) and asks again); ``handshake_timeout``
     bounds a whole handshake, each of its steps has a shorter deadline.
     ``max_notifications_per_peer`` and ``max_notifications`` bound
@@ -167,7 +168,7 @@ class Engine:
     connection is granted ``min(max_notifications_per_peer, max_notifications //
     max_peers)`` credits, a sender out of credits waits for the application here
     to take some (its call fails with TransferTimeout at its deadline; nothing
-    else fails), and at the total the peer holding the most loses its oldest
+    else fails), and at the total the departed peer holding the most loses its oldest
     (see :mod:`hixl.engine.inbox`).  ``completion_events=False`` makes the progress thread
     poll the CQs instead of sleeping on completion channels (a test hook).
     ``lanes`` is how many queue pairs a connection sends its work over (as many as both
@@ -185,8 +186,9 @@ class Engine:
     proxy, whose connections come from another address than their id names.
 
     Without a token any client that reaches the port learns the rkeys of
-    every remotely accessible region; an engine listening on an address
-    other than loopback without one logs a WARNING once.
+    every remotely accessible region, so an engine that listens on an address
+    other than loopback (``0.0.0.0`` included) needs a token, or
+    ``insecure=True`` to run open on purpose (it then logs a WARNING once).
 
     ``registry`` (a URL such as ``"etcd://10.0.0.1:2379"`` or ``"memory://NAME"``, or a
     :class:`hixl.registry.Registry` the caller shares) lets :meth:`connect` take peer
@@ -194,9 +196,10 @@ class Engine:
     device's GID and MTU, ``capacity``) under a lease that ends with the engine. Without a
     registry nothing is needed: peers are ``"ip:port"`` as always.
 
-    Raises :class:`ArgumentError` for a bad id, an empty token or a limit
-    below 1, :class:`DeviceError` when no device is usable, :class:`OSError`
-    when the address cannot be bound, :class:`~hixl.errors.RegistryUnavailable`
+    Raises :class:`ArgumentError` for a bad id, an empty token, a limit below 1
+    or a non-loopback listening address with neither a token nor ``insecure=True``,
+    :class:`DeviceError` when no device is usable, :class:`OSError` when the
+    address cannot be bound, :class:`~hixl.errors.RegistryUnavailable`
     naming the registry when it does not answer.
     """
 
@@ -226,6 +229,7 @@ class Engine:
         role: str = "engine",
         capacity: int = 0,
         trust_peer_hosts: bool = False,
+        insecure: bool = False,
     ) -> None:
         self._closed = True  # until fully built, so __del__ stays quiet on failure
         try:
@@ -266,6 +270,14 @@ class Engine:
                 "cannot be announced"
             )
         self._token = _token_bytes(token)
+        if tcp_port and self._token is None and not insecure and not _is_loopback(host):
+            raise ArgumentError(
+                f"engine {engine_id} would listen on a non-loopback address without a "
+                "token: any client that reaches the port would get the rkeys of every "
+                "remotely accessible region. Give every engine the same "
+                "Engine(token=...) (make one with 'hixl token'), or pass insecure=True "
+                "to run without authentication on a trusted network"
+            )
         if registry is not None:
             # Before the device, so that an unreachable registry fails before it is opened.
             self._names = Names(registry, self._peer_gone)
@@ -497,6 +509,9 @@ class Engine:
         self._repeat_put = self._repeat_get = None
         self._ring_put = self._ring_get = None
         self._dev.close()
+        with self._lock:
+            self._notify_slots.close()
+        self._planner.close()
         log.debug("engine %s closed", self.id)
 
     def _check_open(self) -> None:
@@ -1029,6 +1044,20 @@ class Engine:
             except OSError as exc:
                 log.debug("goodbye to %s not sent: %s", conn.peer, exc)
             conn.destroy()
+        if dead:
+            with self._lock:
+                self._forget_calls(dead)
+
+    def _forget_calls(self, conns: list[Connection]) -> None:
+        """Drop the kept calls (templates and the fast paths made from them) to ``conns``,
+        which are gone: a template holds its connection, and peers come and go (lock
+        held)."""
+        gone = {id(c) for c in conns}
+        for key in [k for k, t in self._templates.items() if id(t.conn) in gone]:
+            del self._templates[key]
+        self._last_template = None
+        self._repeat_put = self._repeat_get = None
+        self._ring_put = self._ring_get = None
 
     # -- transfers -----------------------------------------------------------------------
     def put(
