@@ -180,6 +180,7 @@ class Planner:
         self._chains.clear()
         self._sized.clear()
         self._plans.clear()
+        self._blank.clear()
         self._chain_bytes = 0
         self.memory.close()
 
