@@ -70,7 +70,8 @@ CHAIN_WRS_PER_KEY = 4096  # WRs of idle chains kept for one layout (at least 4 c
 POSTED_BATCHES = 64  # posted batches whose chains wait to be pooled (older ones are dropped)
 SIZED_KEYS = 64  # layouts remembered per chain size for refilling (older ones are dropped)
 SIZED_SIZES = 256  # chain sizes indexed for refilling (the index starts over past this)
-CHAIN_RESERVE = 2 << 20  # bytes of chain memory touched when the engine is made (8192 WRs fit)
+CHAIN_RESERVE = 2 << 20  # bytes of chain memory touched when the engine is made
+CHAIN_BLANK = 8192  # WRs (and SGEs) of the chain formatted in that memory when the engine is made
 
 
 def signal_interval(sq_depth: int) -> int:
@@ -150,6 +151,15 @@ class Planner:
         # and taken back when a chain is freed, so a first transfer pays no page faults.
         self.memory = ChainMemory(CHAIN_RESERVE)
         self._warm_up()
+        # One chain formatted in that memory now (links, one SGE per WR, WRITE): the
+        # first plan whose chain would take memory of that size class (more than half
+        # as many WRs) takes it, cut to its size, instead of formatting a new chain
+        # (see _chain_for).  A list: taken by one atomic pop.
+        self._blank = [
+            SendChain.blank(
+                CHAIN_BLANK, CHAIN_BLANK, verbs.WR_RDMA_WRITE, self.memory, one_each=True
+            )
+        ]
         self._plans: dict[tuple[Any, ...], Plan] = {}
         self._chains: dict[tuple[Any, ...], list[Built]] = {}  # idle chains by layout
         self._chain_bytes = 0  # bytes held by idle chains (approximate: no lock)
@@ -170,6 +180,7 @@ class Planner:
         self._chains.clear()
         self._sized.clear()
         self._plans.clear()
+        self._blank.clear()
         self._chain_bytes = 0
         self.memory.close()
 
@@ -320,8 +331,13 @@ class Planner:
     ) -> SendChain:
         """``plan``'s chain when no idle chain of its layout is pooled: an idle chain of
         another layout with as many WRs and SGEs, filled anew (no allocation: a fill into
-        memory in use costs well under half of a new chain's, see ``bench_build.py``), or
-        a new chain."""
+        memory in use costs well under half of a new chain's, see ``bench_build.py``),
+        else the blank chain formatted when the engine was made, if it is still unused
+        and the plan's chain would be of its size class, else a new chain.
+
+        A refilled chain keeps its old ``wr_id``s and flags: every chain built here is
+        signaled over its whole length (``set_signals``) before it is posted, which
+        rewrites them (:meth:`Engine._queue`)."""
         kw: dict[str, Any] = {
             "opcode": opcode,
             "local_addr": local_addr,
@@ -333,9 +349,23 @@ class Planner:
         if plan.num_wrs > 1:
             idle = self._take_sized((plan.num_wrs, plan.num_sges))
             if idle is not None:
-                idle.chain.fill_plan(plan, **kw)
+                idle.chain.fill_plan(plan, keep_ids=True, **kw)
                 self.chains_refilled += 1
                 return idle.chain
+            if (
+                self._blank
+                and CHAIN_BLANK // 2 < plan.num_wrs <= CHAIN_BLANK
+                and plan.num_sges <= CHAIN_BLANK
+            ):
+                try:
+                    chain = self._blank.pop()
+                except IndexError:  # another thread took it
+                    pass
+                else:
+                    chain.shrink(plan.num_wrs, plan.num_sges)
+                    chain.fill_plan(plan, keep_ids=True, **kw)
+                    self.chains_built += 1
+                    return chain
         self.chains_built += 1
         return SendChain.for_plan(plan, memory=self.memory, **kw)
 
