@@ -50,6 +50,7 @@ from hixl.verbs.chain import SendChain
 if TYPE_CHECKING:
     from hixl.engine.connection import Connection, Lane
     from hixl.engine.engine import Engine
+    from hixl.engine.posting import Poster
 
 __all__ = ["Channel", "LaneBusy"]
 
@@ -81,6 +82,7 @@ class Channel:
         conn: Connection,
         local: Region,
         remote: RemoteRegion,
+        poster: Poster,
         *,
         lent: bool = False,
     ) -> None:
@@ -93,6 +95,7 @@ class Channel:
         self.local = local
         self.remote = remote
         self._engine = engine
+        self._poster = poster
         self._conn = conn
         self._lane: Lane = conn.direct
         self._cq = conn.direct_cq
@@ -439,6 +442,7 @@ class Channel:
         if reason:
             with eng._lock:
                 eng._fail(conn, reason, error)
+            self._poster.wake_if_due()  # the goodbye the failure queued
         conn.direct_busy = False
         self._token.append(None)
         self._after()
@@ -452,11 +456,10 @@ class Channel:
         if conn.held:
             with eng._lock:
                 if conn.release_held() and not conn.lanes[0].window.poster:
-                    eng._want_post(conn.lanes[0])
-            if eng._wake_due:
-                eng._wake()
+                    self._poster.want_post(conn.lanes[0])
+            self._poster.wake_if_due()
         if conn.state is ConnState.CLOSED:
-            eng._wake()
+            self._poster.wake()
 
     # -- the slow path of errors -----------------------------------------------------------
     def _checked(self, lo: Any, ro: Any, n: Any) -> tuple[int, int, int]:

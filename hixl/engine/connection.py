@@ -42,6 +42,7 @@ from hixl.core.seal import Opener, Sealer
 from hixl.core.states import ConnEvent, ConnState, next_state
 from hixl.core.window import Batch, SendWindow
 from hixl.core.wire import RemoteRegion
+from hixl.engine.locks import assert_unlocked
 from hixl.errors import ConnectionFailed, HandshakeError, HixlError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
 
@@ -424,6 +425,7 @@ class Connection:
         # A copy: send() releases the GIL, and a bytearray with a live export cannot grow
         # when another thread queues a message meanwhile.  Only this thread removes bytes.
         data = bytes(self._outbox[:65536])
+        assert_unlocked(f"a control message to {self.peer}")
         try:
             sent = self.sock.send(data)
         except (BlockingIOError, InterruptedError):

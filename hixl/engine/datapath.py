@@ -579,7 +579,7 @@ class LaneRing(SlotRing):
     returned), so ``written - released`` slots are taken; slot ``written % capacity`` is
     the next.  ``open`` is the chunk the last message went into, which the next one
     joins while the window lets it grow; it holds the messages from ``open_at`` to
-    ``written``, and its end is set when it closes (``Engine._close_ring_chunk``).
+    ``written``, and its end is set when it closes (``Poster.close_ring_chunk``).
     Engine lock.
     """
 

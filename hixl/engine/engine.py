@@ -7,7 +7,6 @@ The threading and locking rules are in the package docstring (:mod:`hixl.engine`
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import secrets
 import socket
@@ -18,7 +17,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from hixl.core import notify, wire
 from hixl.core.descriptors import ContiguousDesc, Descriptor
@@ -26,9 +25,10 @@ from hixl.core.notify import Notification
 from hixl.core.plan import DeviceLimits, Op
 from hixl.core.seal import IntegrityError, Opener, Sealer
 from hixl.core.states import ConnEvent, ConnState
-from hixl.core.window import MAX_BATCHES, Batch, Chunk
-from hixl.core.wire import MAX_LANES, RemoteRegion
+from hixl.core.window import MAX_BATCHES, Chunk
+from hixl.core.wire import RemoteRegion
 from hixl.engine.channel import Channel, LaneBusy
+from hixl.engine.config import EngineConfig, is_loopback
 from hixl.engine.connection import RECV_SLOTS, Connection, Lane
 from hixl.engine.datapath import (
     Built,
@@ -59,12 +59,14 @@ from hixl.engine.handshake import (
 )
 from hixl.engine.inbox import Inbox
 from hixl.engine.kv import KVBlocks, KVCache
+from hixl.engine.locks import engine_lock
 from hixl.engine.names import Names
-from hixl.engine.progress import POLL_BATCH, Progress
+from hixl.engine.posting import POLL_BATCH, Poster
+from hixl.engine.progress import Progress
+from hixl.engine.reaping import SendReaper, deadline_error
 from hixl.engine.regions import Access, Region, buffer_span
 from hixl.errors import (
     ArgumentError,
-    CompletionError,
     ConnectionFailed,
     HandshakeError,
     HixlError,
@@ -228,44 +230,28 @@ class Engine:
         trust_peer_hosts: bool = False,
     ) -> None:
         self._closed = True  # until fully built, so __del__ stays quiet on failure
-        try:
-            host, tcp_port = wire.parse_engine_id(engine_id)
-        except ValueError as exc:
-            raise ArgumentError(f"bad engine id {engine_id!r}: {exc}") from exc
-        limits = {
-            "max_peers": max_peers,
-            "max_handshakes": max_handshakes,
-            "max_handshakes_per_source": max_handshakes_per_source,
-            "max_notifications_per_peer": max_notifications_per_peer,
-            "max_notifications": max_notifications,
-        }
-        for what, value in limits.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ArgumentError(f"{what} must be an integer >= 1, got {value!r}")
-        if handshake_timeout <= 0:
-            raise ArgumentError(f"handshake_timeout must be > 0 seconds, got {handshake_timeout}")
-        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
-            raise ArgumentError(f"lanes must be an integer in [1, {MAX_LANES}], got {lanes!r}")
-        self._lanes = lanes
-        # One more queue pair per connection for a Channel, while the wire has room for it.
-        self._direct_lane = bool(direct_lane) and lanes < MAX_LANES
-        if gil_switch_interval is not None:
-            if not 0 < gil_switch_interval <= 1:
-                raise ArgumentError(
-                    f"gil_switch_interval must lie in (0, 1] seconds or be None, "
-                    f"got {gil_switch_interval!r}"
-                )
-            if sys.getswitchinterval() > gil_switch_interval:
-                sys.setswitchinterval(gil_switch_interval)
+        cfg = EngineConfig.check(
+            engine_id,
+            token=token,
+            lanes=lanes,
+            direct_lane=direct_lane,
+            handshake_timeout=handshake_timeout,
+            max_peers=max_peers,
+            max_handshakes=max_handshakes,
+            max_handshakes_per_source=max_handshakes_per_source,
+            max_notifications_per_peer=max_notifications_per_peer,
+            max_notifications=max_notifications,
+            gil_switch_interval=gil_switch_interval,
+            name=name,
+            has_registry=registry is not None,
+        )
+        host, tcp_port = cfg.host, cfg.tcp_port
+        self._lanes = cfg.lanes
+        self._direct_lane = cfg.direct_lane
+        if gil_switch_interval is not None and sys.getswitchinterval() > gil_switch_interval:
+            sys.setswitchinterval(gil_switch_interval)  # asked for by name (see above)
         self._names: Names | None = None
-        if name is not None and registry is None:
-            raise ArgumentError(f"name={name!r} needs registry= (an etcd:// or memory:// URL)")
-        if name is not None and not tcp_port:
-            raise ArgumentError(
-                f"name={name!r}: an engine that does not listen (port 0 in {engine_id!r}) "
-                "cannot be announced"
-            )
-        self._token = _token_bytes(token)
+        self._token = cfg.token
         if registry is not None:
             # Before the device, so that an unreachable registry fails before it is opened.
             self._names = Names(registry, self._peer_gone)
@@ -274,7 +260,7 @@ class Engine:
         self._max_notes = max_notifications
         self.qp_timeout = qp_timeout
         self._max_peers = max_peers
-        self._lock = threading.RLock()
+        self._lock = engine_lock()
         self._notify_cv = threading.Condition(self._lock)
         self._credit_cv = threading.Condition(self._lock)  # notification credits came back
         try:
@@ -342,25 +328,24 @@ class Engine:
         self._exposed_map: dict[tuple[int, int], RemoteRegion] = {}
         self._exposed_bytes = 0
         self._next_wr = 1
-        # Posting (see _start_post): connections whose backlog the progress thread posts,
-        # whether it was woken for them, and batches out (posted outside the lock).
-        self._to_post: dict[int, Lane] = {}
-        self._post_wake = False
-        self._wake_due = False  # _want_post asked for a wake-up: sent once the lock is free
-        self._posters = 0
-        # When a waiter last reaped send completions itself (monotonic); while that is
-        # recent the progress thread does not arm the send CQ (see Progress).
-        self._driven_at = 0.0
-        self._send_posts = 0  # post_send calls for transfers, and the WRs they carried
-        self._posted_wrs = 0
-        self._direct_posts = 0  # of them, blocking single requests posted by their caller
+        # Posting: lanes waiting for the progress thread, posters at work, the wake-up due.
+        parts = _Host(self)
+        self._poster = Poster(self._lock, self.sq_depth, self._planner, parts)
+        self._reaper = SendReaper(self._by_qpn, self._handles, self._poster, parts)
+        self._direct_posts = 0  # blocking single requests posted by their caller
         self._lane_posts = 0  # and on a direct lane (see _on_lane; not in _direct_posts)
-        self._slot_messages = 0  # single async requests through a lane's ring (_ring_enqueuer)
-        self._post_cv = threading.Condition(self._lock)
         self._outgoing: set[Connection] = set()  # connections with control output queued
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
         self._broken: str | None = None  # why the progress thread died, if it did
-        self._progress = Progress(self, listener, (self.send_cq, self.recv_cq), completion_events)
+        self._progress = Progress(
+            self,
+            listener,
+            (self.send_cq, self.recv_cq),
+            completion_events,
+            self._poster,
+            self._reaper,
+        )
+        self._poster.attach(self._progress, self.send_cq, self._reaper.reap_send)
         self._incoming: Listener | None = None
         if listener is not None:
             self._incoming = Listener(
@@ -375,7 +360,7 @@ class Engine:
             )
         self._closed = False
         self._progress.start()
-        if listener is not None and self._token is None and not _is_loopback(host):
+        if listener is not None and self._token is None and not is_loopback(host):
             log.warning(
                 "engine %s listens on a non-loopback address without a token: any client "
                 "that reaches the port gets the rkeys of every remotely accessible region; "
@@ -440,11 +425,11 @@ class Engine:
                 refused_busy=self._incoming.refused_busy if self._incoming is not None else 0,
                 notifications=len(self._inbox),
                 notifications_dropped=self._inbox.dropped,
-                send_posts=self._send_posts + self._direct_posts + self._lane_posts,
-                posted_wrs=self._posted_wrs + self._direct_posts + self._lane_posts,
+                send_posts=self._poster.send_posts + self._direct_posts + self._lane_posts,
+                posted_wrs=self._poster.posted_wrs + self._direct_posts + self._lane_posts,
                 direct_posts=self._direct_posts + self._lane_posts,
                 lane_posts=self._lane_posts,
-                slot_messages=self._slot_messages + self._open_messages(),
+                slot_messages=self._poster.slot_messages + self._open_messages(),
                 chains_built=self._planner.chains_built,
                 chains_refilled=self._planner.chains_refilled,
             )
@@ -468,6 +453,7 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
+            self._poster.closed = True
             names, self._names = self._names, None
         if names is not None:
             names.close()
@@ -478,13 +464,14 @@ class Engine:
                 h.finish(StateError(f"engine {self.id} closed while the transfer was pending"))
             self._handles.clear()
             self._notify_cv.notify_all()
+        self._poster.wake_if_due()
         self._progress.stop()
         with self._lock:  # a thread still posting a batch to a queue pair about to go
             until = time.monotonic() + 10.0
-            while (self._posters or any(c.direct_busy for c in self._dead)) and (
+            while (self._poster.posters or any(c.direct_busy for c in self._dead)) and (
                 time.monotonic() < until
             ):
-                self._post_cv.wait(0.1)  # (a channel call ends without notifying: polled)
+                self._poster.post_cv.wait(0.1)  # (a channel call ends without notifying: polled)
         if self._incoming is not None:
             self._incoming.close()  # the progress thread is gone: nobody else touches it
         if self._listener is not None:
@@ -582,6 +569,7 @@ class Engine:
                 self._exposed_bytes += size
                 self._announce(add=(remote,))
             self._regions[(addr, length)] = region
+        self._poster.wake_if_due()
         log.debug("registered %r", region)
         return region
 
@@ -598,6 +586,7 @@ class Engine:
                 self._exposed_bytes -= wire.region_size(remote)
                 if not self._closed:
                     self._announce(remove=(remote,))
+        self._poster.wake_if_due()
 
     @property
     def regions(self) -> list[Region]:
@@ -636,12 +625,16 @@ class Engine:
                 self._queue_control(conn, msg)
 
     def _queue_control(self, conn: Connection, data: bytes) -> None:
-        """Queue a control message for the progress thread to send (caller holds the lock)."""
+        """Queue a control message for the progress thread to send (caller holds the lock).
+
+        The wake-up is only marked due: whoever let go of the lock last sends it
+        (:meth:`_wake_if_due`), since sending it is a system call.
+        """
         if not conn.queue_control(data):
             self._fail(conn, "peer left too many control messages unread")
             return
         self._outgoing.add(conn)
-        self._progress.wake()
+        self._poster.wake_due = True
 
     # -- connections ---------------------------------------------------------------------
     def connect(
@@ -692,6 +685,7 @@ class Engine:
                     stale = self._conns.get(seen.engine)
                     if stale is not None:
                         self._drop(stale, f"{peer} was restarted", send_bye=False)
+                self._poster.wake_if_due()
             peer = ann.engine
 
             def abort() -> str | None:  # the name's process left the registry meanwhile
@@ -715,12 +709,14 @@ class Engine:
                 return old
             if old is not None:
                 self._drop(old, "replaced by a new connection", send_bye=False)
+        self._poster.wake_if_due()
         deadline = time.monotonic() + timeout
         conn = client_handshake(self, peer, (host, port), self._token, deadline, abort)
         reason = None if abort is None else abort()
         if reason is not None:  # it left just before the connection went live: fail it
             with self._lock:
                 self._fail(conn, reason)
+            self._poster.wake_if_due()
             raise ConnectionFailed(f"connection to {peer} failed: {reason}")
         log.debug("connected to %r", conn)
         return conn
@@ -731,6 +727,7 @@ class Engine:
         return len(self._conns) + len(claims - set(self._conns))
 
     def _new_connection(self, peer: str, *, outbound: bool) -> Connection:
+        """An outgoing connection, within ``max_peers``."""
         with self._lock:
             self._check_open()
             if self._peer_count() >= self._max_peers:
@@ -738,10 +735,32 @@ class Engine:
                     f"engine {self.id} already has {self._peer_count()} peers "
                     f"(max_peers={self._max_peers})"
                 )
+        return self._make_connection(peer, outbound)
+
+    def _make_connection(self, peer: str, outbound: bool) -> Connection:
+        """A connection's queue pairs, CQ and receive slots, made outside the lock (each
+        is a system call) and then indexed under it; :meth:`close` waits for the making
+        as it waits for a post (it counts as a poster).  :class:`StateError` once the
+        engine is closed."""
+        with self._lock:
+            self._check_open()
+            self._poster.posters += 1
+        try:
             conn = Connection(self, peer, outbound, self._lanes, self._direct_lane)
-            for lane in conn.all_lanes:
-                self._by_qpn[lane.qpn] = lane
-            return conn
+        except BaseException:
+            with self._lock:
+                self._poster.release_poster()
+            raise
+        with self._lock:
+            if not self._closed:
+                for lane in conn.all_lanes:
+                    self._by_qpn[lane.qpn] = lane
+                self._poster.release_poster()
+                return conn
+        conn.destroy()  # before close() goes on to close the device
+        with self._lock:
+            self._poster.release_poster()
+        raise StateError(f"engine {self.id} is closed")
 
     def _admit(self, peer: str, info: wire.Info, claims: set[str]) -> Admission:
         """Whether a proven client may connect as ``peer``; progress thread, never blocks.
@@ -780,14 +799,13 @@ class Engine:
                 )
             if old is not None:
                 self._drop(old, f"replaced by a new connection from {peer}", send_bye=False)
-            try:
-                conn = Connection(
-                    self, peer, outbound=False, lanes=self._lanes, direct=self._direct_lane
-                )
-            except HixlError as exc:
-                return Admission(code=wire.ErrorCode.INTERNAL, message=f"no queue pair: {exc}")
-            for lane in conn.all_lanes:
-                self._by_qpn[lane.qpn] = lane
+        self._poster.wake_if_due()
+        try:
+            conn = self._make_connection(peer, outbound=False)
+        except StateError:
+            return Admission(code=wire.ErrorCode.BUSY, message=f"engine {self.id} is closing")
+        except HixlError as exc:
+            return Admission(code=wire.ErrorCode.INTERNAL, message=f"no queue pair: {exc}")
         try:
             conn.establish(info)
         except HixlError as exc:
@@ -872,6 +890,7 @@ class Engine:
             if added or removed:
                 self._queue_control(conn, wire.encode(wire.Regions(add=added, remove=removed)))
             self._queue_control(conn, wire.encode(wire.Credit(notes=self._inbox.grant)))
+        self._poster.wake_if_due()
 
     def disconnect(self, peer: str) -> None:
         """Close the connection to ``peer``; its pending transfers fail.  Unknown peers: no-op."""
@@ -879,6 +898,7 @@ class Engine:
             conn = self._conns.get(peer)
             if conn is not None:
                 self._drop(conn, f"disconnected by {self.id}", send_bye=True)
+        self._poster.wake_if_due()
 
     def connection(self, peer: str) -> Connection:
         """The connection to ``peer``; :class:`ConnectionFailed` if there is none."""
@@ -899,6 +919,7 @@ class Engine:
             conn = self._conns.get(engine_id)
             if conn is not None and not self._closed:
                 self._fail(conn, reason)
+        self._poster.wake_if_due()
 
     @property
     def registry(self) -> Registry | None:
@@ -970,7 +991,7 @@ class Engine:
                 frame = wire.encode(wire.Bye(reason=text))
             if conn.queue_control(frame):  # best effort: a peer that reads nothing is gone
                 self._outgoing.add(conn)
-                self._progress.wake()
+                self._poster.wake_due = True  # sent once the lock is free (wake_if_due)
         if culprit is not None and error is not None:
             culprit.finish(error)
             self._handles.discard(culprit)
@@ -982,7 +1003,7 @@ class Engine:
 
     def _fail_pending(self, conn: Connection, error: HixlError) -> None:
         for lane in conn.all_lanes:
-            self._close_ring_chunk(lane.ring)  # counted, and no message joins it now
+            self._poster.close_ring_chunk(lane.ring)  # counted, and no message joins it now
         chunks = [c for lane in conn.all_lanes for c in lane.window.drain()]
         conn.held = 0
         for chunk in chunks:
@@ -1016,7 +1037,7 @@ class Engine:
         if self._conns.get(conn.peer) is conn:
             del self._conns[conn.peer]
         self._dead.append(conn)
-        self._progress.wake()
+        self._poster.wake_due = True  # the progress thread frees it (sent once the lock is free)
 
     def _release_dead(self) -> None:
         """Send what dropped connections still have queued (best effort), then free them."""
@@ -1508,7 +1529,9 @@ class Engine:
         now_s = time.monotonic()
         nbytes = sum(b.nbytes for b in built)
         num_wrs = sum(b.chain.num_wrs for b in built)
-        handle = TransferHandle(conn.peer, nbytes, num_wrs, now_s + timeout, self._reap_inline)
+        handle = TransferHandle(
+            conn.peer, nbytes, num_wrs, now_s + timeout, self._poster.reap_inline
+        )
         every = self._every
         chunks = []
         for b in built:
@@ -1566,8 +1589,8 @@ class Engine:
                 first.window.queue1(chunk)
                 placed.append((first, chunk))
             self._handles.add(handle)
-            lane, batch = self._start_posts([lane for lane, _ in placed], now)
-        self._post_or_wake(lane, batch)
+            lane, batch = self._poster.start_posts([lane for lane, _ in placed], now)
+        self._poster.post_or_wake(lane, batch)
         return handle
 
     def _queue1(self, conn: Connection, b: Built, timeout: float, now: bool) -> TransferHandle:
@@ -1575,7 +1598,7 @@ class Engine:
         now_s = time.monotonic()
         chain = b.chain
         n = chain.num_wrs
-        handle = TransferHandle(conn.peer, b.nbytes, n, now_s + timeout, self._reap_inline)
+        handle = TransferHandle(conn.peer, b.nbytes, n, now_s + timeout, self._poster.reap_inline)
         handle.chunks_left = 1
         chunk = Chunk(chain, 0, n, handle, self._every)
         chunk.built = b
@@ -1598,7 +1621,7 @@ class Engine:
                 handle.chunks_left = len(parts)
                 for lane, part in parts:
                     lane.window.queue1(part)
-                lane, batch = self._start_posts([lane for lane, _ in parts], now)
+                lane, batch = self._poster.start_posts([lane for lane, _ in parts], now)
             else:
                 lane = conn.pick_lane()
                 window = lane.window
@@ -1606,11 +1629,11 @@ class Engine:
                 if window.poster:
                     return handle  # the batch being posted takes it next
                 if now and not window.in_flight:
-                    batch = self._start_post(lane, defer=False)
-                else:  # hand it to the progress thread (see _start_post)
-                    self._want_post(lane)
+                    batch = self._poster.start_post(lane, defer=False)
+                else:  # hand it to the progress thread (see Poster.start_post)
+                    self._poster.want_post(lane)
                     batch = None
-        self._post_or_wake(lane, batch)
+        self._poster.post_or_wake(lane, batch)
         return handle
 
     def _queue_ring(
@@ -1651,7 +1674,7 @@ class Engine:
         calls, which check only their arguments; a closed engine or a connection that
         is not READY raises as the general path would.
         """
-        engine = self
+        engine, poster = self, self._poster
         conn, local, remotes = t.conn, t.local, t.remotes
         mr = local.mr
         n, opcode, rkey, lkey = t.nbytes, t.opcode, t.rkey, t.lkey
@@ -1685,10 +1708,10 @@ class Engine:
                     slot = written % cap
                     chunk = ring.open
                     # The open chunk is closed before any of it is taken for posting
-                    # (_start_post) and when another opens, so only a wrap (slot 0: a
+                    # (Poster.start_post) and when another opens, so only a wrap (slot 0: a
                     # chunk is one range of the chain) or a chunk queued after it on the
                     # lane ends the joining here.  Its end, signal groups and count are
-                    # set when it closes (_close_ring_chunk), not per message.
+                    # set when it closes (Poster.close_ring_chunk), not per message.
                     if chunk is not None and slot and lane.window.last is chunk:
                         group = chunk.handle
                         k = written - ring.open_at
@@ -1738,8 +1761,8 @@ class Engine:
             if handle is None:  # every slot waits for its post: a chain of its own
                 built = engine._planner.rebuild(t, sge_addr - lo, remote_addr - ro)
                 return engine._queue1(conn, built, timeout, False)
-            if engine._wake_due:
-                engine._wake()
+            if poster.wake_due:
+                poster.wake()
             return handle
 
         return enqueue
@@ -1751,9 +1774,11 @@ class Engine:
         as one :class:`GroupHandle`, which reserves a block of ``wr_id``s (one per slot
         the chunk may grow to), so that whatever is queued after it on any lane has
         higher ids; the poster is asked for unless it will take it anyway."""
-        self._close_ring_chunk(ring)
+        self._poster.close_ring_chunk(ring)
         cap = ring.capacity
-        group = GroupHandle(lane.conn.peer, time.monotonic() + timeout, self._reap_inline, timeout)
+        group = GroupHandle(
+            lane.conn.peer, time.monotonic() + timeout, self._poster.reap_inline, timeout
+        )
         group.chunks_left = 1
         chunk = Chunk(ring.chain, slot, slot + 1, group, 1, self._next_wr)
         chunk.groups = 1
@@ -1768,23 +1793,9 @@ class Engine:
         # A message that joins this chunk later needs no asking: the chunk is then still
         # queued and not taken, so whoever posts it (asked here, or the poster at work
         # now) posts the joined slots with it.
-        if not window.poster and lane.qpn not in self._to_post:
-            self._want_post(lane)  # (once asked, the poster takes it with the rest)
+        if not window.poster and lane.qpn not in self._poster.to_post:
+            self._poster.want_post(lane)  # (once asked, the poster takes it with the rest)
         return chunk
-
-    def _close_ring_chunk(self, ring: LaneRing | None) -> None:
-        """End ``ring``'s open chunk, if it has one, where its last message went (lock
-        held): its stop, its signal groups (one per message) and the diagnostics' count,
-        which its messages do not update one by one.  No message joins it afterwards."""
-        chunk = ring.open if ring is not None else None
-        if chunk is None:
-            return
-        assert ring is not None
-        size = ring.written - ring.open_at
-        chunk.stop = chunk.start + size
-        chunk.groups = size
-        self._slot_messages += size
-        ring.open = None
 
     def _remember_ring(self, t: Template, remote: RemoteRegion | str) -> None:
         """Keep ``t`` (a template of two ranges, the peer's region named by ``remote``)
@@ -1875,7 +1886,7 @@ class Engine:
             for lane in conn.lanes:
                 if lane.window.take_solo(chunk):
                     self._next_wr = wr_id + 1
-                    self._posters += 1
+                    self._poster.posters += 1
                     self._direct_posts += 1  # also a post of one WR, see diagnostics
                     break
             else:
@@ -1919,7 +1930,7 @@ class Engine:
         raised); False, with nothing posted, when another call has the lane."""
         held = t.lane
         if not held:
-            ch = Channel(self, t.conn, t.local, t.remote, lent=True)
+            ch = Channel(self, t.conn, t.local, t.remote, self._poster, lent=True)
             lo, n, ro = t.single  # type: ignore[misc]
             call = ch._put if t.opcode == verbs.WR_RDMA_WRITE else ch._get
             held.append((call, lo - t.local.addr, ro - t.remote.addr, n, ch))
@@ -1954,7 +1965,7 @@ class Engine:
                 with lock:
                     if settle:
                         settle = False
-                        self._settle_locked(lane, err, handle)
+                        self._poster.settle_locked(lane, err, handle)
                     if self._closed:
                         handle.finish(
                             StateError(f"engine {self.id} closed while the transfer was pending")
@@ -1963,12 +1974,12 @@ class Engine:
                     else:
                         rows = cq.poll_rows(POLL_BATCH)
                         if rows:
-                            self._reap_send(rows)
+                            self._reaper.reap_send(rows)
                     if handle.status is not TransferStatus.PENDING:
                         released = True
-                        self._release_poster()
-                if self._wake_due:  # the reap handed other lanes' backlog over
-                    self._wake()
+                        self._poster.release_poster()
+                if self._poster.wake_due:  # the reap handed other lanes' backlog over
+                    self._poster.wake()
                 if released:
                     return
                 now = time.monotonic()  # also when others' completions keep coming
@@ -1977,7 +1988,7 @@ class Engine:
                         self._fail(
                             lane.conn,
                             "a transfer timed out",
-                            _deadline_error(handle),
+                            deadline_error(handle),
                             culprit=handle,
                         )
                 elif not rows and now >= spin_until:
@@ -1986,7 +1997,7 @@ class Engine:
         except BaseException:
             if not released:
                 with lock:
-                    self._release_poster()
+                    self._poster.release_poster()
             raise
 
     def channel(self, peer: str, local: Region, remote: RemoteRegion | str) -> Channel:
@@ -2031,7 +2042,7 @@ class Engine:
                     f"connection to {peer} already has an open channel {conn.channel!r}; "
                     "close it first (one channel per connection)"
                 )
-            ch = Channel(self, conn, local, rem)
+            ch = Channel(self, conn, local, rem, self._poster)
             conn.channel = ch
         # A blocking put or get of this engine's may be finishing on the lane (see
         # _on_lane); from here on none starts there.  Wait for it, without the lock.
@@ -2061,188 +2072,6 @@ class Engine:
             chunk.notify_slot = None
 
     # -- posting ---------------------------------------------------------------------------
-    def _start_post(self, lane: Lane, *, defer: bool) -> Batch | None:
-        """Reserve the next batch of ``lane``'s backlog for this thread to post (lock held).
-
-        None when a batch of the lane is already out (its poster takes the rest next),
-        when nothing fits, or with ``defer``: then the progress thread posts, and what
-        callers queue meanwhile goes out with it in one ``post_send`` (coalescing) while
-        they go on running Python.  Blocking calls post to an idle queue pair themselves
-        (one thread hand-off less), and so does a waiter that finds a lane waiting for
-        the progress thread (:meth:`_reap_inline`): two threads then post at once, each
-        to its own lane.
-        """
-        window = lane.window
-        if window.poster or not window.backlog:
-            return None
-        if defer:
-            self._want_post(lane)
-            return None
-        chunk = window.head
-        self._close_ring_chunk(lane.ring)  # none of it is taken while it may still grow
-        try:
-            batch = lane.take_batch(self.sq_depth)
-        except HixlError as exc:
-            culprit = chunk.handle if chunk is not None else None
-            self._fail(lane.conn, f"post_send refused: {exc}", exc, culprit=culprit)
-            return None
-        if batch is not None:
-            self._posters += 1
-            self._send_posts += 1  # counted when reserved: completions may beat the post
-            self._posted_wrs += sum(hi - lo for _, lo, hi in batch.pieces)
-        return batch
-
-    def _start_posts(self, lanes: list[Lane], now: bool) -> tuple[Lane, Batch | None]:
-        """After queueing a transfer's parts on ``lanes`` (lock held): reserve the first
-        lane's batch for this thread when ``now`` and that lane is idle, and hand the
-        others to the progress thread (or a waiter, see :meth:`_reap_inline`)."""
-        order = list(dict.fromkeys(lanes))
-        lane = order[0]
-        batch = self._start_post(lane, defer=not now or lane.window.in_flight > 0)
-        for other in order[1:]:
-            self._start_post(other, defer=True)
-        return lane, batch
-
-    def _want_post(self, lane: Lane) -> None:
-        """Have the progress thread post ``lane``'s backlog (lock held).
-
-        An application thread sends the wake-up this may ask for (:meth:`_wake`) once it
-        has let go of the lock: sending is a system call, and it releases the GIL.
-        """
-        self._to_post[lane.qpn] = lane
-        # A thread that is not sleeping sees _to_post before it sleeps (Progress.step
-        # looks again after saying it sleeps), so only a sleeping one needs the byte.
-        if not self._post_wake and self._progress.sleeping:
-            self._post_wake = True
-            self._wake_due = True
-
-    def _post_or_wake(self, lane: Lane, batch: Batch | None) -> None:
-        """After queueing (lock let go): post the batch this thread reserved, or send the
-        wake-up the hand-over asked for."""
-        if batch is not None:
-            self._post(lane, batch)
-        elif self._wake_due:
-            self._wake()
-
-    def _wake(self) -> None:
-        """Send the wake-up :meth:`_want_post` asked for (lock not held)."""
-        self._wake_due = False
-        self._progress.wake()
-
-    def _post(self, lane: Lane, batch: Batch) -> None:
-        """Post a reserved batch outside the lock, then settle it under the lock.
-
-        The chains of chunks that went out whole go to the planner, to be pooled by a
-        caller (the provider copied their WRs).  A refusal fails the connection.  What was queued
-        meanwhile is left to the progress thread.
-        """
-        err: HixlError | None = None
-        try:
-            lane.post_batch(batch)
-        except HixlError as exc:
-            err = exc
-        if batch.finished:
-            self._planner.posted(batch.finished)  # pooled later, by a caller
-        chunk = batch.finished[0] if batch.finished else None
-        with self._lock:
-            for done in batch.finished:
-                ring = done.ring
-                if ring is not None:  # the provider copied its slots: free again
-                    ring.released += done.stop - done.start
-            self._settle_locked(lane, err, chunk.handle if chunk is not None else None)
-            self._release_poster()
-        if self._wake_due:
-            self._wake()
-
-    def _release_poster(self) -> None:
-        """This thread's post (a batch, or a direct post and its wait) is over (lock
-        held); :meth:`close` waits for the last one."""
-        self._posters -= 1
-        if self._closed and not self._posters:
-            self._post_cv.notify_all()
-
-    def _settle_locked(
-        self, lane: Lane, err: HixlError | None, culprit: TransferHandle | None
-    ) -> None:
-        """After a post to ``lane`` returned (lock held): end its batch, fail the
-        connection if the provider refused it (``culprit``: the transfer that gets
-        ``err``), or hand the backlog queued meanwhile to the progress thread.  The
-        caller stops counting as a poster itself."""
-        conn = lane.conn
-        lane.window.end_batch()
-        if err is not None:
-            self._fail(conn, f"post_send failed: {err}", err, culprit=culprit)
-        elif lane.window.backlog and conn.state is ConnState.READY:
-            self._want_post(lane)
-        if conn.state is ConnState.CLOSED:
-            self._wake_due = True  # free it now that nobody posts to it
-
-    def _post_pending(self) -> bool:
-        """Progress thread: post the lanes waiting for it; True if more waits.
-
-        One lane at a time, oldest first, each taken under the lock just before its
-        post: a waiter that looks meanwhile takes another (:meth:`_reap_inline`), and
-        the two posts run at once.  Lanes queued during this call wait for the next.
-        """
-        with self._lock:
-            self._post_wake = False
-            count = len(self._to_post)
-        for _ in range(count):
-            with self._lock:
-                if not self._to_post:
-                    break
-                lane = self._to_post.pop(next(iter(self._to_post)))
-                batch = self._start_post(lane, defer=False)
-            if batch is not None:
-                self._post(lane, batch)
-        return bool(self._to_post)
-
-    def _reap_inline(self, now: float) -> bool:
-        """A waiter reaps send completions itself (no hand-off); True: worth spinning on.
-
-        Skips the reaping when the lock is busy (the progress thread is reaping, most
-        likely).  A lane whose backlog waits for the progress thread is posted by the
-        waiter itself, so two threads post at once.  Spinning stops paying once only a
-        batch being posted is left: the completions the waiter wants then come after
-        that post, and a spinning waiter only takes the CPU and the GIL the poster needs
-        (on rxe the post itself does the sending).  ``now``: the waiter's clock reading
-        (``time.monotonic()``), or 0.0 when it is about to sleep on its handle, and the
-        progress thread is woken to watch the completion queue.
-        """
-        if not now:
-            self._driven_at = 0.0
-            # A progress thread that is not sleeping arms the send CQ before it sleeps
-            # (Progress.step looks at _driven_at again after saying it sleeps): only a
-            # sleeping one needs the wake-up, a system call that wakes a thread.
-            if self._progress.sleeping:
-                self._progress.wake()
-            return False
-        self._driven_at = now
-        if not self._lock.acquire(blocking=False):
-            return True
-        lane: Lane | None = None
-        batch: Batch | None = None
-        try:
-            if self._closed:
-                return False
-            self._reap_send(self.send_cq.poll_rows(POLL_BATCH))
-            if not self._to_post:
-                return not self._posters
-            # A lane waits for the progress thread: post it from here, beside whatever
-            # that thread posts (on rxe the post does the sending, and two threads on
-            # two lanes send twice as much).
-            _, lane = self._to_post.popitem()
-            batch = self._start_post(lane, defer=False)
-        except HixlError:
-            return False
-        finally:
-            self._lock.release()
-            if self._wake_due:
-                self._wake()
-        if batch is not None:
-            self._post(lane, batch)
-        return True
-
     def _has_pending(self) -> bool:
         return bool(self._handles)
 
@@ -2319,66 +2148,6 @@ class Engine:
         self._notify_cv.notify_all()
 
     # -- progress thread callbacks (all but the socket reads run under the lock) -----------
-    def _reap_send(self, wcs: list[tuple[int, int, int, int]]) -> int:
-        """Handle send completions, rows of ``CompletionQueue.poll_rows``; return how many.
-
-        One completion per signal group, not per work request.  Connections that freed
-        send-queue room post more of their backlog once, after the whole batch.
-        """
-        if not wcs:
-            return 0
-        pump: dict[int, Lane] = {}
-        for wr_id, status, vendor_err, qpn in wcs:
-            lane = self._by_qpn.get(qpn)
-            if lane is None:
-                continue
-            conn = lane.conn
-            got = lane.window.completed(wr_id)
-            if not got:
-                continue  # completion of a chunk that was already failed
-            if status != 0:
-                chunk = got[-1][0]  # the failed WR's own chunk; those before it are done
-                for early, _ in got[:-1]:
-                    self._chunk_done(early)
-                op = "RDMA transfer" if chunk.notify_slot is None else "notification"
-                self._release_notify(chunk)
-                name = verbs.WC_STATUS_NAMES.get(status, f"IBV_WC_STATUS_{status}")
-                err = CompletionError(f"{op} to {conn.peer}", status, name, wr_id, vendor_err)
-                if chunk.ring is not None:  # a group of messages: the members before it landed
-                    group = chunk.handle
-                    group.fail_at = wr_id - chunk.first_id
-                    group.rest = ConnectionFailed(
-                        f"connection to {conn.peer} failed: completion error {name}"
-                    )
-                for other in conn.all_lanes:
-                    pump.pop(other.qpn, None)
-                self._fail(conn, f"completion error {name}", err, culprit=chunk.handle)
-                continue
-            pump[qpn] = lane
-            for chunk, finished in got:
-                if finished:
-                    self._chunk_done(chunk)
-        for lane in pump.values():
-            conn = lane.conn
-            if conn.held and lane.index and conn.release_held():
-                first = conn.lanes[0]
-                if not first.window.poster:
-                    self._want_post(first)
-            if lane.window.backlog and not lane.window.poster:
-                self._want_post(lane)
-        return len(wcs)
-
-    def _chunk_done(self, chunk: Chunk) -> None:
-        if chunk.notify_slot is not None:
-            self._release_notify(chunk)
-        handle = chunk.handle
-        if handle is not None:
-            left = handle.chunks_left - 1
-            handle.chunks_left = left
-            if not left:
-                handle.finish(None)
-                self._handles.discard(handle)
-
     def _reap_recv(self, wcs: list[verbs.Completion]) -> int:
         """Handle receive completions (notifications); return how many there were."""
         for wc in wcs:
@@ -2407,16 +2176,6 @@ class Engine:
                 continue
             self._queue_note(conn, note)
         return len(wcs)
-
-    def _expire(self, now: float) -> None:
-        for h in [h for h in self._handles if h.deadline <= now]:
-            err = _deadline_error(h)
-            conn = self._conns.get(h.peer)
-            if conn is not None:
-                self._fail(conn, "a transfer timed out", err, culprit=h)
-            else:
-                h.finish(err)
-                self._handles.discard(h)
 
     def _flush_outboxes(self) -> None:
         """Progress thread: send queued control messages, free dropped connections."""
@@ -2463,6 +2222,7 @@ class Engine:
         with self._lock:
             if conn.state is not ConnState.CLOSED:
                 self._on_controls(conn, msgs, problem, eof=not data)
+        self._poster.wake_if_due()
 
     def _on_controls(
         self,
@@ -2526,7 +2286,7 @@ class Engine:
             # closes once it has our last notification says goodbye right after that
             # send completed here, maybe before this thread reaped it (same select round).
             self._reap_recv(self.recv_cq.poll(64))
-            self._reap_send(self.send_cq.poll_rows(POLL_BATCH))
+            self._reaper.reap_send(self.send_cq.poll_rows(POLL_BATCH))
             self._peer_left(conn, f"peer said goodbye: {escape(msg.reason)}", expected=True)
         elif isinstance(msg, wire.Error):
             self._peer_left(conn, f"peer reported {msg.code}: {escape(msg.message)}")
@@ -2536,13 +2296,35 @@ class Engine:
             self._let_go(conn, what)
 
 
-def _deadline_error(h: TransferHandle) -> TransferTimeout:
-    """The error of a transfer past its deadline (queued or posted directly)."""
-    return TransferTimeout(
-        f"transfer to {h.peer} did not complete within its deadline "
-        f"({h.nbytes} bytes, {h.num_wrs} work requests); the connection is marked "
-        "failed because its requests cannot be recalled"
-    )
+class _Host:
+    """The engine as its poster and reaper see it (:class:`~hixl.engine.posting.PostingHost`,
+    :class:`~hixl.engine.reaping.ReapingHost`).
+
+    It holds the engine by a weak proxy: the poster lives as long as the engine, and an
+    engine the application forgets to close must still be collected (and warn).
+    """
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine: Engine = cast("Engine", weakref.proxy(engine))
+
+    def fail(
+        self,
+        conn: object,
+        reason: str,
+        error: HixlError | None = None,
+        *,
+        culprit: TransferHandle | None = None,
+    ) -> None:
+        assert isinstance(conn, Connection)
+        self._engine._fail(conn, reason, error, culprit=culprit)
+
+    def release_notify(self, chunk: Chunk) -> None:
+        self._engine._release_notify(chunk)
+
+    def connection_of(self, peer: str) -> Connection | None:
+        return self._engine._conns.get(peer)
 
 
 def _every_for(conn: Connection, n: int, nbytes: int, every: int) -> int:
@@ -2589,29 +2371,6 @@ def _spread(chunk: Chunk, conn: Connection) -> list[tuple[Lane, Chunk]]:
     if chunk.built is not None:
         chunk.built.parts = [True] + [False] * (k - 1)  # popped once per part posted
     return parts
-
-
-def _token_bytes(token: bytes | str | None) -> bytes | None:
-    """The token as bytes; :class:`ArgumentError` for an empty or mistyped one."""
-    if token is None:
-        return None
-    if isinstance(token, str):
-        token = token.encode("utf-8")
-    if not isinstance(token, bytes):
-        raise ArgumentError(f"token must be str, bytes or None, got {type(token).__name__}")
-    if not token:
-        raise ArgumentError(
-            "token must not be empty (an empty token would fail every handshake); pass "
-            "None for no authentication, or a random one from 'hixl token'"
-        )
-    return token
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.partition("%")[0]).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 _notify = notify  # the module, under a name the ``notify`` parameters do not shadow
