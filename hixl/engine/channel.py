@@ -327,10 +327,9 @@ class Channel:
             except IndexError:
                 return False
             conn.direct_busy = True
-            # Connection._remote is what Connection.remote_regions returns.
             if (
                 conn.state is not ready
-                or conn._remote is not remotes
+                or conn.remote_regions is not remotes
                 or mr.closed
                 or conn.channel is not None
                 or eng._closed

@@ -117,7 +117,9 @@ class Connection:
         self.failure: str | None = None
         self.mtu = 0
         self.sent_regions: tuple[RemoteRegion, ...] = ()  # what our handshake message carried
-        self._remote: tuple[RemoteRegion, ...] = ()
+        # The regions the peer exposes to us (its latest announcement), read without the lock:
+        # a whole tuple swapped in one store.  Set only by set/update_remote_regions.
+        self.remote_regions: tuple[RemoteRegion, ...] = ()
         self._remote_map: dict[tuple[int, int], RemoteRegion] = {}  # by (rkey, addr)
         # Liveness probe (engine lock): the nonce of our last PING, when it went out, and
         # when a PONG with that nonce came back.
@@ -216,16 +218,11 @@ class Connection:
         """The QP numbers of every lane made, connected or not."""
         return tuple(lane.qpn for lane in self._all)
 
-    @property
-    def remote_regions(self) -> tuple[RemoteRegion, ...]:
-        """The regions the peer exposes to us (its latest announcement)."""
-        return self._remote
-
     def remote_region(self, name: str) -> RemoteRegion:
         """The peer's region registered under ``name``; :class:`RegistrationError` if none."""
-        found = [r for r in self._remote if r.name == name]
+        found = [r for r in self.remote_regions if r.name == name]
         if len(found) != 1:
-            names = sorted({r.name for r in self._remote if r.name})
+            names = sorted({r.name for r in self.remote_regions if r.name})
             what = "no" if not found else f"{len(found)}"
             raise RegistrationError(
                 f"peer {self.peer} has {what} region named {name!r} (named regions: {names})"
@@ -237,12 +234,12 @@ class Connection:
 
         Raises :class:`RegistrationError` when no region the peer exposes holds it.
         """
-        for r in self._remote:
+        for r in self.remote_regions:
             if r.addr <= addr and addr + nbytes <= r.addr + r.length:
                 return r
         raise RegistrationError(
             f"remote memory not registered: addr={addr:#x} nbytes={nbytes} is in no region "
-            f"peer {self.peer} exposes ({len(self._remote)} regions)"
+            f"peer {self.peer} exposes ({len(self.remote_regions)} regions)"
         )
 
     def exposes(self, region: RemoteRegion) -> bool:
@@ -257,7 +254,7 @@ class Connection:
         """
         self._check_reachable(regions)
         self._remote_map = {(r.rkey, r.addr): r for r in regions}
-        self._remote = tuple(self._remote_map.values())
+        self.remote_regions = tuple(self._remote_map.values())
 
     def update_remote_regions(
         self, add: tuple[RemoteRegion, ...], remove: tuple[RemoteRegion, ...]
@@ -279,7 +276,7 @@ class Connection:
                 f"peer {self.peer} would expose {len(new)} regions (at most {wire.MAX_REGIONS})"
             )
         self._remote_map = new
-        self._remote = tuple(new.values())
+        self.remote_regions = tuple(new.values())
 
     def _check_reachable(self, regions: tuple[RemoteRegion, ...]) -> None:
         for r in regions:
@@ -294,7 +291,7 @@ class Connection:
     def __repr__(self) -> str:
         return (
             f"<Connection peer={self.peer} qpn={self.qpn:#x} state={self.state.name} "
-            f"mtu={self.mtu} regions={len(self._remote)}>"
+            f"mtu={self.mtu} regions={len(self.remote_regions)}>"
         )
 
     # -- state ---------------------------------------------------------------------------

@@ -1278,11 +1278,9 @@ class Engine:
         :class:`DescriptorError` (a mismatch of the caches, a bad or repeated destination
         block id), :class:`RegistrationError`; after: as :meth:`put`, naming the request
         and the blocks not known to have landed.  See docs/api.md."""
-        self._kv.transfer(
-            Op.WRITE, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
-            heads=heads, remote_heads=remote_heads, notify=notify,
-            notify_message=notify_message, timeout=timeout, now=True,
-            remote_tensors=remote_tensors,
+        self._blocks(
+            Op.WRITE, True, peer, kv, remote_name, local_blocks, remote_blocks, tensors, heads,
+            remote_heads, remote_tensors, notify, notify_message, timeout,
         ).wait()  # fmt: skip
 
     def get_blocks(
@@ -1303,11 +1301,9 @@ class Engine:
     ) -> None:
         """RDMA READ the peer's blocks ``remote_blocks[i]`` into ``local_blocks[i]`` of
         ``kv``; as :meth:`put_blocks` otherwise (the notification follows the reads)."""
-        self._kv.transfer(
-            Op.READ, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
-            heads=heads, remote_heads=remote_heads, notify=notify,
-            notify_message=notify_message, timeout=timeout, now=True,
-            remote_tensors=remote_tensors,
+        self._blocks(
+            Op.READ, True, peer, kv, remote_name, local_blocks, remote_blocks, tensors, heads,
+            remote_heads, remote_tensors, notify, notify_message, timeout,
         ).wait()  # fmt: skip
 
     def put_blocks_async(
@@ -1327,11 +1323,9 @@ class Engine:
         timeout: float = 30.0,
     ) -> TransferHandle:
         """Start a :meth:`put_blocks`; return its handle."""
-        return self._kv.transfer(
-            Op.WRITE, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
-            heads=heads, remote_heads=remote_heads, notify=notify,
-            notify_message=notify_message, timeout=timeout, now=False,
-            remote_tensors=remote_tensors,
+        return self._blocks(
+            Op.WRITE, False, peer, kv, remote_name, local_blocks, remote_blocks, tensors, heads,
+            remote_heads, remote_tensors, notify, notify_message, timeout,
         )  # fmt: skip
 
     def get_blocks_async(
@@ -1351,11 +1345,34 @@ class Engine:
         timeout: float = 30.0,
     ) -> TransferHandle:
         """Start a :meth:`get_blocks`; return its handle."""
+        return self._blocks(
+            Op.READ, False, peer, kv, remote_name, local_blocks, remote_blocks, tensors, heads,
+            remote_heads, remote_tensors, notify, notify_message, timeout,
+        )  # fmt: skip
+
+    def _blocks(
+        self,
+        op: Op,
+        now: bool,
+        peer: str,
+        kv: KVCache,
+        remote_name: str,
+        local_blocks: object,
+        remote_blocks: object,
+        tensors: Sequence[int] | range | None,
+        heads: tuple[int, int] | None,
+        remote_heads: tuple[int, int] | None,
+        remote_tensors: Sequence[int] | range | None,
+        notify: str | None,
+        notify_message: bytes,
+        timeout: float,
+    ) -> TransferHandle:
+        """The one path of the four block calls: the KV part checks and plans, the
+        engine queues (``now``: a blocking call, posted on this thread when it can)."""
         return self._kv.transfer(
-            Op.READ, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
-            heads=heads, remote_heads=remote_heads, notify=notify,
-            notify_message=notify_message, timeout=timeout, now=False,
-            remote_tensors=remote_tensors,
+            op, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
+            heads=heads, remote_heads=remote_heads, remote_tensors=remote_tensors,
+            notify=notify, notify_message=notify_message, timeout=timeout, now=now,
         )  # fmt: skip
 
     def _queue_chain(
@@ -1684,19 +1701,18 @@ class Engine:
         pack = WR_SLOT.pack_into
         slots = min(RING_SLOTS, self.sq_depth)
         clock = time.monotonic
-        new, member = object.__new__, MemberHandle
+        member = MemberHandle
 
         def enqueue(sge_addr: int, remote_addr: int, timeout: float) -> TransferHandle | None:
             with lock:
                 if engine._closed or conn.state is not ready:
                     engine._check_open()
                     conn.check_ready()
-                # Connection._remote is what Connection.remote_regions returns, and
-                # MemoryRegion.closed what Region.closed does: no property calls per
+                # MemoryRegion.closed is what Region.closed returns: no property call per
                 # message.  A READY connection is the one indexed under its peer: it
                 # becomes READY in the same locked step that indexes it (_adopt), only
                 # from CONNECTING, and leaves READY before it is dropped from the index.
-                if conn._remote is not remotes or mr.closed:
+                if conn.remote_regions is not remotes or mr.closed:
                     return None
                 lane = next(conn.lane_cycle)  # Connection.pick_lane, inline
                 ring = lane.ring
@@ -1751,11 +1767,7 @@ class Engine:
                         lkey,
                     )
                     ring.written = written + 1
-                    # MemberHandle(group, k, n), without a Python __init__ frame.
-                    handle = new(member)
-                    handle._group = group
-                    handle._index = k
-                    handle.nbytes = n
+                    handle = member(group, k, n)
                 else:
                     handle = None
             if handle is None:  # every slot waits for its post: a chain of its own
@@ -1932,7 +1944,7 @@ class Engine:
         if not held:
             ch = Channel(self, t.conn, t.local, t.remote, self._poster, lent=True)
             lo, n, ro = t.single  # type: ignore[misc]
-            call = ch._put if t.opcode == verbs.WR_RDMA_WRITE else ch._get
+            call = ch.put if t.opcode == verbs.WR_RDMA_WRITE else ch.get
             held.append((call, lo - t.local.addr, ro - t.remote.addr, n, ch))
         call, dlo, dro, n, _ = held[0]
         # Counted as it starts, as a direct post is (without the lock: approximate when
