@@ -11,7 +11,7 @@ the channel by popping its one token, and marks the lane busy before it reads th
 engine's and the connection's state, which ``close``/``disconnect`` change under the
 lock before they wait for (or skip) a busy lane.  The lock is taken only to fail the
 connection, or to release a notification that was queued while the call was out and
-held behind it (see :meth:`Channel._end` and ``Engine._queue``).
+held behind it (see :meth:`Channel._end` and ``Queuer.queue``).
 
 Why it exists: on a blocking ``Engine.put`` of one range most of the time is the
 engine's general bookkeeping, not the device (docs/benchmarks.md).  A channel is the
@@ -342,7 +342,7 @@ class Channel:
             except BaseException as exc:
                 self._post_raised(exc)
                 raise
-            eng._lane_posts += 1  # after the post: nothing between the checks and it
+            self._poster.lane_posts += 1  # after the post: nothing between the checks and it
             if got is None:
                 got = self._wait(timeout, n, what)
             if got[0] == 0:
@@ -449,7 +449,7 @@ class Channel:
     def _after(self) -> None:
         """After the lane was freed: release a notification held behind the call (engine
         lock; the queueing side looks at the lane again after holding, so one of the two
-        always sees the other, see ``Engine._queue``), and have the progress thread free
+        always sees the other, see ``Queuer.queue``), and have the progress thread free
         a connection that was dropped meanwhile."""
         eng, conn = self._engine, self._conn
         if conn.held:

@@ -141,7 +141,7 @@ class Connection:
         # Round robin over the lanes for single requests: next(lane_cycle) (a C call,
         # no Python frame per message); made again whenever ``lanes`` is set.
         self.lane_cycle: Iterator[Lane] = itertools.cycle(self.lanes)
-        self.held = 0  # notifications waiting for the other lanes (see Engine._queue)
+        self.held = 0  # notifications waiting for the other lanes (see Queuer.queue)
         # The direct lane (see Channel): the QP made after the lanes, on a CQ of its own;
         # connected when the peer made one too.  ``direct_busy``: a channel's call is
         # under way on it (written by that call without the engine lock; read under it:

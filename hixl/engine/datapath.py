@@ -123,12 +123,12 @@ class Template:
     # for building its chain through cffi alone (:meth:`SendChain.single`); else None.
     single: tuple[int, int, int] | None = None
     # The engine's lent channel for repeating it blocking on the direct lane (made on
-    # first use by Engine._on_lane; a holder, since the template is frozen).
+    # first use by SinglePaths._on_lane; a holder, since the template is frozen).
     lane: list[Any] = field(default_factory=list)
     # The engine's functions for its lane's ring, made on first use: [the one that queues
-    # it at given addresses (Engine._ring_enqueuer), and, once put_async/get_async kept it
-    # (Engine._remember_ring), the peer's region as named by the call and the runner for
-    # calls of that form (Engine._ring_runner)].
+    # it at given addresses (SinglePaths._ring_enqueuer), and, once put_async/get_async kept it
+    # (SinglePaths._remember_ring), the peer's region as named by the call and the runner for
+    # calls of that form (SinglePaths._ring_runner)].
     ring: list[Any] = field(default_factory=list)
 
 
@@ -572,7 +572,7 @@ def ranges_key(
 
 
 class LaneRing(SlotRing):
-    """A lane's ring of single messages (see :meth:`hixl.engine.engine.Engine._ring_enqueuer`):
+    """A lane's ring of single messages (see :meth:`hixl.engine.single.SinglePaths._ring_enqueuer`):
     a :class:`~hixl.verbs.chain.SlotRing` and what the engine knows of its slots.
 
     ``written`` slots were written so far and ``released`` of them went out (their post

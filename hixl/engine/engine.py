@@ -20,33 +20,27 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from hixl.core import notify, wire
-from hixl.core.descriptors import ContiguousDesc, Descriptor
+from hixl.core.descriptors import Descriptor
 from hixl.core.notify import Notification
 from hixl.core.plan import DeviceLimits, Op
 from hixl.core.seal import IntegrityError, Opener, Sealer
 from hixl.core.states import ConnEvent, ConnState
 from hixl.core.window import MAX_BATCHES, Chunk
 from hixl.core.wire import RemoteRegion
-from hixl.engine.channel import Channel, LaneBusy
+from hixl.engine.channel import Channel
 from hixl.engine.config import EngineConfig, is_loopback
 from hixl.engine.connection import RECV_SLOTS, Connection, Lane
 from hixl.engine.datapath import (
     Built,
-    LaneRing,
     NotifySlots,
     Planner,
-    Template,
     ranges_key,
     resolve_remote,
     signal_interval,
 )
 from hixl.engine.handles import (
-    SPIN_S,
-    GroupHandle,
-    MemberHandle,
     TransferHandle,
     TransferRequest,
-    TransferStatus,
 )
 from hixl.engine.handshake import (
     PROBE_S,
@@ -63,8 +57,10 @@ from hixl.engine.locks import engine_lock
 from hixl.engine.names import Names
 from hixl.engine.posting import POLL_BATCH, Poster
 from hixl.engine.progress import Progress
-from hixl.engine.reaping import SendReaper, deadline_error
+from hixl.engine.queueing import Queuer
+from hixl.engine.reaping import SendReaper
 from hixl.engine.regions import Access, Region, buffer_span
+from hixl.engine.single import LentLane, SinglePaths
 from hixl.errors import (
     ArgumentError,
     ConnectionFailed,
@@ -77,7 +73,7 @@ from hixl.errors import (
 )
 from hixl.verbs import adapter as verbs
 from hixl.verbs.adapter import gid_to_str
-from hixl.verbs.chain import WR_BYTES, WR_SLOT, SendChain
+from hixl.verbs.chain import SendChain
 
 if TYPE_CHECKING:
     from hixl.registry import Registry, Watch
@@ -87,21 +83,10 @@ __all__ = ["Diagnostics", "Engine"]
 log = logging.getLogger("hixl.engine")
 
 SEND_NOTIFY_SLOTS = 256  # notifications in flight per engine
-TEMPLATES = 1024  # single requests kept checked and planned (see Engine._one)
-RING_SLOTS = 256  # slots of a lane's ring of single messages (at most the queue's depth)
 #: Longest :meth:`Engine.channel` waits for a blocking put or get on the direct lane.
 CHANNEL_WAIT_S = 60.0
-#: A request of a few WRs but at least this many bytes is signalled in smaller groups,
-#: so that it is cut over the lanes like a long one (see _spread).
-SPREAD_BYTES = 128 * 1024
 # Room left in a handshake message for everything but the exposed regions, bytes.
 _REGION_BYTES = wire.MAX_PAYLOAD - 4096
-# Engine._ring_runner's function: (peer, local, remote, local_desc, remote_desc, timeout)
-# -> the handle, or None when the call is not the runner's or cannot go its way.
-_RingRun = Callable[[str, Region, Any, Any, Any, float], TransferHandle | None]
-# Engine._ring_enqueuer's function: (sge_addr, remote_addr, timeout) -> the handle, or
-# None when the template went stale.
-_RingQueue = Callable[[int, int, float], TransferHandle | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,17 +291,6 @@ class Engine:
         # register_kv, put_blocks, get_blocks.  A weak host: the parts hold no strong reference
         # back, so an engine dropped without close() is still collected (and warns).
         self._kv = KVBlocks(weakref.proxy(self), self._planner.memory)
-        self._templates: dict[tuple[Any, ...], Template] = {}
-        self._last_template: tuple[tuple[Any, ...], Template] | None = None
-        # The last blocking put and get that ran on a direct lane, as (arguments, run):
-        # the same call again goes straight to ``run`` (see Channel.repeat_runner).
-        self._repeat_put: tuple[tuple[Any, ...], Callable[[float], bool]] | None = None
-        self._repeat_get: tuple[tuple[Any, ...], Callable[[float], bool]] | None = None
-        # The last asynchronous put and get of two ContiguousDesc that went into a lane's
-        # ring, as a function that queues a call of the same regions and sizes at any
-        # offsets, or returns None (see _ring_runner).
-        self._ring_put: _RingRun | None = None
-        self._ring_get: _RingRun | None = None
         self._regions: dict[tuple[int, int], Region] = {}
         self._conns: dict[str, Connection] = {}
         self._by_qpn: dict[int, Lane] = {}  # every lane made, connected or not
@@ -327,13 +301,18 @@ class Engine:
         # registration order, and the bytes they take in a handshake message.
         self._exposed_map: dict[tuple[int, int], RemoteRegion] = {}
         self._exposed_bytes = 0
-        self._next_wr = 1
         # Posting: lanes waiting for the progress thread, posters at work, the wake-up due.
         parts = _Host(self)
         self._poster = Poster(self._lock, self.sq_depth, self._planner, parts)
         self._reaper = SendReaper(self._by_qpn, self._handles, self._poster, parts)
-        self._direct_posts = 0  # blocking single requests posted by their caller
-        self._lane_posts = 0  # and on a direct lane (see _on_lane; not in _direct_posts)
+        self._queuer = Queuer(
+            self._lock, self._poster, self._planner, self._handles, self._notify_slots,
+            self._every, parts,
+        )  # fmt: skip
+        self._singles = SinglePaths(
+            self._lock, self._planner, self._poster, self._reaper, self._queuer, self.send_cq,
+            self.sq_depth, self._conns, self._handles, self.id, parts,
+        )  # fmt: skip
         self._outgoing: set[Connection] = set()  # connections with control output queued
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
         self._broken: str | None = None  # why the progress thread died, if it did
@@ -412,7 +391,7 @@ class Engine:
 
     def diagnostics(self) -> Diagnostics:
         """A snapshot of the progress thread and tables (see :class:`Diagnostics`)."""
-        thread = self._progress.thread
+        thread, poster = self._progress.thread, self._poster
         with self._lock:
             return Diagnostics(
                 progress_thread_id=thread.native_id,
@@ -425,10 +404,10 @@ class Engine:
                 refused_busy=self._incoming.refused_busy if self._incoming is not None else 0,
                 notifications=len(self._inbox),
                 notifications_dropped=self._inbox.dropped,
-                send_posts=self._poster.send_posts + self._direct_posts + self._lane_posts,
-                posted_wrs=self._poster.posted_wrs + self._direct_posts + self._lane_posts,
-                direct_posts=self._direct_posts + self._lane_posts,
-                lane_posts=self._lane_posts,
+                send_posts=poster.send_posts + poster.direct_posts + poster.lane_posts,
+                posted_wrs=poster.posted_wrs + poster.direct_posts + poster.lane_posts,
+                direct_posts=poster.direct_posts + poster.lane_posts,
+                lane_posts=poster.lane_posts,
                 slot_messages=self._poster.slot_messages + self._open_messages(),
                 chains_built=self._planner.chains_built,
                 chains_refilled=self._planner.chains_refilled,
@@ -479,10 +458,7 @@ class Engine:
         self._release_dead()
         self._progress.close()
         self._regions.clear()
-        self._templates.clear()
-        self._last_template = None
-        self._repeat_put = self._repeat_get = None
-        self._ring_put = self._ring_get = None
+        self._singles.clear()
         self._dev.close()
         log.debug("engine %s closed", self.id)
 
@@ -1079,7 +1055,7 @@ class Engine:
         open and no other call is on that lane, else on an idle queue pair.  Otherwise
         it is queued like :meth:`put_async` and waited for.
         """
-        again = self._repeat_put  # the same call as the last one on the lane: no lookup
+        again = self._singles.repeat_put  # the same call as the last one on the lane: no lookup
         if (
             again is not None
             and notify is None
@@ -1087,7 +1063,7 @@ class Engine:
             and again[1](timeout)
         ):
             return
-        handle = self._one(
+        handle = self._singles.one(
             "write",
             peer,
             local,
@@ -1099,7 +1075,7 @@ class Engine:
             timeout,
             now=True,
         )
-        if handle is not None:  # None: posted and completed on this thread (see _solo)
+        if handle is not None:  # None: posted and completed on this thread (see SinglePaths._solo)
             handle.wait()
 
     def get(
@@ -1117,14 +1093,14 @@ class Engine:
         Errors, and the direct post of a repeated single work request, as for
         :meth:`put`.  ``local`` needs ``Access.LOCAL_WRITE``.
         """
-        again = self._repeat_get
+        again = self._singles.repeat_get
         if (
             again is not None
             and again[0] == (peer, local, remote, local_desc, remote_desc)
             and again[1](timeout)
         ):
             return
-        handle = self._one(
+        handle = self._singles.one(
             "read", peer, local, remote, local_desc, remote_desc, None, b"", timeout, now=True
         )
         if handle is not None:
@@ -1153,12 +1129,12 @@ class Engine:
         ones before it are done, it fails with its own status and the later ones with
         the connection.
         """
-        again = self._ring_put  # the last ring template's call: no lookup if it matches
+        again = self._singles.ring_put  # the last ring template's call: no lookup if it matches
         if again is not None and notify is None:
             fast = again(peer, local, remote, local_desc, remote_desc, timeout)
             if fast is not None:
                 return fast
-        handle = self._one(
+        handle = self._singles.one(
             "write",
             peer,
             local,
@@ -1187,12 +1163,12 @@ class Engine:
 
         A get of one work request of one SGE goes through a ring of slots as a put does
         (see :meth:`put_async`)."""
-        again = self._ring_get
+        again = self._singles.ring_get
         if again is not None:
             fast = again(peer, local, remote, local_desc, remote_desc, timeout)
             if fast is not None:
                 return fast
-        handle = self._one(
+        handle = self._singles.one(
             "read", peer, local, remote, local_desc, remote_desc, None, b"", timeout, now=False
         )
         assert handle is not None
@@ -1390,104 +1366,11 @@ class Engine:
         """Queue a filled chain as one transfer (pooled under ``key`` once posted)."""
         payload = _notify.encode(notify, notify_message) if notify is not None else None
         built = Built(chain, nbytes, key, (0, 0))
-        return self._queue(conn, [built], payload, reads, timeout, now)
+        return self._queuer.queue(conn, [built], payload, reads, timeout, now)
 
     def _idle_chain(self, key: tuple[Any, ...]) -> SendChain | None:
         idle = self._planner.take(key)
         return None if idle is None else idle.chain
-
-    def _one(
-        self,
-        op: str,
-        peer: str,
-        local: Region,
-        remote: RemoteRegion | str,
-        local_desc: Descriptor | None,
-        remote_desc: Descriptor | None,
-        notify: str | None,
-        notify_message: bytes,
-        timeout: float,
-        *,
-        now: bool,
-    ) -> TransferHandle | None:
-        """A single put or get.  One already checked with these very arguments on this
-        connection is repeated from its :class:`~hixl.engine.datapath.Template` (no
-        checks, no planning: what they depend on has not changed, see there).  A pair of
-        :class:`ContiguousDesc` at new offsets reuses the template of the same sizes
-        between the same regions; only the bounds and the alignment are checked.
-
-        None (only with ``now``): the transfer was posted and has completed on this
-        thread (:meth:`_solo`); otherwise its handle."""
-        tkey: tuple[Any, ...] | None = (peer, op, local, remote, local_desc, remote_desc)
-        last = self._last_template  # a loop repeats one call: compared by identity first
-        t: Template | None
-        if last is not None and last[0] == tkey:
-            t = last[1]
-            # Keep this call's objects: an equal but new descriptor per loop then costs
-            # one dataclass comparison, not one per call.
-            self._last_template = (tkey, last[1])
-        else:
-            try:
-                t = self._templates.get(tkey)  # type: ignore[arg-type]
-            except TypeError:  # an unhashable descriptor
-                t, tkey = None, None
-            if t is not None and tkey is not None:
-                self._last_template = (tkey, t)
-        if t is not None:
-            la, ra = t.local_addr, t.remote_addr
-        else:
-            rkey = ranges_key(peer, op, local, remote, local_desc, remote_desc)
-            t = self._templates.get(rkey) if rkey is not None else None
-            if t is not None:
-                where = self._planner.at_offsets(t, local_desc, remote_desc)  # type: ignore[arg-type]
-                if where is None:
-                    t = None  # planned as it is, which raises what is wrong
-                else:
-                    la, ra = where
-        if t is not None:
-            conn = t.conn
-            if (
-                conn.state is ConnState.READY
-                and conn.remote_regions is t.remotes
-                and not t.local.closed
-                and self._conns.get(conn.peer) is conn
-                and timeout > 0
-                and not self._closed
-            ):
-                if notify is None:
-                    if now and t.num_wrs == 1:
-                        if (
-                            t.single is not None
-                            and conn.channel is None
-                            and conn.direct is not None
-                            and self._on_lane(t, la, ra, timeout)
-                        ):
-                            if tkey is not None and (la, ra) == (t.local_addr, t.remote_addr):
-                                self._remember_repeat(t, tkey)
-                            return None
-                        return self._solo(t, la, ra, timeout)
-                    if t.single is not None and not now:
-                        if (
-                            type(local_desc) is ContiguousDesc
-                            and type(remote_desc) is ContiguousDesc
-                        ):
-                            self._remember_ring(t, remote)
-                        lo, _, ro = t.single
-                        ring_handle = self._queue_ring(t, la + lo, ra + ro, timeout)
-                        if ring_handle is not None:
-                            return ring_handle
-                        # The template went stale since the checks above: the general
-                        # path below checks and plans the call again.
-                    else:
-                        return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, now)
-                else:
-                    payload = _notify.encode(notify, notify_message)
-                    built = [self._planner.rebuild(t, la, ra)]
-                    return self._queue(conn, built, payload, op == "read", timeout, now)
-        req = TransferRequest(
-            op=op, local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
-        )
-        return self._submit(peer, [req], notify, notify_message, timeout, now=now, tkey=tkey)
 
     def _submit(
         self,
@@ -1519,498 +1402,13 @@ class Engine:
             t = self._planner.template(conn, requests[0], built[0])
             if t is not None:
                 req = requests[0]
-                # Also under the key of the same sizes at other offsets (see _one).
+                # Also under the key of the same sizes at other offsets (see SinglePaths.one).
                 rkey = ranges_key(
                     peer, req.op, req.local, req.remote, req.local_desc, req.remote_desc
                 )
-                if len(self._templates) >= TEMPLATES - 1:
-                    self._templates.clear()
-                self._templates[tkey] = t
-                if rkey is not None:
-                    self._templates[rkey] = t
+                self._singles.keep(tkey, rkey, t)
         reads = any(r.op == "read" for r in requests)
-        return self._queue(conn, built, payload, reads, timeout, now)
-
-    def _queue(
-        self,
-        conn: Connection,
-        built: list[Built],
-        payload: bytes | None,
-        reads: bool,
-        timeout: float,
-        now: bool,
-    ) -> TransferHandle:
-        """Queue built requests (and a notification) as one transfer; post or hand over."""
-        if len(built) == 1 and payload is None:
-            return self._queue1(conn, built[0], timeout, now)
-        now_s = time.monotonic()
-        nbytes = sum(b.nbytes for b in built)
-        num_wrs = sum(b.chain.num_wrs for b in built)
-        handle = TransferHandle(
-            conn.peer, nbytes, num_wrs, now_s + timeout, self._poster.reap_inline
-        )
-        every = self._every
-        chunks = []
-        for b in built:
-            chunk = Chunk(b.chain, 0, b.chain.num_wrs, handle, every)
-            chunk.built = b
-            chunks.append(chunk)
-        with self._lock:  # ids are taken in queue order: completions rely on it
-            try:
-                self._check_open()
-                conn.check_ready()
-                if payload is not None:  # may wait (lock released): before any id is taken
-                    self._take_credit(conn, handle.deadline, timeout)
-            except HixlError:
-                for b in built:
-                    self._planner.give_back(b)
-                raise
-            placed: list[tuple[Lane, Chunk]] = []
-            for chunk in chunks:
-                chunk.first_id = self._next_wr
-                chunk.every = _every_for(conn, chunk.size, chunk.built.nbytes, every)
-                chunk.groups = chunk.chain.set_signals(self._next_wr, chunk.every)
-                self._next_wr += chunk.groups
-                placed += _spread(chunk, conn)
-            for lane, part in placed:
-                lane.window.queue1(part)
-            handle.chunks_left = len(placed) + (payload is not None)
-            first = conn.lanes[0]  # where the notifications go, after the data
-            if payload is not None:
-                slot = self._notify_slots.take(payload)
-                chunk = Chunk(self._notify_slots.chain, slot, slot + 1, handle, 1, self._next_wr)
-                chunk.notify_slot = slot
-                # Work queued before it on other lanes must complete first: only then has
-                # its data landed (lanes complete in any order among themselves).
-                if conn.behind(chunk.first_id):
-                    chunk.held = True
-                    conn.held += 1
-                    # A channel call ends without the lock: it clears its busy mark, then
-                    # looks at ``held``.  Looking at the lanes again after counting the
-                    # hold means one of the two sides sees the other (see Channel._end).
-                    if not conn.behind(chunk.first_id):
-                        chunk.held = False
-                        conn.held -= 1
-                chunk.groups = chunk.chain.set_signals(self._next_wr, 1, slot, slot + 1)
-                # After READs the SEND is fenced: it starts only once they have completed,
-                # so the peer is told "done" after its memory was read, not before.
-                if reads:
-                    chunk.chain.fence(slot)
-                log.debug(
-                    "notification %r to %s posted%s",
-                    payload.partition(b"\0")[0].decode(),
-                    conn.peer,
-                    " fenced" if reads else "",
-                )
-                self._next_wr += 1
-                first.window.queue1(chunk)
-                placed.append((first, chunk))
-            self._handles.add(handle)
-            lane, batch = self._poster.start_posts([lane for lane, _ in placed], now)
-        self._poster.post_or_wake(lane, batch)
-        return handle
-
-    def _queue1(self, conn: Connection, b: Built, timeout: float, now: bool) -> TransferHandle:
-        """:meth:`_queue` for the common case, one request and no notification."""
-        now_s = time.monotonic()
-        chain = b.chain
-        n = chain.num_wrs
-        handle = TransferHandle(conn.peer, b.nbytes, n, now_s + timeout, self._poster.reap_inline)
-        handle.chunks_left = 1
-        chunk = Chunk(chain, 0, n, handle, self._every)
-        chunk.built = b
-        with self._lock:  # ids are taken in queue order: completions rely on it
-            if self._closed or conn.state is not ConnState.READY:
-                self._planner.give_back(b)
-                self._check_open()
-                conn.check_ready()
-            chunk.first_id = first = self._next_wr
-            if n == 1:
-                chain.signal_one(first)
-                chunk.groups = 1
-            else:
-                chunk.every = _every_for(conn, n, b.nbytes, chunk.every)
-                chunk.groups = chain.set_signals(first, chunk.every)
-            self._next_wr = first + chunk.groups
-            self._handles.add(handle)
-            if chunk.groups > 1 and len(conn.lanes) > 1:  # a long chain: over every lane
-                parts = _spread(chunk, conn)
-                handle.chunks_left = len(parts)
-                for lane, part in parts:
-                    lane.window.queue1(part)
-                lane, batch = self._poster.start_posts([lane for lane, _ in parts], now)
-            else:
-                lane = conn.pick_lane()
-                window = lane.window
-                window.queue1(chunk)
-                if window.poster:
-                    return handle  # the batch being posted takes it next
-                if now and not window.in_flight:
-                    batch = self._poster.start_post(lane, defer=False)
-                else:  # hand it to the progress thread (see Poster.start_post)
-                    self._poster.want_post(lane)
-                    batch = None
-        self._poster.post_or_wake(lane, batch)
-        return handle
-
-    def _queue_ring(
-        self, t: Template, sge_addr: int, remote_addr: int, timeout: float
-    ) -> TransferHandle | None:
-        """An asynchronous request of one WR and one SGE (``t`` placed so that its SGE
-        starts at ``sge_addr`` and its remote range at ``remote_addr``), written into the
-        next slot of a lane's ring (:class:`~hixl.verbs.chain.SlotRing`) by ``t``'s
-        enqueuing function (:meth:`_ring_enqueuer`, made on first use)."""
-        return self._enqueuer_of(t)(sge_addr, remote_addr, timeout)
-
-    def _enqueuer_of(self, t: Template) -> _RingQueue:
-        """``t``'s enqueuing function, kept first in ``t.ring`` (made on first use)."""
-        held = t.ring
-        if not held:
-            held.append(self._ring_enqueuer(t))
-        return held[0]  # type: ignore[no-any-return]
-
-    def _ring_enqueuer(self, t: Template) -> _RingQueue:
-        """``t`` (one WR, one SGE) as a function ``(sge_addr, remote_addr, timeout)`` that
-        writes it, so placed, into the next slot of one of its connection's lanes' rings
-        (round robin) and returns the caller's :class:`MemberHandle`.  What the template
-        fixes (its connection, regions, keys, opcode and size) is bound once here, not
-        read per message.
-
-        While the lane's last queued chunk is this ring's open one and none of it is
-        taken for posting, the message joins it: one more WR, the group's byte count
-        and earliest deadline, and its region if new.  Otherwise the message opens a
-        chunk of its own (:meth:`_open_ring_chunk`).  With every slot waiting for its
-        post, the request is queued as a chain of its own instead.  The poster posts the
-        open chunk with the rest of the backlog and signals the batch's last WR; the
-        slots are free again once that post returned (:meth:`_post`).
-
-        The function returns None, with nothing queued, when the template is stale (the
-        peer announced other regions, ``t``'s local region was deregistered, the
-        connection was replaced): the caller takes the general path, which checks
-        everything again.  These are checked under the lock, for :meth:`_ring_runner`'s
-        calls, which check only their arguments; a closed engine or a connection that
-        is not READY raises as the general path would.
-        """
-        engine, poster = self, self._poster
-        conn, local, remotes = t.conn, t.local, t.remotes
-        mr = local.mr
-        n, opcode, rkey, lkey = t.nbytes, t.opcode, t.rkey, t.lkey
-        lo, _, ro = t.single  # type: ignore[misc]
-        lock = self._lock
-        ready = ConnState.READY
-        pack = WR_SLOT.pack_into
-        slots = min(RING_SLOTS, self.sq_depth)
-        clock = time.monotonic
-        member = MemberHandle
-
-        def enqueue(sge_addr: int, remote_addr: int, timeout: float) -> TransferHandle | None:
-            with lock:
-                if engine._closed or conn.state is not ready:
-                    engine._check_open()
-                    conn.check_ready()
-                # MemoryRegion.closed is what Region.closed returns: no property call per
-                # message.  A READY connection is the one indexed under its peer: it
-                # becomes READY in the same locked step that indexes it (_adopt), only
-                # from CONNECTING, and leaves READY before it is dropped from the index.
-                if conn.remote_regions is not remotes or mr.closed:
-                    return None
-                lane = next(conn.lane_cycle)  # Connection.pick_lane, inline
-                ring = lane.ring
-                if ring is None:
-                    ring = lane.ring = LaneRing(slots)
-                written = ring.written
-                cap = ring.capacity
-                if written - ring.released < cap:
-                    slot = written % cap
-                    chunk = ring.open
-                    # The open chunk is closed before any of it is taken for posting
-                    # (Poster.start_post) and when another opens, so only a wrap (slot 0: a
-                    # chunk is one range of the chain) or a chunk queued after it on the
-                    # lane ends the joining here.  Its end, signal groups and count are
-                    # set when it closes (Poster.close_ring_chunk), not per message.
-                    if chunk is not None and slot and lane.window.last is chunk:
-                        group = chunk.handle
-                        k = written - ring.open_at
-                        regions = chunk.regions
-                        if regions[-1] is not local:  # type: ignore[index]
-                            regions.append(local)  # type: ignore[union-attr]
-                        # A member's deadline is its group's, the earliest of theirs.  A
-                        # message with no shorter timeout than the group's shortest,
-                        # queued later, has a later deadline: no clock reading for it.
-                        if timeout < group.timeout:
-                            group.timeout = timeout
-                            deadline = clock() + timeout
-                            if deadline < group.deadline:
-                                group.deadline = deadline
-                    else:
-                        chunk = engine._open_ring_chunk(lane, ring, slot, local, timeout)
-                        group = chunk.handle
-                        k = 0
-                    group.nbytes += n
-                    group.num_wrs += 1
-                    # SlotRing.write, inline (a call less per message): one unsignaled
-                    # RDMA WR of one SGE in the slot.
-                    pack(
-                        ring.wr_mem,
-                        slot * WR_BYTES,
-                        chunk.first_id + k,
-                        ring.links[slot],
-                        ring.sge_lists[slot],
-                        1,
-                        opcode,
-                        0,
-                        0,
-                        remote_addr,
-                        rkey,
-                        sge_addr,
-                        n,
-                        lkey,
-                    )
-                    ring.written = written + 1
-                    handle = member(group, k, n)
-                else:
-                    handle = None
-            if handle is None:  # every slot waits for its post: a chain of its own
-                built = engine._planner.rebuild(t, sge_addr - lo, remote_addr - ro)
-                return engine._queue1(conn, built, timeout, False)
-            if poster.wake_due:
-                poster.wake()
-            return handle
-
-        return enqueue
-
-    def _open_ring_chunk(
-        self, lane: Lane, ring: LaneRing, slot: int, local: Region, timeout: float
-    ) -> Chunk:
-        """A new open chunk of ``lane``'s ring starting at ``slot`` (lock held), tracked
-        as one :class:`GroupHandle`, which reserves a block of ``wr_id``s (one per slot
-        the chunk may grow to), so that whatever is queued after it on any lane has
-        higher ids; the poster is asked for unless it will take it anyway."""
-        self._poster.close_ring_chunk(ring)
-        cap = ring.capacity
-        group = GroupHandle(
-            lane.conn.peer, time.monotonic() + timeout, self._poster.reap_inline, timeout
-        )
-        group.chunks_left = 1
-        chunk = Chunk(ring.chain, slot, slot + 1, group, 1, self._next_wr)
-        chunk.groups = 1
-        chunk.regions = [local]
-        chunk.ring = ring
-        self._next_wr += cap
-        ring.open = chunk
-        ring.open_at = ring.written
-        self._handles.add(group)
-        window = lane.window
-        window.queue1(chunk)
-        # A message that joins this chunk later needs no asking: the chunk is then still
-        # queued and not taken, so whoever posts it (asked here, or the poster at work
-        # now) posts the joined slots with it.
-        if not window.poster and lane.qpn not in self._poster.to_post:
-            self._poster.want_post(lane)  # (once asked, the poster takes it with the rest)
-        return chunk
-
-    def _remember_ring(self, t: Template, remote: RemoteRegion | str) -> None:
-        """Keep ``t`` (a template of two ranges, the peer's region named by ``remote``)
-        for :meth:`put_async` or :meth:`get_async` of the same regions and sizes at any
-        offsets."""
-        enqueue = self._enqueuer_of(t)
-        held = t.ring  # [enqueue, the remote argument, the runner]
-        if len(held) < 3 or held[1] != remote:
-            held[1:] = [remote, self._ring_runner(t, remote, enqueue)]
-        if t.opcode == verbs.WR_RDMA_WRITE:
-            self._ring_put = held[2]
-        else:
-            self._ring_get = held[2]
-
-    def _ring_runner(
-        self, t: Template, remote_arg: RemoteRegion | str, enqueue: _RingQueue
-    ) -> _RingRun:
-        """``t`` (one WR, one SGE, two ranges) into a lane's ring, as one function of a
-        call's arguments: the handle when the call has ``t``'s local region, peer and
-        sizes and ``remote_arg``; None, with nothing queued, when it has not, or when
-        the template is stale, a range leaves its region or breaks the alignment policy,
-        or the timeout is not > 0, and the caller takes the general path, which checks
-        everything again and raises what is wrong.  The checks are those of :meth:`_one`
-        for a template and of :meth:`Planner.at_offsets`: the call's own ones here, the
-        template's in ``enqueue`` (:meth:`_ring_enqueuer`), under its lock."""
-        conn, local, peer = t.conn, t.local, t.conn.peer
-        remote = t.remote
-        size = t.nbytes
-        lo, _, ro = t.single  # type: ignore[misc]
-        lbase, rbase = local.addr + lo, remote.addr + ro  # where the SGE and range start
-        llen, rlen = local.length - size, remote.length - size
-        align = self._planner.alignment or 0
-        ready = ConnState.READY
-        ranges = ContiguousDesc
-
-        def run(
-            peer_: str, local_: Region, remote_: Any, ldesc: Any, rdesc: Any, timeout: float
-        ) -> TransferHandle | None:
-            if (
-                local_ is local
-                and type(ldesc) is ranges
-                and type(rdesc) is ranges
-                and ldesc.nbytes == size
-                and rdesc.nbytes == size
-                and remote_ == remote_arg
-                and peer_ == peer
-            ):
-                loff, roff = ldesc.offset, rdesc.offset
-                if (
-                    loff <= llen
-                    and roff <= rlen
-                    and not (align and (loff % align or roff % align))
-                    and conn.state is ready  # else the general path finds its successor
-                    and timeout > 0
-                ):
-                    return enqueue(lbase + loff, rbase + roff, timeout)
-            return None
-
-        return run
-
-    def _solo(self, t: Template, la: int, ra: int, timeout: float) -> TransferHandle | None:
-        """A blocking request of one WR (``t`` placed at ``la``/``ra``), posted and waited
-        for on this thread when one of the connection's lanes is idle; None once it has
-        completed (its error raised).  The common case of a blocking put or get: no
-        hand-over, no handle to wait on, no batch, and the completion is polled here.
-
-        The chunk goes through the lane's window like any other (:meth:`SendWindow.take_solo`),
-        so whichever thread reaps its completion ends it, a connection failure fails it,
-        and notifications queued meanwhile wait for it.  With no idle lane it is queued as
-        usual and its handle returned.  Past ``timeout`` it fails with
-        :class:`TransferTimeout` and, as any transfer past its deadline, fails the
-        connection.  Counts as a poster until it returns, so :meth:`close` waits for it.
-        """
-        conn = t.conn
-        b = self._planner.rebuild(t, la, ra)
-        chain = b.chain
-        start = time.monotonic()
-        handle = TransferHandle(conn.peer, b.nbytes, 1, start + timeout)
-        handle.chunks_left = 1
-        chunk = Chunk(chain, 0, 1, handle, 1)
-        with self._lock:
-            if self._closed or conn.state is not ConnState.READY:
-                self._planner.give_back(b)
-                self._check_open()
-                conn.check_ready()
-            wr_id = chunk.first_id = self._next_wr
-            chunk.groups = 1
-            for lane in conn.lanes:
-                if lane.window.take_solo(chunk):
-                    self._next_wr = wr_id + 1
-                    self._poster.posters += 1
-                    self._direct_posts += 1  # also a post of one WR, see diagnostics
-                    break
-            else:
-                lane = None
-        if lane is None:  # every lane busy: queued behind their work, as usual
-            return self._queue1(conn, b, timeout, True)
-        chain.signal_one(wr_id)
-        err: HixlError | None = None
-        try:
-            lane.qp.post_whole(chain)
-        except HixlError as exc:
-            err = exc
-        self._planner.give_back(b)  # the provider has copied the WR
-        self._await_solo(lane, err, handle, start)
-        if handle.error is not None:
-            raise handle.error
-        return None
-
-    def _remember_repeat(self, t: Template, tkey: tuple[Any, ...]) -> None:
-        """Keep the blocking call ``tkey`` (peer, op, local, remote and the two
-        descriptors), which just ran on the direct lane at its template's own offsets, so
-        that :meth:`put` or :meth:`get` with the same arguments runs it again at once."""
-        held = t.lane
-        if len(held) < 2:
-            _, dlo, dro, n, ch = held[0]
-            held.append(
-                ch.repeat_runner(t.opcode, t.local_addr + dlo, t.remote_addr + dro, n, t.remotes)
-            )
-        entry = (tkey[:1] + tkey[2:], held[1])
-        if t.opcode == verbs.WR_RDMA_WRITE:
-            self._repeat_put = entry
-        else:
-            self._repeat_get = entry
-
-    def _on_lane(self, t: Template, la: int, ra: int, timeout: float) -> bool:
-        """A blocking request of one WR and one SGE (``t`` placed at ``la``/``ra``) run on
-        the connection's direct lane while no channel holds it: the path of a
-        :class:`Channel` call, through a channel the engine keeps for the template (its
-        regions and access were checked when the template was made; the call checks the
-        offsets again, and the regions' lifetimes).  True once it completed (its error
-        raised); False, with nothing posted, when another call has the lane."""
-        held = t.lane
-        if not held:
-            ch = Channel(self, t.conn, t.local, t.remote, self._poster, lent=True)
-            lo, n, ro = t.single  # type: ignore[misc]
-            call = ch.put if t.opcode == verbs.WR_RDMA_WRITE else ch.get
-            held.append((call, lo - t.local.addr, ro - t.remote.addr, n, ch))
-        call, dlo, dro, n, _ = held[0]
-        # Counted as it starts, as a direct post is (without the lock: approximate when
-        # several threads put at once); taken back if the lane was not free.
-        self._lane_posts += 1
-        try:
-            call(la + dlo, ra + dro, n, timeout=timeout)
-        except LaneBusy:
-            self._lane_posts -= 1
-            return False
-        return True
-
-    def _await_solo(
-        self, lane: Lane, err: HixlError | None, handle: TransferHandle, start: float
-    ) -> None:
-        """After :meth:`_solo`'s post returned (``err``: the provider refused it): settle
-        the post, then reap the send CQ on this thread until ``handle`` finishes, spinning
-        for :data:`SPIN_S`, then with sleeps of up to 1 ms between polls; then stop
-        counting as a poster (also when a poll raises).  The queue is polled under the
-        lock, as every reaper does (completions of one queue pair are handled in order).
-        The first round settles the post and polls in one turn of the lock."""
-        cq = self.send_cq
-        lock = self._lock
-        spin_until = start + SPIN_S
-        nap = 0.00005
-        settle = True
-        released = False
-        try:
-            while True:
-                with lock:
-                    if settle:
-                        settle = False
-                        self._poster.settle_locked(lane, err, handle)
-                    if self._closed:
-                        handle.finish(
-                            StateError(f"engine {self.id} closed while the transfer was pending")
-                        )
-                        rows = None
-                    else:
-                        rows = cq.poll_rows(POLL_BATCH)
-                        if rows:
-                            self._reaper.reap_send(rows)
-                    if handle.status is not TransferStatus.PENDING:
-                        released = True
-                        self._poster.release_poster()
-                if self._poster.wake_due:  # the reap handed other lanes' backlog over
-                    self._poster.wake()
-                if released:
-                    return
-                now = time.monotonic()  # also when others' completions keep coming
-                if now >= handle.deadline:
-                    with lock:
-                        self._fail(
-                            lane.conn,
-                            "a transfer timed out",
-                            deadline_error(handle),
-                            culprit=handle,
-                        )
-                elif not rows and now >= spin_until:
-                    time.sleep(nap)
-                    nap = min(nap * 2, 0.001)
-        except BaseException:
-            if not released:
-                with lock:
-                    self._poster.release_poster()
-            raise
+        return self._queuer.queue(conn, built, payload, reads, timeout, now)
 
     def channel(self, peer: str, local: Region, remote: RemoteRegion | str) -> Channel:
         """A :class:`~hixl.engine.channel.Channel` to ``peer``: blocking puts and gets of
@@ -2309,8 +1707,9 @@ class Engine:
 
 
 class _Host:
-    """The engine as its poster and reaper see it (:class:`~hixl.engine.posting.PostingHost`,
-    :class:`~hixl.engine.reaping.ReapingHost`).
+    """The engine as its parts see it (:class:`~hixl.engine.posting.PostingHost`,
+    :class:`~hixl.engine.reaping.ReapingHost`, :class:`~hixl.engine.queueing.QueueHost`,
+    :class:`~hixl.engine.single.SingleHost`).
 
     It holds the engine by a weak proxy: the poster lives as long as the engine, and an
     engine the application forgets to close must still be collected (and warn).
@@ -2338,51 +1737,30 @@ class _Host:
     def connection_of(self, peer: str) -> Connection | None:
         return self._engine._conns.get(peer)
 
+    def check_open(self) -> None:
+        self._engine._check_open()
 
-def _every_for(conn: Connection, n: int, nbytes: int, every: int) -> int:
-    """The signal group size for a request of ``n`` WRs and ``nbytes``: ``every``, or for
-    a request of one group's WRs or fewer that carries :data:`SPREAD_BYTES` or more, a
-    group per lane (two WRs of 1 MiB then go out on two lanes at once)."""
-    k = len(conn.lanes)
-    if k > 1 and 1 < n <= every and nbytes >= SPREAD_BYTES:
-        return -(-n // k)
-    return every
+    def take_credit(self, conn: Connection, deadline: float, timeout: float) -> None:
+        self._engine._take_credit(conn, deadline, timeout)
 
-
-def _spread(chunk: Chunk, conn: Connection) -> list[tuple[Lane, Chunk]]:
-    """``chunk`` (ids assigned) cut at signal-group boundaries into a part per lane, as
-    even as the groups allow, each paired with its lane (lock held).
-
-    A part completes under the ids of its own groups, as a whole chunk would.  The parts
-    share the chain and its :class:`Built`: whichever part's post is handed back last
-    returns the chain to the pool (``Built.parts``).  A chunk of one group, or a
-    connection of one lane, stays whole on the next lane of the round robin.
-    """
-    lanes = conn.lanes
-    k = min(len(lanes), chunk.groups)
-    if k < 2:
-        return [(conn.pick_lane(), chunk)]
-    per, extra = divmod(chunk.groups, k)
-    every, start = chunk.every, chunk.start
-    parts: list[tuple[Lane, Chunk]] = []
-    g = 0
-    for i in range(k):
-        n = per + (i < extra)
-        part = Chunk(
-            chunk.chain,
-            start + g * every,
-            min(chunk.stop, start + (g + n) * every),
-            chunk.handle,
-            every,
-            chunk.first_id + g,
+    def submit(
+        self,
+        peer: str,
+        requests: Sequence[TransferRequest],
+        notify: str | None,
+        notify_message: bytes,
+        timeout: float,
+        *,
+        now: bool,
+        tkey: tuple[Any, ...] | None = None,
+    ) -> TransferHandle:
+        return self._engine._submit(
+            peer, requests, notify, notify_message, timeout, now=now, tkey=tkey
         )
-        part.groups = n
-        part.built = chunk.built
-        parts.append((conn.pick_lane(), part))
-        g += n
-    if chunk.built is not None:
-        chunk.built.parts = [True] + [False] * (k - 1)  # popped once per part posted
-    return parts
+
+    def lent_channel(self, conn: Connection, local: Region, remote: RemoteRegion) -> LentLane:
+        engine = self._engine
+        return Channel(engine, conn, local, remote, engine._poster, lent=True)
 
 
 _notify = notify  # the module, under a name the ``notify`` parameters do not shadow

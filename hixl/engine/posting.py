@@ -90,6 +90,10 @@ class Poster:
         self.send_posts = 0  # post_send calls for transfers, and the WRs they carried
         self.posted_wrs = 0
         self.slot_messages = 0  # single async requests through a lane's ring
+        # Blocking single requests posted and polled by their caller (SinglePaths._solo),
+        # and those on a direct lane (a lent channel's call; not in direct_posts).
+        self.direct_posts = 0
+        self.lane_posts = 0  # (counted without the lock: approximate under races)
 
     def attach(
         self,
