@@ -302,7 +302,7 @@ class Engine:
         self._exposed_map: dict[tuple[int, int], RemoteRegion] = {}
         self._exposed_bytes = 0
         # Posting: lanes waiting for the progress thread, posters at work, the wake-up due.
-        parts = _Host(self)
+        self._parts = parts = _Host(self)
         self._poster = Poster(self._lock, self.sq_depth, self._planner, parts)
         self._reaper = SendReaper(self._by_qpn, self._handles, self._poster, parts)
         self._queuer = Queuer(
@@ -1452,7 +1452,7 @@ class Engine:
                     f"connection to {peer} already has an open channel {conn.channel!r}; "
                     "close it first (one channel per connection)"
                 )
-            ch = Channel(self, conn, local, rem, self._poster)
+            ch = self._new_channel(conn, local, rem, lent=False)
             conn.channel = ch
         # A blocking put or get of this engine's may be finishing on the lane (see
         # _on_lane); from here on none starts there.  Wait for it, without the lock.
@@ -1471,6 +1471,14 @@ class Engine:
             time.sleep(nap)
             nap = min(nap * 2, 0.001)
         return ch
+
+    def _new_channel(
+        self, conn: Connection, local: Region, remote: RemoteRegion, *, lent: bool
+    ) -> Channel:
+        return Channel(
+            self._parts, conn, local, remote, self._poster, lock=self._lock, conns=self._conns,
+            max_msg_sz=self.limits.max_msg_sz, alignment=self.alignment, lent=lent,
+        )  # fmt: skip
 
     def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0) -> None:
         """Send a notification to ``peer`` alone (after everything posted before it)."""
@@ -1759,8 +1767,7 @@ class _Host:
         )
 
     def lent_channel(self, conn: Connection, local: Region, remote: RemoteRegion) -> LentLane:
-        engine = self._engine
-        return Channel(engine, conn, local, remote, engine._poster, lent=True)
+        return self._engine._new_channel(conn, local, remote, lent=True)
 
 
 _notify = notify  # the module, under a name the ``notify`` parameters do not shadow
