@@ -305,7 +305,7 @@ class SinglePaths:
         calls, which check only their arguments; a closed engine or a connection that
         is not READY raises as the general path would.
         """
-        paths, poster, host = self, self._poster, self._host
+        poster, host, open_chunk = self._poster, self._host, self._open_ring_chunk
         planner, queuer = self._planner, self._queuer
         conn, local, remotes = t.conn, t.local, t.remotes
         mr = local.mr
@@ -358,7 +358,7 @@ class SinglePaths:
                             if deadline < group.deadline:
                                 group.deadline = deadline
                     else:
-                        chunk = paths._open_ring_chunk(lane, ring, slot, local, timeout)
+                        chunk = open_chunk(lane, ring, slot, local, timeout)
                         group = chunk.handle
                         k = 0
                     group.nbytes += n
