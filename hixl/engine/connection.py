@@ -32,7 +32,7 @@ import secrets
 import socket
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -40,17 +40,22 @@ from hixl.core import notify, wire
 from hixl.core.ratelimit import Budget
 from hixl.core.seal import Opener, Sealer
 from hixl.core.states import ConnEvent, ConnState, next_state
-from hixl.core.window import Batch, SendWindow
+from hixl.core.window import Batch, Chunk, SendWindow
 from hixl.core.wire import RemoteRegion
 from hixl.engine.locks import assert_unlocked
 from hixl.errors import ConnectionFailed, HandshakeError, HixlError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
+from hixl.verbs.chain import SlotRing
 
-if TYPE_CHECKING:
-    from hixl.engine.datapath import LaneRing
-    from hixl.engine.engine import Engine
-
-__all__ = ["Connection", "Lane", "MAX_OUTBOX", "MAX_REMOTE_END", "RECV_SLOTS"]
+__all__ = [
+    "Connection",
+    "ConnectionHost",
+    "Lane",
+    "LaneRing",
+    "MAX_OUTBOX",
+    "MAX_REMOTE_END",
+    "RECV_SLOTS",
+]
 
 RECV_SLOTS = 64  # receive buffers per connection, for notifications
 DIRECT_SQ_DEPTH = 2  # send slots of the direct lane: a channel has one request out at a time
@@ -65,6 +70,47 @@ CONTROL_MSGS_PER_S = 2000
 
 _QI = TypeVar("_QI", wire.Info, wire.Accept)
 _KEYS = itertools.count(1)  # Connection.note_key
+
+
+class ConnectionHost(Protocol):
+    """What a :class:`Connection` needs of its engine to make its queue pairs."""
+
+    @property
+    def device(self) -> verbs.Device: ...
+
+    @property
+    def qp_timeout(self) -> int: ...
+
+    @property
+    def sq_depth(self) -> int: ...
+
+    @property
+    def send_cq(self) -> verbs.CompletionQueue: ...
+
+    @property
+    def recv_cq(self) -> verbs.CompletionQueue: ...
+
+
+class LaneRing(SlotRing):
+    """A lane's ring of single messages (see :meth:`hixl.engine.single.SinglePaths._ring_enqueuer`):
+    a :class:`~hixl.verbs.chain.SlotRing` and what the engine knows of its slots.
+
+    ``written`` slots were written so far and ``released`` of them went out (their post
+    returned), so ``written - released`` slots are taken; slot ``written % capacity`` is
+    the next.  ``open`` is the chunk the last message went into, which the next one
+    joins while the window lets it grow; it holds the messages from ``open_at`` to
+    ``written``, and its end is set when it closes (``Poster.close_ring_chunk``).
+    Engine lock.
+    """
+
+    __slots__ = ("open", "open_at", "released", "written")
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.written = 0
+        self.released = 0
+        self.open: Chunk | None = None
+        self.open_at = 0
 
 
 class Lane:
@@ -109,7 +155,12 @@ class Connection:
     """
 
     def __init__(
-        self, engine: Engine, peer: str, outbound: bool, lanes: int = 1, direct: bool = False
+        self,
+        engine: ConnectionHost,
+        peer: str,
+        outbound: bool,
+        lanes: int = 1,
+        direct: bool = False,
     ) -> None:
         self.peer = peer
         self.outbound = outbound

@@ -43,7 +43,7 @@ from hixl.core.wire import RemoteRegion
 from hixl.engine.regions import Access, Region
 from hixl.errors import ArgumentError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
-from hixl.verbs.chain import ChainMemory, SendChain, SlotRing
+from hixl.verbs.chain import ChainMemory, SendChain
 
 if TYPE_CHECKING:
     from hixl.core.window import Chunk
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Built",
-    "LaneRing",
     "NotifySlots",
     "PLAN_CACHE",
     "Planner",
@@ -569,28 +568,6 @@ def ranges_key(
     if type(ldesc) is ContiguousDesc and type(rdesc) is ContiguousDesc:
         return (_RANGES, peer, op, local, remote, ldesc.nbytes, rdesc.nbytes)
     return None
-
-
-class LaneRing(SlotRing):
-    """A lane's ring of single messages (see :meth:`hixl.engine.single.SinglePaths._ring_enqueuer`):
-    a :class:`~hixl.verbs.chain.SlotRing` and what the engine knows of its slots.
-
-    ``written`` slots were written so far and ``released`` of them went out (their post
-    returned), so ``written - released`` slots are taken; slot ``written % capacity`` is
-    the next.  ``open`` is the chunk the last message went into, which the next one
-    joins while the window lets it grow; it holds the messages from ``open_at`` to
-    ``written``, and its end is set when it closes (``Poster.close_ring_chunk``).
-    Engine lock.
-    """
-
-    __slots__ = ("open", "open_at", "released", "written")
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
-        self.written = 0
-        self.released = 0
-        self.open: Chunk | None = None
-        self.open_at = 0
 
 
 class NotifySlots:

@@ -21,8 +21,8 @@ from typing import Protocol
 
 from hixl.core.states import ConnState
 from hixl.core.window import Batch
-from hixl.engine.connection import Lane
-from hixl.engine.datapath import LaneRing, Planner
+from hixl.engine.connection import Lane, LaneRing
+from hixl.engine.datapath import Planner
 from hixl.engine.handles import TransferHandle
 from hixl.errors import HixlError
 

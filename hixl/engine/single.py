@@ -35,8 +35,8 @@ from hixl.core.states import ConnState
 from hixl.core.window import Chunk
 from hixl.core.wire import RemoteRegion
 from hixl.engine.channel import LaneBusy
-from hixl.engine.connection import Connection, Lane
-from hixl.engine.datapath import LaneRing, Planner, Template, ranges_key
+from hixl.engine.connection import Connection, Lane, LaneRing
+from hixl.engine.datapath import Planner, Template, ranges_key
 from hixl.engine.handles import (
     SPIN_S,
     GroupHandle,
