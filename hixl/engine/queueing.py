@@ -76,10 +76,12 @@ class Queuer:
         reads: bool,
         timeout: float,
         now: bool,
+        parts: list[Chunk] | None = None,
     ) -> TransferHandle:
-        """Queue built requests (and a notification) as one transfer; post or hand over."""
+        """Queue built requests (and a notification) as one transfer; post or hand over.
+        ``parts``, if given, receives the chunks of the requests' WRs (ids assigned)."""
         if len(built) == 1 and payload is None:
-            return self.queue1(conn, built[0], timeout, now)
+            return self.queue1(conn, built[0], timeout, now, parts)
         now_s = time.monotonic()
         nbytes = sum(b.nbytes for b in built)
         num_wrs = sum(b.chain.num_wrs for b in built)
@@ -111,6 +113,8 @@ class Queuer:
                 placed += spread(chunk, conn)
             for lane, part in placed:
                 lane.window.queue1(part)
+            if parts is not None:
+                parts.extend(part for _, part in placed)
             handle.chunks_left = len(placed) + (payload is not None)
             first = conn.lanes[0]  # where the notifications go, after the data
             if payload is not None:
@@ -147,8 +151,15 @@ class Queuer:
         self._poster.post_or_wake(lane, batch)
         return handle
 
-    def queue1(self, conn: Connection, b: Built, timeout: float, now: bool) -> TransferHandle:
-        """:meth:`_queue` for the common case, one request and no notification."""
+    def queue1(
+        self,
+        conn: Connection,
+        b: Built,
+        timeout: float,
+        now: bool,
+        parts: list[Chunk] | None = None,
+    ) -> TransferHandle:
+        """:meth:`queue` for the common case, one request and no notification."""
         now_s = time.monotonic()
         chain = b.chain
         n = chain.num_wrs
@@ -171,12 +182,16 @@ class Queuer:
             self.next_wr = first + chunk.groups
             self._handles.add(handle)
             if chunk.groups > 1 and len(conn.lanes) > 1:  # a long chain: over every lane
-                parts = spread(chunk, conn)
-                handle.chunks_left = len(parts)
-                for lane, part in parts:
+                pieces = spread(chunk, conn)
+                handle.chunks_left = len(pieces)
+                for lane, part in pieces:
                     lane.window.queue1(part)
-                lane, batch = self._poster.start_posts([lane for lane, _ in parts], now)
+                if parts is not None:
+                    parts.extend(part for _, part in pieces)
+                lane, batch = self._poster.start_posts([lane for lane, _ in pieces], now)
             else:
+                if parts is not None:
+                    parts.append(chunk)
                 lane = conn.pick_lane()
                 window = lane.window
                 window.queue1(chunk)
