@@ -1497,7 +1497,9 @@ class Engine:
     def notifications(self) -> list[Notification]:
         """Take every notification received so far (oldest first)."""
         with self._lock:
-            return self._inbox.take_all(self._return_credits)
+            notes = self._inbox.take_all(self._return_credits)
+        self._poster.wake_if_due()  # the credits given back go out with the next round
+        return notes
 
     def wait_notification(self, name: str, timeout: float, peer: str | None = None) -> Notification:
         """Wait up to ``timeout`` s for a notification called ``name`` (from ``peer``).
@@ -1508,21 +1510,27 @@ class Engine:
         when the engine is closed (or closes while waiting).
         """
         deadline = time.monotonic() + timeout
+        found: Notification | None = None
         with self._notify_cv:
-            while True:
+            while found is None:
                 for note in self._inbox.notes:
                     if note.name == name and (peer is None or note.peer == peer):
                         owed = self._inbox.take(note)
                         if owed is not None:
                             self._return_credits(*owed)
-                        return note
-                if self._closed or self._broken is not None:
-                    self._check_open()
-                    raise StateError(f"engine {self.id} is closed")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._notify_cv.wait(left)
+                        found = note
+                        break
+                else:
+                    if self._closed or self._broken is not None:
+                        self._check_open()
+                        raise StateError(f"engine {self.id} is closed")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._notify_cv.wait(left)
+        if found is not None:
+            self._poster.wake_if_due()  # the credits given back go out with the next round
+            return found
         raise TransferTimeout(
             f"no notification {name!r}{' from ' + peer if peer else ''} within {timeout} s"
         )
