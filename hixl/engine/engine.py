@@ -604,7 +604,7 @@ class Engine:
         """Queue a control message for the progress thread to send (caller holds the lock).
 
         The wake-up is only marked due: whoever let go of the lock last sends it
-        (:meth:`_wake_if_due`), since sending it is a system call.
+        (``Poster.wake_if_due``), since sending it is a system call.
         """
         if not conn.queue_control(data):
             self._fail(conn, "peer left too many control messages unread")

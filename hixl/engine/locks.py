@@ -7,7 +7,7 @@ queue, and each connection's state, send windows and control outbox.  Order: a
 
 Never under it: a socket send or receive (control messages are queued in an outbox and
 sent by the progress thread), the progress thread's wake-up byte (marked due under the
-lock and sent by whoever lets go of it, ``Engine._wake_if_due``), ``ibv_post_send``,
+lock and sent by whoever lets go of it, ``Poster.wake_if_due``), ``ibv_post_send``,
 arming a CQ or reading its channel, making a connection's queue pairs, CQ, receive MR
 and receive slots (made first, then indexed under the lock), a sleep, a wait on another
 thread (a condition's ``wait`` releases it).
