@@ -52,6 +52,7 @@ class EngineConfig:
         gil_switch_interval: float | None,
         name: str | None,
         has_registry: bool,
+        insecure: bool = False,
     ) -> EngineConfig:
         """Check every option; :class:`ArgumentError` names the first that is wrong."""
         try:
@@ -84,10 +85,19 @@ class EngineConfig:
                 f"name={name!r}: an engine that does not listen (port 0 in {engine_id!r}) "
                 "cannot be announced"
             )
+        secret = token_bytes(token)
+        if tcp_port and secret is None and not insecure and not is_loopback(host):
+            raise ArgumentError(
+                f"engine {engine_id} would listen on a non-loopback address without a "
+                "token: any client that reaches the port would get the rkeys of every "
+                "remotely accessible region. Give every engine the same "
+                "Engine(token=...) (make one with 'hixl token'), or pass insecure=True "
+                "to run without authentication on a trusted network"
+            )
         return cls(
             host=host,
             tcp_port=tcp_port,
-            token=token_bytes(token),
+            token=secret,
             lanes=lanes,
             direct_lane=bool(direct_lane) and lanes < MAX_LANES,
             handshake_timeout=handshake_timeout,

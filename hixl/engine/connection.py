@@ -553,6 +553,7 @@ class Connection:
         if self.direct_cq is not None:
             self.direct_cq.close()  # after its queue pair
         self._recv_mr.close()
+        self._recv_buf = np.zeros(0, dtype=np.uint8)  # not kept until the object goes
         if getattr(self, "sock", None) is not None:
             assert self.sock is not None
             with contextlib.suppress(OSError):

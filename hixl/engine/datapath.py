@@ -62,7 +62,9 @@ __all__ = [
 ]
 
 PLAN_CACHE = 512  # planned (descriptor pair, region sizes) kept per engine
-CHAIN_CACHE_WRS = 1 << 18  # WRs (x 128 bytes, plus SGEs) of idle built chains kept per engine
+# Bytes of idle built chains kept per engine (ChainMemory.chain_bytes: WR and SGE arrays in
+# their blocks): past it, the idle chains of the layouts pooled first are dropped.
+CHAIN_CACHE_BYTES = 32 << 20
 CHAIN_WRS_PER_KEY = 4096  # WRs of idle chains kept for one layout (at least 4 chains)
 POSTED_BATCHES = 64  # posted batches whose chains wait to be pooled (older ones are dropped)
 SIZED_KEYS = 64  # layouts remembered per chain size for refilling (older ones are dropped)
@@ -149,7 +151,7 @@ class Planner:
         self._warm_up()
         self._plans: dict[tuple[Any, ...], Plan] = {}
         self._chains: dict[tuple[Any, ...], list[Built]] = {}  # idle chains by layout
-        self._chain_wrs = 0  # WRs held by idle chains (approximate: no lock)
+        self._chain_bytes = 0  # bytes held by idle chains (approximate: no lock)
         # Layouts that were given idle chains, by the chains' (WR, SGE) capacity, newest
         # last: a request of a new layout refills an idle chain of its size instead of
         # allocating one (see _take_sized).  Entries may be stale (that pool emptied).
@@ -158,6 +160,17 @@ class Planner:
         self.chains_refilled = 0  # idle chains of another layout refilled for a plan
         # Chunks of posted batches whose chains are not pooled yet (see posted()).
         self._posted: deque[list[Chunk]] = deque(maxlen=POSTED_BATCHES)
+
+    def close(self) -> None:
+        """Drop every cached plan and idle chain and give the chain memory back (its
+        reserve as soon as no chain made in it is left).  For the engine's close, after
+        its regions were closed: chains of closed regions are never pooled again."""
+        self._posted.clear()
+        self._chains.clear()
+        self._sized.clear()
+        self._plans.clear()
+        self._chain_bytes = 0
+        self.memory.close()
 
     def _warm_up(self) -> None:
         """Plan, build, refill and signal one small chain, then drop it: the first run
@@ -460,8 +473,23 @@ class Planner:
             idle = pool.pop()
         except IndexError:  # another thread took the last one
             return None
-        self._chain_wrs -= idle.chain.capacity
+        self._chain_bytes -= ChainMemory.chain_bytes(idle.chain)
         return idle
+
+    def _evict(self, room: int) -> None:
+        """Drop the idle chains of the layouts pooled first until at most ``room`` bytes
+        are held (all of them if another thread changes the pool meanwhile)."""
+        chains = self._chains
+        try:
+            while self._chain_bytes > max(room, 0) and chains:
+                for idle in chains.pop(next(iter(chains)), ()):
+                    self._chain_bytes -= ChainMemory.chain_bytes(idle.chain)
+            if not chains:  # the count is approximate (no lock): start it over when exact
+                self._chain_bytes = 0
+        except (RuntimeError, StopIteration, KeyError):  # changed under the iteration
+            chains.clear()
+            self._sized.clear()
+            self._chain_bytes = 0
 
     def give_back(self, built: Built) -> None:
         """Return a chain whose WRs are all posted, for the next request with its layout."""
@@ -476,16 +504,15 @@ class Planner:
             if r.closed:
                 return
         capacity = chain.capacity
-        if self._chain_wrs + capacity > CHAIN_CACHE_WRS:
-            self._chains.clear()
-            self._sized.clear()
-            self._chain_wrs = 0
+        nbytes = ChainMemory.chain_bytes(chain)
+        if self._chain_bytes + nbytes > CHAIN_CACHE_BYTES:
+            self._evict(CHAIN_CACHE_BYTES - nbytes)
         pool = self._chains.get(key)
         if pool is None:
             pool = self._chains[key] = []
         if len(pool) < max(4, CHAIN_WRS_PER_KEY // capacity):
             pool.append(built)
-            self._chain_wrs += capacity
+            self._chain_bytes += nbytes
             # Indexed when its pool gets its first idle chain, not on every return: a
             # layout streamed over and over would fill its size's index with itself.
             if capacity > 1 and len(pool) == 1:
@@ -606,4 +633,12 @@ class NotifySlots:
         return slot
 
     def release(self, slot: int) -> None:
-        self._free.append(slot)
+        if slot < self.count:  # (none are, once closed)
+            self._free.append(slot)
+
+    def close(self) -> None:
+        """Give the buffers back (the device, and with it their region, is closed)."""
+        self.count = 0
+        self._free.clear()
+        self._buf = np.zeros(0, dtype=np.uint8)
+        self.chain = SendChain(1, 1)

@@ -146,7 +146,8 @@ class Engine:
     bounds how long a silent peer takes to fail a transfer.  ``max_peers``
     caps connections, checked before a queue pair is made or any key sent.
     ``max_handshakes`` and ``max_handshakes_per_source`` cap incoming
-    handshakes under way, in all and from one IP address (over either, a
+    handshakes under way, in all and from one source (an IPv4 address, all of
+    127.0.0.0/8 as one, or an IPv6 /64; over either, a
     client is answered ERROR(BUSY) and asks again); ``handshake_timeout``
     bounds a whole handshake, each of its steps has a shorter deadline.
     ``max_notifications_per_peer`` and ``max_notifications`` bound
@@ -154,7 +155,7 @@ class Engine:
     connection is granted ``min(max_notifications_per_peer, max_notifications //
     max_peers)`` credits, a sender out of credits waits for the application here
     to take some (its call fails with TransferTimeout at its deadline; nothing
-    else fails), and at the total the peer holding the most loses its oldest
+    else fails), and at the total the departed peer holding the most loses its oldest
     (see :mod:`hixl.engine.inbox`).  ``completion_events=False`` makes the progress thread
     poll the CQs instead of sleeping on completion channels (a test hook).
     ``lanes`` is how many queue pairs a connection sends its work over (as many as both
@@ -172,8 +173,9 @@ class Engine:
     proxy, whose connections come from another address than their id names.
 
     Without a token any client that reaches the port learns the rkeys of
-    every remotely accessible region; an engine listening on an address
-    other than loopback without one logs a WARNING once.
+    every remotely accessible region, so an engine that listens on an address
+    other than loopback (``0.0.0.0`` included) needs a token, or
+    ``insecure=True`` to run open on purpose (it then logs a WARNING once).
 
     ``registry`` (a URL such as ``"etcd://10.0.0.1:2379"`` or ``"memory://NAME"``, or a
     :class:`hixl.registry.Registry` the caller shares) lets :meth:`connect` take peer
@@ -181,9 +183,10 @@ class Engine:
     device's GID and MTU, ``capacity``) under a lease that ends with the engine. Without a
     registry nothing is needed: peers are ``"ip:port"`` as always.
 
-    Raises :class:`ArgumentError` for a bad id, an empty token or a limit
-    below 1, :class:`DeviceError` when no device is usable, :class:`OSError`
-    when the address cannot be bound, :class:`~hixl.errors.RegistryUnavailable`
+    Raises :class:`ArgumentError` for a bad id, an empty token, a limit below 1
+    or a non-loopback listening address with neither a token nor ``insecure=True``,
+    :class:`DeviceError` when no device is usable, :class:`OSError` when the
+    address cannot be bound, :class:`~hixl.errors.RegistryUnavailable`
     naming the registry when it does not answer.
     """
 
@@ -213,6 +216,7 @@ class Engine:
         role: str = "engine",
         capacity: int = 0,
         trust_peer_hosts: bool = False,
+        insecure: bool = False,
     ) -> None:
         self._closed = True  # until fully built, so __del__ stays quiet on failure
         cfg = EngineConfig.check(
@@ -229,6 +233,7 @@ class Engine:
             gil_switch_interval=gil_switch_interval,
             name=name,
             has_registry=registry is not None,
+            insecure=insecure,
         )
         host, tcp_port = cfg.host, cfg.tcp_port
         self._lanes = cfg.lanes
@@ -460,6 +465,9 @@ class Engine:
         self._regions.clear()
         self._singles.clear()
         self._dev.close()
+        with self._lock:
+            self._notify_slots.close()
+        self._planner.close()
         log.debug("engine %s closed", self.id)
 
     def _check_open(self) -> None:
@@ -1026,6 +1034,9 @@ class Engine:
             except OSError as exc:
                 log.debug("goodbye to %s not sent: %s", conn.peer, exc)
             conn.destroy()
+        if dead:
+            with self._lock:
+                self._singles.forget(dead)
 
     # -- transfers -----------------------------------------------------------------------
     def put(

@@ -16,8 +16,11 @@ A sender that sends beyond its credits breaks the protocol: :meth:`Inbox.arrive`
 and the engine fails that connection (``ERROR(OVERFLOW)``). Grants add up to at most
 ``max_notifications`` over ``max_peers`` live connections, but notifications of peers that
 left stay readable (a peer may notify and close at once), so the total can still reach
-``max_notifications``: then the peer holding the most unread notifications (one that
-left before a live one, at a tie) loses its oldest one, counted in :attr:`Inbox.dropped`.
+``max_notifications``: then the departed peer holding the most unread notifications loses
+its oldest one, counted in :attr:`Inbox.dropped`. Live connections' notes are charged only
+when no departed one's are left (which needs more live connections than
+``max_notifications``, each granted 1): a live peer sending within its credits keeps
+what it sent whatever departed peers left behind.
 
 Everything here runs under the engine lock; nothing here does I/O.
 """
@@ -71,8 +74,10 @@ class Inbox:
         return None
 
     def _charge(self) -> None:
-        """Drop the oldest note of the connection holding the most (a gone one first)."""
-        hog = max(self._held, key=lambda k: (self._held[k], k in self._gone))
+        """Drop the oldest note of the departed connection holding the most; when none
+        is left unread, of the live connection holding the most."""
+        held = self._held
+        hog = max(held, key=lambda k: (k in self._gone, held[k]))
         for i, note in enumerate(self.notes):
             if self._origin.get(id(note)) == hog:
                 del self.notes[i]

@@ -165,6 +165,17 @@ class SinglePaths:
         if rkey is not None:
             self._templates[rkey] = t
 
+    def forget(self, conns: list[Connection]) -> None:
+        """Drop the kept calls (templates and the fast paths made from them) to ``conns``,
+        which are gone: a template holds its connection, and peers come and go (lock
+        held)."""
+        gone = {id(c) for c in conns}
+        for key in [k for k, t in self._templates.items() if id(t.conn) in gone]:
+            del self._templates[key]
+        self._last_template = None
+        self.repeat_put = self.repeat_get = None
+        self.ring_put = self.ring_get = None
+
     def clear(self) -> None:
         """Forget every template and runner (the engine closed)."""
         self._templates.clear()

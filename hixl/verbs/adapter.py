@@ -33,6 +33,7 @@ import logging
 import os
 import select
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -240,7 +241,11 @@ class Device:
         self._ctx = ctx
         self.name = name
         self.port = port
-        self._children: list[Any] = []  # QueuePair, MemoryRegion, CompletionQueue
+        # QueuePair, MemoryRegion, CompletionQueue made here, for close(); the closed ones
+        # are dropped when the list doubles (a server's peers come and go).
+        self._children: list[Any] = []
+        self._prune_at = 64
+        self._children_lock = threading.Lock()  # children are made in several threads
         self._closed = False
         self._pd = L.ibv_alloc_pd(ctx)
         if self._pd == ffi.NULL:
@@ -324,8 +329,15 @@ class Device:
         if mr == ffi.NULL:
             raise _err(f"reg_mr(addr={address:#x}, length={length}, access={access:#x})")
         region = MemoryRegion(mr, address, length, access, owner)
-        self._children.append(region)
+        self._adopt(region)
         return region
+
+    def _adopt(self, child: Any) -> None:
+        with self._children_lock:
+            if len(self._children) >= self._prune_at:
+                self._children = [c for c in self._children if not c.closed]
+                self._prune_at = max(64, 2 * len(self._children))
+            self._children.append(child)
 
     def create_cq(self, depth: int, *, events: bool = False) -> CompletionQueue:
         """Create a completion queue with room for ``depth`` completions.
@@ -349,7 +361,7 @@ class Device:
                 L.ibv_destroy_comp_channel(channel)
             raise exc
         wrapped = CompletionQueue(cq, depth, channel)
-        self._children.append(wrapped)
+        self._adopt(wrapped)
         return wrapped
 
     def create_rc_qp(
@@ -383,7 +395,7 @@ class Device:
                 f"max_send_sge={max_send_sge}, max_recv_sge={max_recv_sge})"
             )
         wrapped = QueuePair(qp, self, max_send_wr, max_send_sge, max_recv_sge)
-        self._children.append(wrapped)
+        self._adopt(wrapped)
         wrapped._to_init()
         return wrapped
 
@@ -583,6 +595,10 @@ class CompletionQueue:
             f"<CompletionQueue depth={self.depth} fd={self.fd}{' closed' if self._closed else ''}>"
         )
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _wcs(self, n: int) -> tuple[Any, npt.NDArray[Any]]:
         if self._wc_view is None or self._wc_view.size < n:
             self._wc_mem = ffi.new("struct ibv_wc[]", max(n, 64))
@@ -759,6 +775,10 @@ class QueuePair:
 
     def __repr__(self) -> str:
         return f"<QueuePair qpn={self.qpn:#x} state={self.state_name}>"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def state_name(self) -> str:

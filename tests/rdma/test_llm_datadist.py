@@ -382,6 +382,45 @@ class Recorder(LayerSynchronizer):
         return self.events[layer_index].wait(30)
 
 
+def test_batch_entries_cut_into_blocks(pair: Pair) -> None:
+    """A peer's batch entry into local blocks (pull_blocks by CacheKeyByIdAndIndex) and a
+    local entry into the peer's blocks (transfer_cache_async): 40 bytes in blocks of 16,
+    the last piece 8 bytes; the rest of that block stays."""
+    p_arr = [pattern((3, 40), i) for i in range(4)]  # 2 layers, 3 entries of 40 bytes
+    d_arr = [pattern((5, 16), 20 + i) for i in range(4)]  # 2 layers, 5 blocks of 16 bytes
+    pair.keep += p_arr
+    p_plain = pair.pm.register_cache(CacheDesc(4, [3, 40], DataType.DT_UINT8), addrs(p_arr))
+    d_blocks = pair.blocks(pair.dm, d_arr, 2, DataType.DT_UINT8)
+    pair.link()
+    expect = [a.copy() for a in d_arr]
+
+    # entry 2 of the prompt's layer 1 into blocks 4, 0, 1 of the decoder's layer 0
+    key = CacheKeyByIdAndIndex(P_ID, p_plain.cache_id, 2)
+    pair.dm.pull_blocks(
+        key, d_blocks, [], [4, 0, 1], src_layer_range=range(1, 2), dst_layer_range=range(0, 1)
+    )
+    for k in range(2):
+        entry = p_arr[2 + k][2]
+        expect[k][4], expect[k][0], expect[k][1, :8] = entry[:16], entry[16:32], entry[32:]
+    for t in range(4):
+        assert same(d_arr[t], expect[t]), t
+    raises(S.LLM_PARAM_INVALID, pair.dm.pull_blocks, key, d_blocks, [], [0, 1, 2, 3])
+
+    # the prompt's entry 0, every layer, into blocks 3, 2, 4 of the decoder (over the link
+    # the decoder made)
+    sync = Recorder()
+    sync.release(0)
+    sync.release(1)
+    config = TransferWithCacheKeyConfig(BlocksCacheKey(D_ID, 2), range(0, 2), range(0, 2))
+    task = pair.pm.transfer_cache_async(p_plain, sync, [config], None, [3, 2, 4], 16)
+    assert task.synchronize(30_000) == S.LLM_SUCCESS
+    for t in range(4):
+        entry = p_arr[t][0]
+        expect[t][3], expect[t][2], expect[t][4, :8] = entry[:16], entry[16:32], entry[32:]
+        assert same(d_arr[t], expect[t]), t
+    assert all(same(a, pattern((3, 40), i)) for i, a in enumerate(p_arr))  # sources unchanged
+
+
 def test_transfer_cache_async_layer_by_layer(pair: Pair) -> None:
     layers, shape = 4, (6, 96)
     p_arr = [pattern(shape, i) for i in range(2 * layers)]

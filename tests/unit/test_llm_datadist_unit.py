@@ -6,6 +6,7 @@ Transfers and links are tested on rxe in ``tests/rdma/test_llm_datadist.py``.
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 from collections.abc import Callable
@@ -39,14 +40,21 @@ from hixl.compat.llm_datadist import (
 )
 from hixl.compat.llm_datadist._node import Node
 from hixl.compat.llm_datadist._plan import (
-    TensorName,
+    BlockMove,
+    CacheName,
     block_runs,
+    cache_name,
     check_blocks,
+    entry_pieces,
     index_remote,
-    parse_region_name,
-    region_name,
+    local_name,
+    parse_cache_name,
+    prefix_move,
     tensor_pairs,
 )
+from hixl.core.kvblocks import KVGeometry, TensorGeometry
+from hixl.core.plan import DeviceLimits, Op
+from hixl.engine.kv import build_request
 from hixl.errors import (
     AlignmentError,
     ArgumentError,
@@ -378,20 +386,19 @@ def test_create_cpu_cache() -> None:
 
 
 @given(
-    cache_id=st.integers(1, 2**63 - 1),
+    cache_id=st.integers(1, 2**40),
     n=st.integers(1, 240),
     model=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
     blocks=st.booleans(),
     unit=st.integers(1, 2**40),
-    units=st.integers(1, 2**31),
+    units=st.integers(1, 2**22),
 )
 @settings(max_examples=200, deadline=None)
-def test_region_names_round_trip(
+def test_cache_names_round_trip(
     cache_id: int, n: int, model: int | None, blocks: bool, unit: int, units: int
 ) -> None:
-    name = TensorName(
+    name = CacheName(
         cache_id=cache_id,
-        tensor=n - 1,
         num_tensors=n,
         model_id=model if blocks else None,
         is_blocks=blocks,
@@ -399,27 +406,33 @@ def test_region_names_round_trip(
         unit=unit,
         units=units,
     )
-    text = region_name(name)
-    assert len(text) <= 128 and text.isprintable()
-    assert parse_region_name(text) == name
+    text = cache_name(name)
+    # what register_kv takes as a cache name
+    assert len(text) <= 96 and text.isprintable() and "/" not in text
+    assert parse_cache_name(text) == name
 
 
-def test_foreign_region_names_are_ignored() -> None:
-    for text in ["", "kv", "lldd", "lldd c1 t0/2 X0 d0 u4 k1", "lldd cx t0/2 B0 d0 u4 k1"]:
-        assert parse_region_name(text) is None
+def test_foreign_and_local_names_are_ignored() -> None:
+    texts = ["", "kv", "lldd", "lldd c1 n2 X0 d0 u4 k1", "lldd cx n2 B0 d0 u4 k1", local_name(3)]
+    # a storage region of a cache ("<name>/<k>") is not a cache
+    texts.append(cache_name(CacheName(1, 2, 0, True, 0, 4, 1)) + "/0")
+    for text in texts:
+        assert parse_cache_name(text) is None
+    assert index_remote(texts).by_id == {}
 
 
-def test_index_remote_groups_tensors_and_skips_incomplete_caches() -> None:
-    def names(cache_id: int, n: int, model: int | None, blocks: bool) -> list[str]:
-        return [region_name(TensorName(cache_id, t, n, model, blocks, 0, 40, 3)) for t in range(n)]
-
-    regions = [(t, f"r{i}") for i, t in enumerate(names(1, 2, 0, True) + names(2, 1, None, False))]
-    regions += [(names(3, 2, 5, True)[0], "half"), ("other", "x")]
-    table = index_remote(regions)
-    assert sorted(table.by_id) == [1, 2]
-    assert table.by_model[0].tensors == ("r0", "r1")
+def test_index_remote_finds_caches_by_id_and_model() -> None:
+    names = [
+        cache_name(CacheName(1, 2, 7, True, 0, 40, 3)),
+        cache_name(CacheName(2, 1, None, False, 0, 40, 3)),
+        cache_name(CacheName(4, 2, 7, True, 0, 40, 3)),  # same key, registered later
+        "other",
+    ]
+    table = index_remote(names)
+    assert sorted(table.by_id) == [1, 2, 4]
+    assert table.by_model[7].cache_id == 4 and table.by_model[7].kv == names[2]
     assert table.by_id[2].is_blocks is False and table.by_id[2].model_id is None
-    assert 5 not in table.by_model
+    assert table.by_id[1].num_tensors == 2 and table.by_id[1].unit == 40
 
 
 def test_tensor_pairs_follow_layer_ranges() -> None:
@@ -462,6 +475,117 @@ def test_check_blocks_names_the_culprit() -> None:
     with pytest.raises(LLMException) as exc:
         check_blocks("dst_blocks", [0, 3], 3, "local cache")
     assert "dst_blocks[1]=3" in str(exc.value) and "[0, 3)" in str(exc.value)
+
+
+def compat_geometry(arrays: list[np.ndarray]) -> KVGeometry:
+    """The geometry register_kv derives from the cache's views: per tensor a uint8
+    ``(blocks, block bytes)`` array of its own region, bytes as the heads axis."""
+    return KVGeometry(
+        region_lengths=tuple(a.nbytes for a in arrays),
+        tensors=tuple(
+            TensorGeometry(
+                dtype="uint8",
+                itemsize=1,
+                shape=a.shape,
+                strides=a.strides,
+                region=k,
+                block_axis=0,
+                heads_axis=1,
+            )
+            for k, a in enumerate(arrays)
+        ),
+    )
+
+
+def execute(
+    op: Op,
+    local: list[np.ndarray],
+    remote: list[np.ndarray],
+    pairs: list[tuple[int, int]],
+    moves: list[BlockMove],
+) -> None:
+    """Build each move's chain as put_blocks/get_blocks does and carry out its work
+    requests with memmove (the RDMA tests do it on the wire)."""
+    lregs = [(int(a.ctypes.data), 1) for a in local]
+    rregs = [(int(a.ctypes.data), 2) for a in remote]
+    for m in moves:
+        chain, nbytes, _, _, _ = build_request(
+            op, compat_geometry(local), lregs, compat_geometry(remote), rregs,
+            m.local, m.remote, tensors=[lt for lt, _ in pairs],
+            remote_tensors=[rt for _, rt in pairs], heads=m.heads,
+            remote_heads=m.remote_heads, limits=DeviceLimits(),
+        )  # fmt: skip
+        moved = 0
+        sges = chain.sges
+        for wr in chain.wrs:
+            first = (int(wr["sg_list"]) - chain.sge_base) // sges.itemsize
+            remote_addr = int(wr["remote_addr"])
+            for sge in sges[first : first + int(wr["num_sge"])]:
+                addr, n = int(sge["addr"]), int(sge["length"])
+                src, dst = (addr, remote_addr) if op is Op.WRITE else (remote_addr, addr)
+                ctypes.memmove(dst, src, n)
+                remote_addr += n
+                moved += n
+        assert moved == nbytes
+
+
+def caches(n: int, units: int, unit: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (units, unit), dtype=np.uint8) for _ in range(n)]
+
+
+def test_pull_blocks_from_a_batch_entry_moves_each_piece_into_its_block() -> None:
+    # the peer's plain cache: 4 tensors (2 layers), 3 entries of 60 bytes; ours: blocks of 24
+    remote, local = caches(4, 3, 60, 1), caches(4, 5, 24, 2)
+    before = [a.copy() for a in local]
+    pairs = tensor_pairs(4, 4, range(1, 2), range(0, 1), 2)  # its layer 1 into our layer 0
+    dst = np.array([4, 0, 2], np.int64)
+    moves = entry_pieces(1, 60, 24, dst, entry_is_local=False)
+    execute(Op.READ, local, remote, [(d, s) for s, d in pairs], moves)
+    for s, d in pairs:
+        expect = before[d].copy()
+        entry = remote[s][1]
+        expect[4], expect[0] = entry[:24], entry[24:48]
+        expect[2, :12] = entry[48:]  # the last piece is 12 bytes; the rest of block 2 stays
+        assert np.array_equal(local[d], expect)
+    for t in (2, 3):
+        assert np.array_equal(local[t], before[t])
+
+
+def test_push_blocks_runs_and_an_entry_prefix() -> None:
+    local, remote = caches(2, 6, 16, 3), caches(2, 6, 16, 4)
+    before = [a.copy() for a in remote]
+    src, dst = np.array([0, 1, 2, 5], np.int64), np.array([3, 4, 5, 0], np.int64)
+    execute(Op.WRITE, local, remote, [(0, 0), (1, 1)], [BlockMove(src, dst)])
+    for t in range(2):
+        expect = before[t].copy()
+        expect[dst] = local[t][src]
+        assert np.array_equal(remote[t], expect)
+    # the first 5 bytes of entry 2 into entry 1, tensor 1 into tensor 0
+    before = [a.copy() for a in remote]
+    execute(Op.WRITE, local, remote, [(1, 0)], [prefix_move(2, 1, 5)])
+    expect = before[0].copy()
+    expect[1, :5] = local[1][2, :5]
+    assert np.array_equal(remote[0], expect) and np.array_equal(remote[1], before[1])
+
+
+def test_an_entry_cut_into_the_peers_blocks() -> None:
+    # transfer_cache_async, an entry to blocks: 40 bytes into blocks of 16 (16, 16, 8)
+    local, remote = caches(2, 2, 40, 5), caches(2, 4, 16, 6)
+    before = [a.copy() for a in remote]
+    moves = entry_pieces(1, 40, 16, np.array([3, 1, 0], np.int64), entry_is_local=True)
+    assert [(m.heads, m.remote_heads) for m in moves] == [
+        ((0, 16), (0, 16)),
+        ((16, 32), (0, 16)),
+        ((32, 40), (0, 8)),
+    ]
+    execute(Op.WRITE, local, remote, [(0, 0), (1, 1)], moves)
+    for t in range(2):
+        expect = before[t].copy()
+        expect[3], expect[1], expect[0, :8] = local[t][1, :16], local[t][1, 16:32], local[t][1, 32:]
+        assert np.array_equal(remote[t], expect)
+    with pytest.raises(LLMException):  # more blocks than pieces
+        entry_pieces(1, 40, 16, np.array([0, 1, 2, 3], np.int64), entry_is_local=True)
 
 
 # -- out of scope ---------------------------------------------------------------------------

@@ -7,6 +7,8 @@ through the numpy views that wrote it, and compares with the plan's arrays.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import numpy as np
@@ -371,11 +373,60 @@ def test_kept_memory_is_reused_and_what_is_kept_beyond_the_reserve_is_bounded() 
     b = mem.allocator("char[]", 70_000)  # same class: the same block again
     assert address(b) == where
     big = [mem.allocator("char[]", 512 << 10) for _ in range(3)]  # 1 MiB reserve runs out
-    assert len(mem._heap) == 2  # two blocks came from the C heap
+    assert mem.heap_blocks == 2  # two blocks came from the C heap
     del big
-    assert not mem._heap and mem._kept == 0  # past `retain`, heap blocks go back to the heap
+    assert mem.heap_blocks == 0 and mem.heap_kept == 0  # past `retain`, back to the heap
     with pytest.raises(ArgumentError):
         ChainMemory(reserve=-1)
+
+
+def test_closed_memory_gives_its_reserve_back_when_its_last_chain_goes() -> None:
+    mem = ChainMemory(reserve=1 << 20, retain=4 << 20)
+    plan = plan_transfer(
+        ContiguousDesc(offset=0, nbytes=64, alignment=None),
+        ContiguousDesc(offset=0, nbytes=64, alignment=None),
+        Op.WRITE,
+        DeviceLimits(),
+    )
+    kw: dict[str, Any] = {"opcode": 0, "local_addr": LADDR, "lkey": 1, "remote_addr": RADDR}
+    held = SendChain.for_plan(plan, rkey=2, memory=mem, **kw)
+    freed = SendChain.for_plan(plan, rkey=2, memory=mem, **kw)
+    extra = mem.allocator("char[]", 2 << 20)  # past the reserve: from the heap
+    del freed, extra  # both kept for reuse
+    assert mem.heap_kept == 2 << 20
+    mem.close()
+    assert mem.heap_kept == 0  # free blocks go at once
+    assert mem.reserve_held  # `held` still writes into it
+    assert walk(held)[0]["rkey"] == 2
+    del held
+    assert not mem.reserve_held
+    after = SendChain.for_plan(plan, rkey=3, memory=mem, **kw)  # from the heap now
+    assert mem.heap_blocks == 2 and walk(after)[0]["rkey"] == 3
+    del after
+    assert mem.heap_blocks == 0 and mem.heap_kept == 0
+
+
+def test_chain_memory_is_freed_by_reference_counting_alone() -> None:
+    """The reserve (2 MiB in an engine) must not wait for the cyclic collector, which runs
+    by object counts and not bytes: an engine made and closed in a loop grew by it."""
+    plan = plan_transfer(
+        ContiguousDesc(offset=0, nbytes=64, alignment=None),
+        ContiguousDesc(offset=0, nbytes=64, alignment=None),
+        Op.WRITE,
+        DeviceLimits(),
+    )
+    kw: dict[str, Any] = {"opcode": 0, "local_addr": LADDR, "lkey": 1, "remote_addr": RADDR}
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        mem = ChainMemory(reserve=1 << 20)
+        gone = weakref.ref(mem)
+        chain = SendChain.for_plan(plan, rkey=2, memory=mem, **kw)
+        del chain, mem
+        assert gone() is None, "the chain memory is kept alive by a reference cycle"
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def test_numpy_views_alias_the_c_memory() -> None:

@@ -1,10 +1,15 @@
 """``CacheManager``: registering caches, moving blocks and batches, local copies.
 
-Every push and pull becomes one batch of the client engine: one request per tensor
-pair, each a list of byte ranges (merged block runs) on both sides.  Every range is
-checked against both caches before anything is posted; a call either moves everything
-it names or raises.  Transfers wait at most ``sync_kv_timeout``; after a timeout the
-link is broken (posted RDMA cannot be recalled) and must be made again.
+Every push and pull is a ``put_blocks``/``get_blocks`` of the engine between the two
+caches' KV registrations (see ``_plan``): blocks to blocks and a batch entry to a batch
+entry are one request for all tensor pairs; a batch entry cut into the other side's
+blocks is one request per piece, all posted before the first is waited for.  Only
+``transfer_cache_async`` with ``TransferConfig`` (the peer's raw tensor addresses, no
+cache named) is a batch of byte ranges over the regions those addresses fall in.  Every
+block id and range is checked against both caches before anything is posted; a call
+either moves everything it names or raises.  Transfers wait at most
+``sync_kv_timeout``; after a timeout the link is broken (posted RDMA cannot be
+recalled) and must be made again.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +26,12 @@ import numpy.typing as npt
 
 from hixl.compat.llm_datadist._node import CacheEntry, Node, Route
 from hixl.compat.llm_datadist._plan import (
+    BlockMove,
     RemoteCache,
     block_runs,
     check_blocks,
+    entry_pieces,
+    prefix_move,
     tensor_pairs,
 )
 from hixl.compat.llm_datadist._status import (
@@ -48,11 +56,13 @@ from hixl.compat.llm_datadist._types import (
     Placement,
     TransferConfig,
     TransferWithCacheKeyConfig,
+    check_addrs,
     check_layer_range,
 )
 from hixl.core.descriptors import BlockListDesc
 from hixl.core.wire import RemoteRegion
 from hixl.engine import Region, TransferHandle, TransferRequest
+from hixl.engine.kv import KVCache
 from hixl.errors import HixlError
 
 __all__ = ["CacheManager", "CacheTask"]
@@ -61,6 +71,89 @@ log = logging.getLogger("hixl.compat.llm_datadist")
 
 TENSORS_PER_LAYER = 2  # CANN's default tensor_num_per_layer: K and V
 I64Array = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class _Moves:
+    """One call's block moves between a local and a remote KV cache, for every tensor
+    pair (``local_tensors[i]`` with ``remote_tensors[i]``)."""
+
+    write: bool
+    kv: KVCache
+    remote: str  # the peer's KV cache name
+    local_tensors: tuple[int, ...]
+    remote_tensors: tuple[int, ...]
+    moves: tuple[BlockMove, ...]
+
+    @classmethod
+    def of(
+        cls,
+        write: bool,
+        entry: CacheEntry,
+        route: Route,
+        remote: RemoteCache,
+        pairs: Sequence[tuple[int, int]],
+        moves: Sequence[BlockMove],
+    ) -> _Moves:
+        """``pairs`` are ``(src tensor, dst tensor)``; the local side is src for a write."""
+        src = tuple(s for s, _ in pairs)
+        dst = tuple(d for _, d in pairs)
+        local, theirs = (src, dst) if write else (dst, src)
+        return cls(write, entry.local(route.side), remote.kv, local, theirs, tuple(moves))
+
+    def _start(self, route: Route, m: BlockMove, timeout: float, *, wait: bool) -> Any:
+        engine = route.engine
+        call: Callable[..., Any]
+        if wait:
+            call = engine.put_blocks if self.write else engine.get_blocks
+        else:
+            call = engine.put_blocks_async if self.write else engine.get_blocks_async
+        return call(
+            route.peer,
+            self.kv,
+            self.remote,
+            m.local,
+            m.remote,
+            tensors=self.local_tensors,
+            remote_tensors=self.remote_tensors,
+            heads=m.heads,
+            remote_heads=m.remote_heads,
+            timeout=timeout,
+        )
+
+    def post(self, route: Route, timeout: float) -> list[TransferHandle]:
+        """Start every move; on an error before posting, wait for those started, raise."""
+        handles: list[TransferHandle] = []
+        try:
+            for m in self.moves:
+                handles.append(self._start(route, m, timeout, wait=False))
+        except BaseException:
+            _settle(handles)
+            raise
+        return handles
+
+    def run(self, route: Route, timeout: float) -> None:
+        """Move everything and wait; raises the first failure once all are done."""
+        if len(self.moves) == 1:  # posted and waited for on this thread
+            self._start(route, self.moves[0], timeout, wait=True)
+            return
+        error = _settle(self.post(route, timeout))
+        if error is not None:
+            raise error
+
+
+def _settle(handles: Sequence[TransferHandle]) -> HixlError | None:
+    """Wait for every handle; the first failure (the others are logged)."""
+    first: HixlError | None = None
+    for h in handles:
+        try:
+            h.wait()
+        except HixlError as exc:
+            if first is None:
+                first = exc
+            else:
+                log.debug("another transfer of the same call failed: %s", exc)
+    return first
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,19 +173,33 @@ def _blocks_list(name: str, value: object) -> list[int]:
     return list(value)
 
 
-def _run_ranges(src: I64Array, dst: I64Array, unit: int, *, local_is_src: bool) -> _Ranges:
+def _layer_args(call: str, kwargs: dict[str, Any]) -> tuple[range | None, range | None, int]:
+    """``src_layer_range``, ``dst_layer_range`` and ``tensor_num_per_layer`` from a
+    pull's keyword arguments, checked; anything else is refused."""
+    src = kwargs.pop("src_layer_range", None)
+    dst = kwargs.pop("dst_layer_range", None)
+    per_layer = kwargs.pop("tensor_num_per_layer", TENSORS_PER_LAYER)
+    require(not kwargs, f"{call}: unsupported arguments {sorted(kwargs)}")
+    _check_layers(src, dst, per_layer)
+    return src, dst, per_layer
+
+
+def _check_layers(src: object, dst: object, per_layer: object) -> None:
+    check_layer_range("src_layer_range", src)
+    check_layer_range("dst_layer_range", dst)
+    check_int("tensor_num_per_layer", per_layer, 0, U32)
+
+
+def _run_ranges(src: I64Array, dst: I64Array, unit: int, remote_unit: int) -> _Ranges:
+    """Blocks ``src[i]`` (local, ``unit`` bytes) to blocks ``dst[i]`` (remote, blocks of
+    ``remote_unit`` bytes), runs merged."""
     s, d, n = block_runs(src, dst)
-    src_off, dst_off, lengths = s * unit, d * unit, n * unit
-    if local_is_src:
-        return _Ranges(local=src_off, remote=dst_off, lengths=lengths)
-    return _Ranges(local=dst_off, remote=src_off, lengths=lengths)
+    return _Ranges(local=s * unit, remote=d * remote_unit, lengths=n * unit)
 
 
-def _split_ranges(
-    start: int, total: int, block: int, dst_blocks: I64Array, *, local_is_src: bool
-) -> _Ranges:
-    """A contiguous ``total`` bytes at ``start`` cut into ``block``-byte pieces, piece ``j``
-    to block ``dst_blocks[j]`` of the other side (the last piece may be shorter)."""
+def _split_ranges(start: int, total: int, block: int, dst_blocks: I64Array) -> _Ranges:
+    """A contiguous local ``total`` bytes at ``start`` cut into ``block``-byte pieces,
+    piece ``j`` to remote block ``dst_blocks[j]`` (the last piece may be shorter)."""
     pieces = -(-total // block)
     require(
         dst_blocks.size <= pieces,
@@ -100,39 +207,76 @@ def _split_ranges(
         f"{dst_blocks.size} blocks listed",
     )
     j = np.arange(dst_blocks.size, dtype=np.int64)
-    src_off = start + j * block
-    lengths = np.minimum(block, total - j * block).astype(np.int64)
-    dst_off = dst_blocks * block
-    if local_is_src:
-        return _Ranges(local=src_off, remote=dst_off, lengths=lengths)
-    return _Ranges(local=dst_off, remote=src_off, lengths=lengths)
+    return _Ranges(
+        local=start + j * block,
+        remote=dst_blocks * block,
+        lengths=np.minimum(block, total - j * block).astype(np.int64),
+    )
 
 
 def _requests(
-    op: str,
-    local: Sequence[Region],
-    remote: Sequence[RemoteRegion],
-    pairs: Sequence[tuple[int, int]],
+    local: Sequence[tuple[Region, int]],
+    remote: Sequence[tuple[RemoteRegion, int]],
     ranges: _Ranges,
 ) -> list[TransferRequest]:
-    """One request per ``(local tensor, remote tensor)`` pair, over the same ranges."""
+    """RDMA WRITE requests, one per ``(local tensor, remote tensor)`` pair, each a
+    ``(region, offset of the tensor in it)``, over the same ranges."""
     if ranges.lengths.size == 0:
         return []
-    local_desc = BlockListDesc(offsets=ranges.local, lengths=ranges.lengths, alignment=None)
-    remote_desc = BlockListDesc(offsets=ranges.remote, lengths=ranges.lengths, alignment=None)
     return [
         TransferRequest(
-            op=op,
-            local=local[lt],
-            remote=remote[rt],
-            local_desc=local_desc,
-            remote_desc=remote_desc,
+            op="write",
+            local=lr,
+            remote=rr,
+            local_desc=BlockListDesc(
+                offsets=ranges.local + lbase, lengths=ranges.lengths, alignment=None
+            ),
+            remote_desc=BlockListDesc(
+                offsets=ranges.remote + rbase, lengths=ranges.lengths, alignment=None
+            ),
         )
-        for lt, rt in pairs
+        for (lr, lbase), (rr, rbase) in zip(local, remote, strict=True)
     ]
 
 
-def _same_unit(call: str, local: CacheDesc, remote: RemoteCache[Any]) -> None:
+def _entry_move(
+    call: str,
+    desc: CacheDesc,
+    local_index: int,
+    remote: RemoteCache,
+    remote_index: int,
+    size: int,
+) -> BlockMove:
+    """Batch entry ``local_index`` <-> entry ``remote_index``: ``size`` bytes of each
+    (-1: whole entries, which must then be of one size)."""
+    require(
+        local_index < desc.shape[0],
+        f"{call}: local batch index {local_index} is out of range [0, {desc.shape[0]})",
+    )
+    require(
+        remote_index < remote.units,
+        f"{call}: remote batch index {remote_index} is out of range [0, {remote.units}) of "
+        f"remote cache {remote.cache_id}",
+    )
+    if size == -1:
+        _same_unit(call, desc, remote)
+        size = desc.unit_size
+    require(
+        size <= desc.unit_size and size <= remote.unit,
+        f"{call}: size {size} is larger than a batch entry ({desc.unit_size} bytes here, "
+        f"{remote.unit} in remote cache {remote.cache_id})",
+    )
+    return prefix_move(local_index, remote_index, size)
+
+
+def _same_length(src: list[int], dst: list[int]) -> None:
+    require(
+        len(src) == len(dst),
+        f"src_blocks ({len(src)}) and dst_blocks ({len(dst)}) differ in length",
+    )
+
+
+def _same_unit(call: str, local: CacheDesc, remote: RemoteCache) -> None:
     require(
         local.unit_size == remote.unit,
         f"{call}: the caches do not match: a block of the local cache is {local.unit_size} "
@@ -167,9 +311,7 @@ class CacheManager:
         and False for ``Placement.HOST``, as in CANN.
         """
         check_type("cache_desc", cache_desc, CacheDesc)
-        check_type("addrs", addrs, list)
-        for addr in addrs:
-            check_int("addrs element", addr, 0, U64)
+        check_addrs(addrs)
         check_type("cache_keys", cache_keys, list, tuple)
         for key in cache_keys:
             check_type("cache_keys element", key, CacheKey)
@@ -193,9 +335,7 @@ class CacheManager:
         or by its cache id.
         """
         check_type("cache_desc", cache_desc, CacheDesc)
-        check_type("addrs", addrs, list)
-        for addr in addrs:
-            check_int("addrs element", addr, 0, U64)
+        check_addrs(addrs)
         check_type("blocks_cache_key", blocks_cache_key, BlocksCacheKey, allow_none=True)
         check_type("remote_accessible", remote_accessible, bool, allow_none=True)
         model_id = None if blocks_cache_key is None else blocks_cache_key.model_id
@@ -214,7 +354,7 @@ class CacheManager:
     # -- lookups -------------------------------------------------------------------------
     def _remote(
         self, call: str, key: BlocksCacheKey | CacheKeyByIdAndIndex
-    ) -> tuple[Route, RemoteCache[RemoteRegion]]:
+    ) -> tuple[Route, RemoteCache]:
         route = self._node.route(key.cluster_id)
         table = self._node.remote(route)
         if isinstance(key, BlocksCacheKey):
@@ -228,8 +368,8 @@ class CacheManager:
         if found is None:
             refuse(
                 LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                f"{call}: cluster {key.cluster_id} exposes no {where} (it exposes {known}; a "
-                "cache must be registered remote-accessible before the link is made)",
+                f"{call}: cluster {key.cluster_id} exposes no {where} (it exposes {known}; "
+                "only a cache registered remote-accessible is exposed)",
             )
         return route, found
 
@@ -247,12 +387,29 @@ class CacheManager:
             )
         return entry
 
-    def _run(self, call: str, route: Route, requests: list[TransferRequest]) -> None:
-        if not requests:
-            return
-        timeout = self._node.opts.sync_kv_timeout_ms / 1000
+    @property
+    def _timeout(self) -> float:
+        return self._node.opts.sync_kv_timeout_ms / 1000
+
+    def _move(
+        self,
+        call: str,
+        write: bool,
+        entry: CacheEntry,
+        key: tuple[Route, RemoteCache],
+        layers: tuple[range | None, range | None, int],
+        moves: Sequence[BlockMove],
+    ) -> None:
+        """Carry out ``moves`` for the tensor pairs of ``layers`` (src range, dst range,
+        tensors per layer) between ``entry`` and the peer's cache; the local cache is the
+        source of a write.  Engine errors become :class:`LLMException`."""
+        route, remote = key
+        here, there = entry.cache.cache_desc.num_tensors, remote.num_tensors
+        src, dst = (here, there) if write else (there, here)
+        pairs = tensor_pairs(src, dst, *layers)
+        log.debug("[%s] %d moves with %s", call, len(moves), route.peer)
         try:
-            route.engine.transfer(route.peer, requests, timeout=timeout)
+            _Moves.of(write, entry, route, remote, pairs, moves).run(route, self._timeout)
         except HixlError as exc:
             refuse(code_of(exc), f"{call} failed: {exc}")
 
@@ -270,19 +427,12 @@ class CacheManager:
         Keyword arguments: ``src_layer_range``, ``dst_layer_range`` (ranges of layers,
         step 1) and ``tensor_num_per_layer`` (default 2).  With a
         ``CacheKeyByIdAndIndex`` (a plain remote cache) ``src_blocks`` must be empty:
-        the batch entry is cut into blocks of ``dst_cache`` in order.  Blocks as of
-        their ids; adjacent runs on both sides move as one range.
+        the batch entry is cut into blocks of ``dst_cache`` in order.
         """
-        src_layer_range = kwargs.pop("src_layer_range", None)
-        dst_layer_range = kwargs.pop("dst_layer_range", None)
-        per_layer = kwargs.pop("tensor_num_per_layer", TENSORS_PER_LAYER)
-        require(not kwargs, f"pull_blocks: unsupported arguments {sorted(kwargs)}")
+        layers = _layer_args("pull_blocks", kwargs)
         check_type("src_cache_key", src_cache_key, CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)
         src = _blocks_list("src_blocks", src_blocks)
         dst = _blocks_list("dst_blocks", dst_blocks)
-        check_layer_range("src_layer_range", src_layer_range)
-        check_layer_range("dst_layer_range", dst_layer_range)
-        check_int("tensor_num_per_layer", per_layer, 0, U32)
         entry = self._local("pull_blocks", dst_cache, blocks=True)
         require(len(dst) > 0, "dst_blocks can not be empty.")
         if isinstance(src_cache_key, CacheKey):
@@ -292,18 +442,17 @@ class CacheManager:
                 "BlocksCacheKey or CacheKeyByIdAndIndex (no request-key table is exchanged)",
             )
         desc = dst_cache.cache_desc
-        route, remote = self._remote("pull_blocks", src_cache_key)
-        pairs = tensor_pairs(
-            remote.num_tensors, desc.num_tensors, src_layer_range, dst_layer_range, per_layer
-        )
+        key = self._remote("pull_blocks", src_cache_key)
+        remote = key[1]
         dst_arr = check_blocks("dst_blocks", dst, desc.shape[0], "local cache")
         if isinstance(src_cache_key, BlocksCacheKey):
             require(len(src) > 0, "src_blocks can not be empty.")
+            _same_length(src, dst)
             _same_unit("pull_blocks", desc, remote)
             src_arr = check_blocks(
                 "src_blocks", src, remote.units, f"remote cache {remote.cache_id}"
             )
-            ranges = _run_ranges(src_arr, dst_arr, desc.unit_size, local_is_src=False)
+            moves = [BlockMove(dst_arr, src_arr)]
         else:
             require(
                 len(src) == 0,
@@ -315,14 +464,8 @@ class CacheManager:
                 f"batch_index {batch} is out of range [0, {remote.units}) of remote cache "
                 f"{remote.cache_id}",
             )
-            ranges = _split_ranges(
-                batch * remote.unit, remote.unit, desc.unit_size, dst_arr, local_is_src=False
-            )
-        reqs = _requests(
-            "read", entry.regions[route.side], remote.tensors, [(d, s) for s, d in pairs], ranges
-        )
-        log.debug("[pull_blocks] %d requests from %s", len(reqs), route.peer)
-        self._run("pull_blocks", route, reqs)
+            moves = entry_pieces(batch, remote.unit, desc.unit_size, dst_arr, entry_is_local=False)
+        self._move("pull_blocks", False, entry, key, layers, moves)
 
     def push_blocks(
         self,
@@ -339,33 +482,28 @@ class CacheManager:
         Needs ``enable_remote_cache_accessible`` (on with ``local_comm_res`` or the hixl
         backend), as in CANN.  Layer ranges as for :meth:`pull_blocks`.
         """
-        require(
-            self._node.opts.remote_cache_accessible,
-            "push_blocks is only supported while enable_remote_cache_accessible is True",
-        )
+        self._require_push("push_blocks")
         check_type("dst_cache_key", dst_cache_key, BlocksCacheKey)
         src = _blocks_list("src_blocks", src_blocks)
         dst = _blocks_list("dst_blocks", dst_blocks)
-        check_layer_range("src_layer_range", src_layer_range)
-        check_layer_range("dst_layer_range", dst_layer_range)
-        check_int("tensor_num_per_layer", tensor_num_per_layer, 0, U32)
+        _check_layers(src_layer_range, dst_layer_range, tensor_num_per_layer)
         entry = self._local("push_blocks", src_cache, blocks=True)
         require(len(dst) > 0, "dst_blocks can not be empty.")
+        _same_length(src, dst)
         desc = src_cache.cache_desc
-        route, remote = self._remote("push_blocks", dst_cache_key)
-        pairs = tensor_pairs(
-            desc.num_tensors,
-            remote.num_tensors,
-            src_layer_range,
-            dst_layer_range,
-            tensor_num_per_layer,
-        )
+        key = self._remote("push_blocks", dst_cache_key)
+        remote = key[1]
         _same_unit("push_blocks", desc, remote)
         src_arr = check_blocks("src_blocks", src, desc.shape[0], "local cache")
         dst_arr = check_blocks("dst_blocks", dst, remote.units, f"remote cache {remote.cache_id}")
-        ranges = _run_ranges(src_arr, dst_arr, desc.unit_size, local_is_src=True)
-        reqs = _requests("write", entry.regions[route.side], remote.tensors, pairs, ranges)
-        self._run("push_blocks", route, reqs)
+        layers = (src_layer_range, dst_layer_range, tensor_num_per_layer)
+        self._move("push_blocks", True, entry, key, layers, [BlockMove(src_arr, dst_arr)])
+
+    def _require_push(self, call: str) -> None:
+        require(
+            self._node.opts.remote_cache_accessible,
+            f"{call} is only supported while enable_remote_cache_accessible is True",
+        )
 
     # -- plain caches --------------------------------------------------------------------
     def pull_cache(
@@ -382,19 +520,13 @@ class CacheManager:
         Keyword arguments as for :meth:`pull_blocks`.  ``CacheKey`` (by request id) gives
         ``LLM_FEATURE_NOT_ENABLED``: no request-key table is exchanged here.
         """
-        src_layer_range = kwargs.pop("src_layer_range", None)
-        dst_layer_range = kwargs.pop("dst_layer_range", None)
-        per_layer = kwargs.pop("tensor_num_per_layer", TENSORS_PER_LAYER)
-        require(not kwargs, f"pull_cache: unsupported arguments {sorted(kwargs)}")
+        layers = _layer_args("pull_cache", kwargs)
         if self._node.opts.remote_cache_accessible:
             check_type("cache_key", cache_key, CacheKeyByIdAndIndex)
         else:
             check_type("cache_key", cache_key, CacheKey, CacheKeyByIdAndIndex)
         check_int("batch_index", batch_index, 0, U32)
         check_int("size", size, -(2**63), 2**63 - 1)
-        check_layer_range("src_layer_range", src_layer_range)
-        check_layer_range("dst_layer_range", dst_layer_range)
-        check_int("tensor_num_per_layer", per_layer, 0, U32)
         entry = self._local("pull_cache", cache, blocks=False)
         require(
             size == -1 or size > 0, f"[pull_cache] size ({size}) is invalid, should be -1 or > 0"
@@ -405,19 +537,11 @@ class CacheManager:
                 "pull_cache by CacheKey (req_id) is not supported here: use "
                 "CacheKeyByIdAndIndex (no request-key table is exchanged)",
             )
-        desc = cache.cache_desc
-        route, remote = self._remote("pull_cache", cache_key)
-        pairs = tensor_pairs(
-            remote.num_tensors, desc.num_tensors, src_layer_range, dst_layer_range, per_layer
+        key = self._remote("pull_cache", cache_key)
+        move = _entry_move(
+            "pull_cache", cache.cache_desc, batch_index, key[1], cache_key.batch_index, size
         )
-        nbytes = self._entry_bytes("pull_cache", desc, remote, size)
-        ranges = self._entry_ranges(
-            "pull_cache", desc, batch_index, remote, cache_key.batch_index, nbytes
-        )
-        reqs = _requests(
-            "read", entry.regions[route.side], remote.tensors, [(d, s) for s, d in pairs], ranges
-        )
-        self._run("pull_cache", route, reqs)
+        self._move("pull_cache", False, entry, key, layers, [move])
 
     def push_cache(
         self,
@@ -431,70 +555,24 @@ class CacheManager:
     ) -> None:
         """Write batch entry ``src_batch_index`` of ``src_cache`` into entry
         ``dst_cache_key.batch_index`` of the peer's cache ``dst_cache_key.cache_id``."""
-        require(
-            self._node.opts.remote_cache_accessible,
-            "push_cache is only supported while enable_remote_cache_accessible is True",
-        )
+        self._require_push("push_cache")
         check_type("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
         check_int("src_batch_index", src_batch_index, 0, U32)
-        check_layer_range("src_layer_range", src_layer_range)
-        check_layer_range("dst_layer_range", dst_layer_range)
         check_int("size", size, -(2**63), 2**63 - 1)
-        check_int("tensor_num_per_layer", tensor_num_per_layer, 0, U32)
+        _check_layers(src_layer_range, dst_layer_range, tensor_num_per_layer)
         entry = self._local("push_cache", src_cache, blocks=False)
         require(size == -1, f"[push_cache] size ({size}) is invalid, should be = -1.")
-        desc = src_cache.cache_desc
-        route, remote = self._remote("push_cache", dst_cache_key)
-        pairs = tensor_pairs(
-            desc.num_tensors,
-            remote.num_tensors,
-            src_layer_range,
-            dst_layer_range,
-            tensor_num_per_layer,
+        key = self._remote("push_cache", dst_cache_key)
+        move = _entry_move(
+            "push_cache",
+            src_cache.cache_desc,
+            src_batch_index,
+            key[1],
+            dst_cache_key.batch_index,
+            size,
         )
-        nbytes = self._entry_bytes("push_cache", desc, remote, size)
-        ranges = self._entry_ranges(
-            "push_cache", desc, src_batch_index, remote, dst_cache_key.batch_index, nbytes
-        )
-        reqs = _requests("write", entry.regions[route.side], remote.tensors, pairs, ranges)
-        self._run("push_cache", route, reqs)
-
-    @staticmethod
-    def _entry_bytes(call: str, desc: CacheDesc, remote: RemoteCache[Any], size: int) -> int:
-        if size == -1:
-            _same_unit(call, desc, remote)
-            return desc.unit_size
-        require(
-            size <= desc.unit_size and size <= remote.unit,
-            f"{call}: size {size} is larger than a batch entry ({desc.unit_size} bytes here, "
-            f"{remote.unit} in remote cache {remote.cache_id})",
-        )
-        return size
-
-    @staticmethod
-    def _entry_ranges(
-        call: str,
-        desc: CacheDesc,
-        local_index: int,
-        remote: RemoteCache[Any],
-        remote_index: int,
-        nbytes: int,
-    ) -> _Ranges:
-        require(
-            local_index < desc.shape[0],
-            f"{call}: local batch index {local_index} is out of range [0, {desc.shape[0]})",
-        )
-        require(
-            remote_index < remote.units,
-            f"{call}: remote batch index {remote_index} is out of range [0, {remote.units}) of "
-            f"remote cache {remote.cache_id}",
-        )
-        one = np.ones(1, np.int64)
-        return _Ranges(
-            local=one * local_index * desc.unit_size,
-            remote=one * remote_index * remote.unit,
-            lengths=one * nbytes,
-        )
+        layers = (src_layer_range, dst_layer_range, tensor_num_per_layer)
+        self._move("push_cache", True, entry, key, layers, [move])
 
     # -- layer by layer ------------------------------------------------------------------
     def transfer_cache_async(
@@ -568,31 +646,32 @@ class CacheManager:
             desc.num_tensors % 2 == 0, f"cache_desc.num_tensors ({desc.num_tensors}) is not even"
         )
         layers = desc.num_tensors // 2
+        shape = _Shape(src_idx or None, dst_idx or None, dst_block_memory_size or None)
         plans = [
-            self._plan_config(entry, config, layers, src_idx, dst_idx, dst_block_memory_size)
+            self._plan_keyed(entry, config, layers, shape)
+            if isinstance(config, TransferWithCacheKeyConfig)
+            else self._plan_addrs(entry, config, layers, shape)
             for config in transfer_configs
         ]
         task = CacheTask(self._node, layer_synchronizer, layers, plans)
         task.start()
         return task
 
-    def _plan_config(
-        self,
-        entry: CacheEntry,
+    @staticmethod
+    def _config_layers(
+        desc: CacheDesc,
         config: TransferConfig | TransferWithCacheKeyConfig,
         layers: int,
-        src_idx: list[int] | None,
-        dst_idx: list[int] | None,
-        block_size: int | None,
-    ) -> _ConfigPlan:
-        desc = entry.cache.cache_desc
+        shape: _Shape,
+    ) -> range:
+        """The config's source layers, with its batch index checked."""
         src_range = config.src_layer_range or range(layers)
         require(
             0 <= src_range.start < src_range.stop <= layers,
             f"src_layer_range: {src_range} out of range, src_layer_num = {layers}",
         )
         batch = config.src_batch_index
-        if src_idx:
+        if shape.src is not None:
             require(
                 batch == 0,
                 f"Invalid TransferConfig, src_batch_index ({batch}) != 0 while src is blocks",
@@ -601,96 +680,110 @@ class CacheManager:
             batch < desc.shape[0],
             f"src_batch_index {batch} is out of range [0, {desc.shape[0]})",
         )
+        return src_range
+
+    def _plan_keyed(
+        self, entry: CacheEntry, config: TransferWithCacheKeyConfig, layers: int, shape: _Shape
+    ) -> _ConfigPlan:
+        """A config naming the peer's cache: per layer, block moves into its layer."""
+        desc = entry.cache.cache_desc
+        src_range = self._config_layers(desc, config, layers, shape)
         route = self._node.route(config.dst_cluster_id)
-        src_off = batch * desc.unit_size
-        if isinstance(config, TransferWithCacheKeyConfig):
-            key_route, remote = self._remote("transfer_cache_async", config.cache_key)
-            require(
-                key_route.side == route.side,
-                "transfer_cache_async: the config's cache key and dst_cluster_id disagree",
-            )
-            dst_range = config.dst_layer_range or src_range
-            require(
-                remote.num_tensors % 2 == 0 and dst_range.stop <= remote.num_tensors // 2,
-                f"dst_layer_range {dst_range} is out of range of remote cache {remote.cache_id} "
-                f"({remote.num_tensors} tensors)",
-            )
-            dst_batch = (
-                config.cache_key.batch_index
-                if isinstance(config.cache_key, CacheKeyByIdAndIndex)
-                else 0
-            )
-            require(
-                dst_batch < remote.units,
-                f"batch index {dst_batch} is out of range [0, {remote.units}) of remote cache",
-            )
-            layer_map = dict(zip(src_range, dst_range, strict=True))
-            tensors = {
-                src_layer: [remote.tensors[2 * dst_layer], remote.tensors[2 * dst_layer + 1]]
-                for src_layer, dst_layer in layer_map.items()
-            }
-            remote_unit = remote.unit
-            dst_start = dst_batch * remote.unit
-            if not (dst_idx and not src_idx):
-                _same_unit("transfer_cache_async", desc, remote)
-            if dst_idx:
-                check_blocks("dst_block_indices", dst_idx, remote.units, "remote cache")
-                require(
-                    block_size in (None, 0) or block_size == remote.unit,
-                    f"dst_block_memory_size[{block_size}] is not equal to stride[{remote.unit}] "
-                    "of remote cache.",
-                )
-            bases = {layer: [0, 0] for layer in tensors}
+        key_route, remote = self._remote("transfer_cache_async", config.cache_key)
+        require(
+            key_route.side == route.side,
+            "transfer_cache_async: the config's cache key and dst_cluster_id disagree",
+        )
+        dst_range = config.dst_layer_range or src_range
+        require(
+            remote.num_tensors % 2 == 0 and dst_range.stop <= remote.num_tensors // 2,
+            f"dst_layer_range {dst_range} is out of range of remote cache {remote.cache_id} "
+            f"({remote.num_tensors} tensors)",
+        )
+        dst_batch = (
+            config.cache_key.batch_index
+            if isinstance(config.cache_key, CacheKeyByIdAndIndex)
+            else 0
+        )
+        require(
+            dst_batch < remote.units,
+            f"batch index {dst_batch} is out of range [0, {remote.units}) of remote cache",
+        )
+        batch = config.src_batch_index
+        if shape.dst is None:  # an entry to an entry
+            _same_unit("transfer_cache_async", desc, remote)
+            moves = [prefix_move(batch, dst_batch, desc.unit_size)]
         else:
-            require(
-                len(config.dst_addrs) == 2 * len(src_range),
-                f"expect {2 * len(src_range)} dst_addrs, but len(dst_addrs) = "
-                f"{len(config.dst_addrs)}, range = {src_range}",
+            dst_arr = check_blocks("dst_block_indices", shape.dst, remote.units, "remote cache")
+            if shape.src is not None:  # blocks to blocks
+                _same_unit("transfer_cache_async", desc, remote)
+                src_arr = check_blocks("src_block_indices", shape.src, desc.shape[0], "local cache")
+                moves = [BlockMove(src_arr, dst_arr)]
+            else:  # an entry cut into the peer's blocks
+                require(
+                    shape.block_size in (None, remote.unit),
+                    f"dst_block_memory_size[{shape.block_size}] is not equal to "
+                    f"stride[{remote.unit}] of remote cache.",
+                )
+                moves = entry_pieces(
+                    batch, desc.unit_size, remote.unit, dst_arr, entry_is_local=True
+                )
+        steps = {
+            layer: _Moves.of(
+                True,
+                entry,
+                route,
+                remote,
+                [(2 * layer + k, 2 * dst_layer + k) for k in range(2)],
+                moves,
             )
-            conn = route.engine.connection(route.peer)
-            tensors = {}
-            bases = {}
-            for k, layer in enumerate(src_range):
-                found: list[RemoteRegion] = []
-                offsets: list[int] = []
-                for addr in config.dst_addrs[2 * k : 2 * k + 2]:
-                    try:
-                        region = conn.find_remote(addr, 1)
-                    except HixlError as exc:
-                        refuse(LLMStatusCode.LLM_PARAM_INVALID, f"transfer_cache_async: {exc}")
-                    found.append(region)
-                    offsets.append(addr - region.addr)
-                tensors[layer] = found
-                bases[layer] = offsets
-            remote_unit = block_size or desc.unit_size
-            dst_start = 0
-        if src_idx and dst_idx:
+            for layer, dst_layer in zip(src_range, dst_range, strict=True)
+        }
+        return _ConfigPlan(route=route, layers=src_range, steps=steps)
+
+    def _plan_addrs(
+        self, entry: CacheEntry, config: TransferConfig, layers: int, shape: _Shape
+    ) -> _ConfigPlan:
+        """A config with the peer's raw tensor addresses (two per layer): byte ranges
+        into the regions they fall in."""
+        desc = entry.cache.cache_desc
+        src_range = self._config_layers(desc, config, layers, shape)
+        route = self._node.route(config.dst_cluster_id)
+        require(
+            len(config.dst_addrs) == 2 * len(src_range),
+            f"expect {2 * len(src_range)} dst_addrs, but len(dst_addrs) = "
+            f"{len(config.dst_addrs)}, range = {src_range}",
+        )
+        conn = route.engine.connection(route.peer)
+        remote_unit = shape.block_size or desc.unit_size
+        src_off = config.src_batch_index * desc.unit_size
+        if shape.src is not None and shape.dst is not None:
             require(
                 remote_unit == desc.unit_size,
                 f"block sizes differ: {desc.unit_size} bytes here, {remote_unit} remote",
             )
-            src_arr = check_blocks("src_block_indices", src_idx, desc.shape[0], "local cache")
-            ranges = _run_ranges(
-                src_arr, np.asarray(dst_idx, np.int64), desc.unit_size, local_is_src=True
-            )
-        elif dst_idx:
-            piece = block_size or remote_unit
+            src_arr = check_blocks("src_block_indices", shape.src, desc.shape[0], "local cache")
+            dst_arr = np.asarray(shape.dst, np.int64)
+            ranges = _run_ranges(src_arr, dst_arr, desc.unit_size, remote_unit)
+        elif shape.dst is not None:
             ranges = _split_ranges(
-                src_off, desc.unit_size, piece, np.asarray(dst_idx, np.int64), local_is_src=True
+                src_off, desc.unit_size, remote_unit, np.asarray(shape.dst, np.int64)
             )
         else:
             one = np.ones(1, np.int64)
-            ranges = _Ranges(
-                local=one * src_off, remote=one * dst_start, lengths=one * desc.unit_size
-            )
-        return _ConfigPlan(
-            route=route,
-            layers=src_range,
-            local=entry.regions[route.side],
-            remote=tensors,
-            bases=bases,
-            ranges=ranges,
-        )
+            ranges = _Ranges(local=one * src_off, remote=one * 0, lengths=one * desc.unit_size)
+        steps: dict[int, _Moves | list[TransferRequest]] = {}
+        for k, layer in enumerate(src_range):
+            remote: list[tuple[RemoteRegion, int]] = []
+            for addr in config.dst_addrs[2 * k : 2 * k + 2]:
+                try:
+                    region = conn.find_remote(addr, 1)
+                except HixlError as exc:
+                    refuse(LLMStatusCode.LLM_PARAM_INVALID, f"transfer_cache_async: {exc}")
+                remote.append((region, addr - region.addr))
+            local = [entry.tensor(route.side, 2 * layer + t) for t in range(2)]
+            steps[layer] = _requests(local, remote, ranges)
+        return _ConfigPlan(route=route, layers=src_range, steps=steps)
 
     # -- local copies --------------------------------------------------------------------
     def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
@@ -849,29 +942,30 @@ class CacheManager:
 
 
 @dataclass(frozen=True, slots=True)
+class _Shape:
+    """What ``transfer_cache_async`` moves: block ids on either side (None: a batch
+    entry) and the size of a destination block."""
+
+    src: list[int] | None
+    dst: list[int] | None
+    block_size: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class _ConfigPlan:
-    """One transfer config, checked: where each source layer goes."""
+    """One transfer config, checked: what each source layer posts."""
 
     route: Route
     layers: range
-    local: list[Region]
-    remote: dict[int, list[RemoteRegion]]  # source layer -> the two destination tensors
-    bases: dict[int, list[int]]  # source layer -> offsets of the destinations in them
-    ranges: _Ranges
+    steps: Mapping[int, _Moves | list[TransferRequest]]
 
-    def requests(self, layer: int) -> list[TransferRequest]:
-        reqs: list[TransferRequest] = []
-        for k in range(2):
-            base = self.bases[layer][k]
-            shifted = _Ranges(
-                local=self.ranges.local,
-                remote=self.ranges.remote + base,
-                lengths=self.ranges.lengths,
-            )
-            reqs += _requests(
-                "write", self.local, self.remote[layer], [(2 * layer + k, k)], shifted
-            )
-        return reqs
+    def post(self, layer: int, timeout: float) -> list[TransferHandle]:
+        step = self.steps[layer]
+        if isinstance(step, _Moves):
+            return step.post(self.route, timeout)
+        if not step:
+            return []
+        return [self.route.engine.transfer_async(self.route.peer, step, timeout=timeout)]
 
 
 class CacheTask:
@@ -897,6 +991,7 @@ class CacheTask:
     def _run(self) -> None:
         timeout = self._node.opts.sync_kv_timeout_ms / 1000
         handles: list[list[TransferHandle]] = [[] for _ in self._plans]
+        posted = [0] * len(self._plans)  # layers posted, per config
         failed: set[int] = set()
         for layer in range(self._layers):
             wanted = [i for i, p in enumerate(self._plans) if layer in p.layers and i not in failed]
@@ -915,11 +1010,8 @@ class CacheTask:
             for i in wanted:
                 plan = self._plans[i]
                 try:
-                    handles[i].append(
-                        plan.route.engine.transfer_async(
-                            plan.route.peer, plan.requests(layer), timeout=timeout
-                        )
-                    )
+                    handles[i] += plan.post(layer, timeout)
+                    posted[i] += 1
                 except (HixlError, LLMException) as exc:
                     log.error("layer %d to %s: %s", layer, plan.route.peer, exc)
                     self._results[i] = code_of(exc)
@@ -933,7 +1025,7 @@ class CacheTask:
                     log.error("transfer to %s failed: %s", self._plans[i].route.peer, exc)
                     code = code_of(exc)
             if self._results[i] is None and (
-                len(hs) == len(self._plans[i].layers) or code != LLMStatusCode.LLM_SUCCESS
+                posted[i] == len(self._plans[i].layers) or code != LLMStatusCode.LLM_SUCCESS
             ):
                 self._results[i] = code
 

@@ -8,8 +8,9 @@ Theory of operation
 * the *server* engine listens at ``listen_ip_info`` (none without it);
 * the *client* engine (``"ip:0"``, no listener) makes the links of ``link_clusters``.
 
-Every cache is registered with both, and a remotely accessible one is exposed by both
-as one named region per tensor (see ``_plan``).  Right after a link is made the client
+Every cache is registered with both engines as a KV cache (``Engine.register_kv``)
+under a name that says what it is (see ``_plan``); a remotely accessible one is thereby
+announced to peers.  Right after a link is made the client
 sends a *hello* notification carrying its cluster id, so the server side knows the
 link by cluster id too.  A push or pull to a cluster runs over the link this side
 made when there is one (``Route.side`` 0, the client engine), else over the link the
@@ -25,18 +26,28 @@ not run concurrently with other calls (as CANN requires of ``finalize``).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from hixl.compat.llm_datadist._config import DataDistOptions
-from hixl.compat.llm_datadist._plan import RemoteTable, TensorName, index_remote, region_name
+from hixl.compat.llm_datadist._plan import (
+    CacheName,
+    RemoteTable,
+    cache_name,
+    index_remote,
+    local_name,
+)
 from hixl.compat.llm_datadist._status import LLMStatusCode, code_of, refuse, require
 from hixl.compat.llm_datadist._types import Cache, CacheDesc, Placement
 from hixl.core.states import ConnState
 from hixl.core.wire import RemoteRegion
 from hixl.engine import Access, Engine, Region
+from hixl.engine.kv import KV_PREFIX, KVCache
 from hixl.errors import HixlError, TransferTimeout
 
 __all__ = ["CLIENT", "SERVER", "CacheEntry", "Node", "Route"]
@@ -50,29 +61,48 @@ CLIENT, SERVER = 0, 1
 
 @dataclass(slots=True)
 class CacheEntry:
-    """A registered cache: its object, how peers find it, its regions on each engine
-    (``regions[CLIENT]``, ``regions[SERVER]``)."""
+    """A registered cache: its object, how peers find it, its KV cache on each engine
+    (``kv[CLIENT]``, ``kv[SERVER]``; None where that engine is not open)."""
 
     cache: Cache
     model_id: int | None
     remote_accessible: bool
-    regions: list[list[Region]] = field(default_factory=lambda: [[], []])
+    kv: list[KVCache | None] = field(default_factory=lambda: [None, None])
 
-    def names(self) -> list[TensorName]:
-        desc = self.cache.cache_desc
-        return [
-            TensorName(
-                cache_id=self.cache.cache_id,
-                tensor=i,
+    def name(self) -> str:
+        """The KV cache name (peers parse it; see ``_plan``)."""
+        cache = self.cache
+        if not self.remote_accessible:
+            return local_name(cache.cache_id)
+        desc = cache.cache_desc
+        return cache_name(
+            CacheName(
+                cache_id=cache.cache_id,
                 num_tensors=desc.num_tensors,
                 model_id=self.model_id,
-                is_blocks=self.cache.is_blocks_cache,
+                is_blocks=cache.is_blocks_cache,
                 data_type=desc.data_type.value,
                 unit=desc.unit_size,
                 units=desc.shape[0],
             )
-            for i in range(desc.num_tensors)
-        ]
+        )
+
+    def local(self, side: int) -> KVCache:
+        """The KV cache on engine ``side``."""
+        kv = self.kv[side]
+        if kv is None:
+            refuse(
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                f"{self.cache!r} is not registered with the {'server' if side else 'client'} "
+                "engine (its listener was closed)",
+            )
+        return kv
+
+    def tensor(self, side: int, index: int) -> tuple[Region, int]:
+        """Tensor ``index``'s region on engine ``side`` and its offset there."""
+        kv = self.local(side)
+        geometry = kv.geometry.tensors[index]
+        return kv.regions[geometry.region], geometry.offset
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +134,7 @@ class Node:
         self._inbound: dict[int, str] = {}  # cluster id -> peer's client id (its link to us)
         self._caches: dict[int, CacheEntry] = {}
         self._next_id = 1
-        self._remote: dict[
-            tuple[int, str], tuple[tuple[RemoteRegion, ...], RemoteTable[RemoteRegion]]
-        ] = {}
+        self._remote: dict[tuple[int, str], tuple[tuple[RemoteRegion, ...], RemoteTable]] = {}
         try:
             if opts.listen is not None:
                 self.open_server(opts.listen)
@@ -144,7 +172,7 @@ class Node:
             self.server, self.listen = server, listen
             entries = list(self._caches.values())
         for entry in entries:
-            entry.regions[SERVER] = self._register_on(server, entry)
+            entry.kv[SERVER] = self._register_on(server, entry)
         log.info("listening at %s:%d as engine %s", host, port, server.id)
 
     def close_server(self) -> None:
@@ -156,29 +184,27 @@ class Node:
         if server is None:
             return
         for entry in entries:
-            entry.regions[SERVER] = []
+            entry.kv[SERVER] = None
         server.close()
         log.info("stopped listening (engine %s closed)", server.id)
 
     # -- caches --------------------------------------------------------------------------
     @staticmethod
-    def _register_on(engine: Engine, entry: CacheEntry) -> list[Region]:
-        """Register every tensor of ``entry`` with ``engine`` (named and exposed when the
-        cache is remotely accessible)."""
+    def _register_on(engine: Engine, entry: CacheEntry) -> KVCache:
+        """Register every tensor of ``entry`` with ``engine`` as one KV cache: a
+        ``(blocks, block bytes)`` uint8 view of each, byte ranges as its heads axis."""
         desc = entry.cache.cache_desc
         access = Access.LOCAL_WRITE
         if entry.remote_accessible:
             access = Access.REMOTE_READ | Access.REMOTE_WRITE
-        regions: list[Region] = []
-        try:
-            for addr, name in zip(entry.cache.tensor_addrs, entry.names(), strict=True):
-                label = region_name(name) if entry.remote_accessible else ""
-                regions.append(engine.register((addr, desc.size), access=access, name=label))
-        except BaseException:
-            for region in regions:
-                engine.deregister(region)
-            raise
-        return regions
+        shape = (desc.shape[0], desc.unit_size)
+        views = [
+            np.frombuffer(
+                memoryview((ctypes.c_uint8 * desc.size).from_address(addr)), np.uint8
+            ).reshape(shape)
+            for addr in entry.cache.tensor_addrs
+        ]
+        return engine.register_kv(entry.name(), views, block_axis=0, heads_axis=1, access=access)
 
     def register(
         self,
@@ -222,12 +248,13 @@ class Node:
         cache = Cache(cache_id, desc, addrs, blocks)
         entry = CacheEntry(cache=cache, model_id=model_id, remote_accessible=remote_accessible)
         try:
-            entry.regions[CLIENT] = self._register_on(self.client, entry)
+            entry.kv[CLIENT] = self._register_on(self.client, entry)
             if server is not None:
-                entry.regions[SERVER] = self._register_on(server, entry)
+                entry.kv[SERVER] = self._register_on(server, entry)
         except HixlError as exc:
-            for region in entry.regions[CLIENT]:
-                self.client.deregister(region)
+            for kv in entry.kv:
+                if kv is not None:
+                    kv.close()
             refuse(code_of(exc), f"cannot register cache memory {[hex(a) for a in addrs]}: {exc}")
         with self._lock:
             self._caches[cache_id] = entry
@@ -237,15 +264,12 @@ class Node:
     def unregister(self, cache_id: int) -> None:
         with self._lock:
             entry = self._caches.pop(cache_id, None)
-            server = self.server
         if entry is None:
             refuse(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {cache_id} is not registered")
         entry.cache.valid = False
-        for region in entry.regions[CLIENT]:
-            self.client.deregister(region)
-        if server is not None:
-            for region in entry.regions[SERVER]:
-                server.deregister(region)
+        for kv in entry.kv:
+            if kv is not None:
+                kv.close()
 
     def entry(self, cache: Cache) -> CacheEntry:
         """The registration of ``cache``; ``LLM_KV_CACHE_NOT_EXIST`` when it has none here."""
@@ -358,7 +382,7 @@ class Node:
             "link_clusters first",
         )
 
-    def remote(self, route: Route) -> RemoteTable[RemoteRegion]:
+    def remote(self, route: Route) -> RemoteTable:
         """The caches the peer of ``route`` exposes, parsed once per announcement."""
         regions = route.engine.connection(route.peer).remote_regions
         key = (route.side, route.peer)
@@ -366,7 +390,9 @@ class Node:
             seen = self._remote.get(key)
             if seen is not None and seen[0] is regions:
                 return seen[1]
-        table = index_remote((r.name, r) for r in regions)
+        table = index_remote(
+            r.name[len(KV_PREFIX) :] for r in regions if r.name.startswith(KV_PREFIX)
+        )
         with self._lock:
             self._remote[key] = (regions, table)
         return table

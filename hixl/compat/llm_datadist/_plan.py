@@ -1,25 +1,29 @@
-"""How caches are named to peers and how a call becomes byte ranges (pure).
+"""How caches are named to peers and how a call becomes block moves (pure).
 
 Theory of operation
 -------------------
-Every tensor of a remotely accessible cache is registered with the listening engine as
-one region whose *name* says what it is: ``"lldd c<cache_id> t<i>/<n> B<model_id>
-d<dtype> u<unit> k<units>"`` (``C-`` instead of ``B<model_id>`` for a plain cache, or
-for a blocks cache registered without a key).  A peer learns the names in the
-handshake, so :func:`index_remote` can find the cache behind a ``BlocksCacheKey``
-(by model id) or a ``CacheKeyByIdAndIndex`` (by cache id) without asking.
+Every cache is registered as a KV cache of the engine (``Engine.register_kv``): one
+``uint8`` array of shape ``(units, unit)`` per tensor, block axis 0 (a block, or a batch
+entry, is ``unit`` contiguous bytes) and "heads" axis 1, so that a head range is a byte
+range inside a block.  The KV cache's *name* says what the cache is:
+``"lldd c<cache_id> n<num_tensors> B<model_id> d<dtype> u<unit> k<units>"`` (``C-``
+instead of ``B<model_id>`` for a plain cache, ``B-`` for a blocks cache registered
+without a key).  A peer learns the names from the announced geometry regions, so
+:func:`index_remote` finds the cache behind a ``BlocksCacheKey`` (by model id) or a
+``CacheKeyByIdAndIndex`` (by cache id) without asking.  A cache that is not remotely
+accessible gets a name :func:`parse_cache_name` does not accept (:func:`local_name`),
+so peers never list it.
 
-A block (or batch entry) is ``unit`` contiguous bytes of a tensor; block ``b`` starts
-at ``b * unit``.  A transfer moves, for each pair of tensors :func:`tensor_pairs`
-gives, the block pairs of :func:`block_runs`: runs where both sides' ids go up by one
-are merged into one range, as CANN merges them.
+A transfer is a list of :class:`BlockMove` (block ids on each side, optionally narrowed
+to byte ranges) applied to every tensor pair :func:`tensor_pairs` gives.  Blocks to
+blocks and a batch entry to a batch entry are one move; a batch entry cut into the other
+side's blocks is one move per piece (:func:`entry_pieces`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -28,27 +32,32 @@ from hixl.compat.llm_datadist._status import require
 
 __all__ = [
     "PREFIX",
+    "BlockMove",
+    "CacheName",
     "RemoteCache",
     "RemoteTable",
-    "TensorName",
     "block_runs",
+    "cache_name",
     "check_blocks",
+    "entry_pieces",
     "index_remote",
-    "parse_region_name",
-    "region_name",
+    "local_name",
+    "parse_cache_name",
+    "prefix_move",
     "tensor_pairs",
 ]
 
 PREFIX = "lldd"
-T = TypeVar("T")
+#: Longest KV cache name the engine takes.
+MAX_NAME = 96
+I64Array = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True)
-class TensorName:
-    """What a region name says: tensor ``tensor`` of ``num_tensors`` of cache ``cache_id``."""
+class CacheName:
+    """What a cache's name says: cache ``cache_id`` of ``num_tensors`` tensors."""
 
     cache_id: int
-    tensor: int
     num_tensors: int
     model_id: int | None  # the BlocksCacheKey's model id, None without a key
     is_blocks: bool
@@ -57,21 +66,29 @@ class TensorName:
     units: int  # blocks / batch entries (shape[0])
 
     def __post_init__(self) -> None:
-        if not 0 <= self.tensor < self.num_tensors:
-            raise ValueError(f"tensor {self.tensor} not in [0, {self.num_tensors})")
+        if self.num_tensors <= 0:
+            raise ValueError(f"num_tensors={self.num_tensors} must be > 0")
         if self.unit <= 0 or self.units <= 0:
             raise ValueError(f"unit={self.unit} and units={self.units} must be > 0")
 
 
-def region_name(name: TensorName) -> str:
-    """The region name that announces ``name`` (at most 128 printable characters)."""
+def cache_name(name: CacheName) -> str:
+    """The KV cache name that announces ``name`` (printable, no ``/``).  Raises
+    :class:`LLMException` (``LLM_PARAM_INVALID``) past the engine's 96 characters."""
     key = "C-"
     if name.is_blocks:
         key = "B-" if name.model_id is None else f"B{name.model_id}"
-    return (
-        f"{PREFIX} c{name.cache_id} t{name.tensor}/{name.num_tensors} {key} "
-        f"d{name.data_type} u{name.unit} k{name.units}"
+    text = (
+        f"{PREFIX} c{name.cache_id} n{name.num_tensors} {key} d{name.data_type} "
+        f"u{name.unit} k{name.units}"
     )
+    require(len(text) <= MAX_NAME, f"cache name {text!r} is longer than {MAX_NAME} characters")
+    return text
+
+
+def local_name(cache_id: int) -> str:
+    """The KV cache name of a cache peers must not find (not remotely accessible)."""
+    return f"{PREFIX}-local c{cache_id}"
 
 
 def _num(text: str, tag: str) -> int:
@@ -80,16 +97,12 @@ def _num(text: str, tag: str) -> int:
     return int(text[len(tag) :])
 
 
-def parse_region_name(text: str) -> TensorName | None:
-    """The :class:`TensorName` in a region name, or None for a region of someone else."""
+def parse_cache_name(text: str) -> CacheName | None:
+    """The :class:`CacheName` in a KV cache name, or None for a name of someone else."""
     parts = text.split(" ")
     if len(parts) != 7 or parts[0] != PREFIX:
         return None
     try:
-        cache_id = _num(parts[1], "c")
-        index, _, count = parts[2][1:].partition("/")
-        if not parts[2].startswith("t") or not index.isdigit() or not count.isdigit():
-            return None
         key = parts[3]
         if key in ("B-", "C-"):
             model_id = None
@@ -97,10 +110,9 @@ def parse_region_name(text: str) -> TensorName | None:
             model_id = _num(key, "B")
         else:
             return None
-        return TensorName(
-            cache_id=cache_id,
-            tensor=int(index),
-            num_tensors=int(count),
+        return CacheName(
+            cache_id=_num(parts[1], "c"),
+            num_tensors=_num(parts[2], "n"),
             model_id=model_id,
             is_blocks=key.startswith("B"),
             data_type=_num(parts[4], "d"),
@@ -112,61 +124,96 @@ def parse_region_name(text: str) -> TensorName | None:
 
 
 @dataclass(frozen=True, slots=True)
-class RemoteCache(Generic[T]):
-    """A peer's cache: its description and one region handle per tensor, in order."""
+class RemoteCache:
+    """A peer's cache: ``kv`` is the name to pass to ``put_blocks``/``get_blocks``."""
 
+    kv: str
     cache_id: int
     model_id: int | None
     is_blocks: bool
     data_type: int
     unit: int
     units: int
-    tensors: tuple[T, ...]
-
-    @property
-    def num_tensors(self) -> int:
-        return len(self.tensors)
+    num_tensors: int
 
 
 @dataclass(frozen=True, slots=True)
-class RemoteTable(Generic[T]):
+class RemoteTable:
     """A peer's caches, by cache id and by the model id of their ``BlocksCacheKey``."""
 
-    by_id: dict[int, RemoteCache[T]]
-    by_model: dict[int, RemoteCache[T]]
+    by_id: dict[int, RemoteCache]
+    by_model: dict[int, RemoteCache]
 
 
-def index_remote(regions: Iterable[tuple[str, T]]) -> RemoteTable[T]:
-    """Group named regions into caches; caches with a tensor missing are left out.
+def index_remote(names: Iterable[str]) -> RemoteTable:
+    """The caches among a peer's KV cache names (others are skipped).
 
     When two blocks caches carry the same model id, the one registered last (the
     higher cache id) is found by that key.
     """
-    parts: dict[int, dict[int, tuple[TensorName, T]]] = {}
-    for text, handle in regions:
-        name = parse_region_name(text)
+    found: dict[int, RemoteCache] = {}
+    for text in names:
+        name = parse_cache_name(text)
         if name is not None:
-            parts.setdefault(name.cache_id, {})[name.tensor] = (name, handle)
-    by_id: dict[int, RemoteCache[T]] = {}
-    by_model: dict[int, RemoteCache[T]] = {}
-    for cache_id in sorted(parts):
-        tensors = parts[cache_id]
-        first = next(iter(tensors.values()))[0]
-        if sorted(tensors) != list(range(first.num_tensors)):
-            continue
-        cache = RemoteCache(
-            cache_id=cache_id,
-            model_id=first.model_id,
-            is_blocks=first.is_blocks,
-            data_type=first.data_type,
-            unit=first.unit,
-            units=first.units,
-            tensors=tuple(tensors[i][1] for i in range(first.num_tensors)),
-        )
-        by_id[cache_id] = cache
-        if cache.is_blocks and cache.model_id is not None:
-            by_model[cache.model_id] = cache
+            found[name.cache_id] = RemoteCache(
+                kv=text,
+                cache_id=name.cache_id,
+                model_id=name.model_id,
+                is_blocks=name.is_blocks,
+                data_type=name.data_type,
+                unit=name.unit,
+                units=name.units,
+                num_tensors=name.num_tensors,
+            )
+    by_id = {k: found[k] for k in sorted(found)}
+    by_model = {c.model_id: c for c in by_id.values() if c.is_blocks and c.model_id is not None}
     return RemoteTable(by_id=by_id, by_model=by_model)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMove:
+    """Blocks ``local[i]`` <-> ``remote[i]`` of every tensor pair, narrowed to the byte
+    ranges ``heads`` (in each local block) and ``remote_heads`` (in each remote block);
+    None: the whole block."""
+
+    local: I64Array
+    remote: I64Array
+    heads: tuple[int, int] | None = None
+    remote_heads: tuple[int, int] | None = None
+
+
+def _one(i: int) -> I64Array:
+    return np.array([i], np.int64)
+
+
+def entry_pieces(
+    entry: int, entry_bytes: int, piece: int, blocks: I64Array, *, entry_is_local: bool
+) -> list[BlockMove]:
+    """Batch entry ``entry`` (``entry_bytes`` bytes) cut into ``piece``-byte pieces, piece
+    ``j`` to or from block ``blocks[j]`` of the other side (the last piece may be shorter;
+    pieces past the listed blocks stay).  ``LLM_PARAM_INVALID`` for more blocks than
+    pieces."""
+    pieces = -(-entry_bytes // piece)
+    require(
+        blocks.size <= pieces,
+        f"{entry_bytes} bytes cut into pieces of {piece} make {pieces} blocks, fewer than the "
+        f"{blocks.size} blocks listed",
+    )
+    moves = []
+    for j, block in enumerate(blocks.tolist()):
+        start = j * piece
+        n = min(piece, entry_bytes - start)
+        in_entry, in_block = (start, start + n), (0, n)
+        if entry_is_local:
+            moves.append(BlockMove(_one(entry), _one(block), in_entry, in_block))
+        else:
+            moves.append(BlockMove(_one(block), _one(entry), in_block, in_entry))
+    return moves
+
+
+def prefix_move(local: int, remote: int, nbytes: int) -> BlockMove:
+    """The first ``nbytes`` of batch entry ``local`` <-> those of entry ``remote``."""
+    return BlockMove(_one(local), _one(remote), (0, nbytes), (0, nbytes))
 
 
 def tensor_pairs(
@@ -216,7 +263,7 @@ def tensor_pairs(
     ]
 
 
-def check_blocks(name: str, blocks: Sequence[int], units: int, what: str) -> npt.NDArray[np.int64]:
+def check_blocks(name: str, blocks: Sequence[int], units: int, what: str) -> I64Array:
     """``blocks`` as an int64 array, each in ``[0, units)``; ``LLM_PARAM_INVALID`` otherwise."""
     arr = np.asarray(blocks, dtype=np.int64) if len(blocks) else np.zeros(0, np.int64)
     bad = np.flatnonzero((arr < 0) | (arr >= units))

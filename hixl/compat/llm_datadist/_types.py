@@ -34,6 +34,7 @@ __all__ = [
     "RegisterMemStatus",
     "TransferConfig",
     "TransferWithCacheKeyConfig",
+    "check_addrs",
     "check_layer_range",
     "ip_text",
 ]
@@ -46,23 +47,24 @@ I32 = (-(2**31), 2**31 - 1)
 I64 = (-(2**63), 2**63 - 1)
 
 
-class LLMRole(enum.IntEnum):
+class _Named(enum.IntEnum):
+    """An int enum printed as ``Class.NAME``, as CANN prints its enums."""
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class LLMRole(_Named):
     PROMPT = 1
     DECODER = 2
     MIX = 3
 
-    def __str__(self) -> str:
-        return f"{type(self).__name__}.{self.name}"
 
-
-class Placement(enum.IntEnum):
+class Placement(_Named):
     """Where a cache lives.  Here both are host memory (there is no NPU)."""
 
     HOST = 0
     DEVICE = 1
-
-    def __str__(self) -> str:
-        return f"{type(self).__name__}.{self.name}"
 
 
 class Memtype(enum.Enum):
@@ -279,9 +281,7 @@ class Cache:
     def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: list[int]) -> Cache:
         """A host cache of ``addrs`` (not registered), for ``swap_blocks``."""
         check_type("cache_desc", cache_desc, CacheDesc)
-        check_type("addrs", addrs, list)
-        for addr in addrs:
-            check_type("addrs element", addr, int)
+        check_addrs(addrs)
         require(cache_desc.placement == Placement.HOST, "cache_desc placement must be HOST")
         require(
             cache_desc.num_tensors == len(addrs),
@@ -313,13 +313,18 @@ def _keyword_args(
     return merged
 
 
-class BlocksCacheKey:
-    """The blocks cache a peer registered with ``BlocksCacheKey(its cluster_id, model_id)``."""
+class _ClusterKey:
+    """A key of a peer's cache: ``cluster_id`` (alias ``prompt_cluster_id``) and
+    ``model_id``, taken by position or keyword in the order ``fields``."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        values = _keyword_args("BlocksCacheKey", args, kwargs, ("cluster_id", "model_id"))
+    _cluster_id: int
+    _model_id: int
+
+    def _take(self, what: str, args: Any, kwargs: Any, fields: Sequence[str]) -> dict[str, Any]:
+        values = _keyword_args(what, args, kwargs, fields)
         self._cluster_id = check_int("cluster_id", values["cluster_id"], 0, U64)
         self._model_id = check_int("model_id", values.get("model_id", 0), 0, U64)
+        return values
 
     @property
     def cluster_id(self) -> int:
@@ -332,39 +337,32 @@ class BlocksCacheKey:
     @property
     def model_id(self) -> int:
         return self._model_id
+
+
+class BlocksCacheKey(_ClusterKey):
+    """The blocks cache a peer registered with ``BlocksCacheKey(its cluster_id, model_id)``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._take("BlocksCacheKey", args, kwargs, ("cluster_id", "model_id"))
 
     def __repr__(self) -> str:
         return f"BlocksCacheKey(cluster_id={self._cluster_id}, model_id={self._model_id})"
 
 
-class CacheKey:
+class CacheKey(_ClusterKey):
     """A cache a peer registered under ``req_id`` (or ``prefix_id``) and ``model_id``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        values = _keyword_args(
+        values = self._take(
             "CacheKey", args, kwargs, ("cluster_id", "req_id", "model_id", "prefix_id")
         )
         require("req_id" in values, "CacheKey: param req_id is required")
-        self._cluster_id = check_int("cluster_id", values["cluster_id"], 0, U64)
         self._req_id = check_int("req_id", values["req_id"], 0, U64)
-        self._model_id = check_int("model_id", values.get("model_id", 0), 0, U64)
         self._prefix_id = check_int("prefix_id", values.get("prefix_id", INVALID_ID), 0, U64)
-
-    @property
-    def cluster_id(self) -> int:
-        return self._cluster_id
-
-    @property
-    def prompt_cluster_id(self) -> int:
-        return self._cluster_id
 
     @property
     def req_id(self) -> int:
         return self._req_id
-
-    @property
-    def model_id(self) -> int:
-        return self._model_id
 
     @property
     def prefix_id(self) -> int:
@@ -412,6 +410,15 @@ class LayerSynchronizer(ABC):
         """True when the layer's cache may be sent, False to give the transfer up."""
 
 
+def check_addrs(addrs: object, name: str = "addrs", *kinds: type) -> None:
+    """``addrs`` is a list (or one of ``kinds``) of addresses, each an int in
+    ``[0, 2**64)``."""
+    check_type(name, addrs, *(kinds or (list,)))
+    assert isinstance(addrs, list | tuple)
+    for addr in addrs:
+        check_int(f"{name} element", addr, 0, U64)
+
+
 def check_layer_range(name: str, layer_range: object, allow_none: bool = True) -> None:
     """A layer range is a ``range`` with step 1 and ``0 <= start < stop``."""
     if layer_range is None and allow_none:
@@ -436,9 +443,7 @@ class TransferConfig:
         src_batch_index: int = 0,
     ) -> None:
         check_int("dst_cluster_id", dst_cluster_id, 0, U64)
-        check_type("dst_addrs", dst_addrs, list, tuple)
-        for addr in dst_addrs:
-            check_int("dst_addrs element", addr, 0, U64)
+        check_addrs(dst_addrs, "dst_addrs", list, tuple)
         check_layer_range("src_layer_range", src_layer_range)
         check_int("src_batch_index", src_batch_index, 0, U32)
         self.dst_cluster_id = dst_cluster_id
