@@ -43,7 +43,7 @@ from hixl.core.wire import RemoteRegion
 from hixl.engine.regions import Access, Region
 from hixl.errors import ArgumentError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
-from hixl.verbs.chain import ChainMemory, SendChain, SlotRing
+from hixl.verbs.chain import ChainMemory, SendChain
 
 if TYPE_CHECKING:
     from hixl.core.window import Chunk
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Built",
-    "LaneRing",
     "NotifySlots",
     "PLAN_CACHE",
     "Planner",
@@ -126,12 +125,12 @@ class Template:
     # for building its chain through cffi alone (:meth:`SendChain.single`); else None.
     single: tuple[int, int, int] | None = None
     # The engine's lent channel for repeating it blocking on the direct lane (made on
-    # first use by Engine._on_lane; a holder, since the template is frozen).
+    # first use by SinglePaths._on_lane; a holder, since the template is frozen).
     lane: list[Any] = field(default_factory=list)
     # The engine's functions for its lane's ring, made on first use: [the one that queues
-    # it at given addresses (Engine._ring_enqueuer), and, once put_async/get_async kept it
-    # (Engine._remember_ring), the peer's region as named by the call and the runner for
-    # calls of that form (Engine._ring_runner)].
+    # it at given addresses (SinglePaths._ring_enqueuer), and, once put_async/get_async kept it
+    # (SinglePaths._remember_ring), the peer's region as named by the call and the runner for
+    # calls of that form (SinglePaths._ring_runner)].
     ring: list[Any] = field(default_factory=list)
 
 
@@ -626,28 +625,6 @@ def ranges_key(
     if type(ldesc) is ContiguousDesc and type(rdesc) is ContiguousDesc:
         return (_RANGES, peer, op, local, remote, ldesc.nbytes, rdesc.nbytes)
     return None
-
-
-class LaneRing(SlotRing):
-    """A lane's ring of single messages (see :meth:`hixl.engine.engine.Engine._ring_enqueuer`):
-    a :class:`~hixl.verbs.chain.SlotRing` and what the engine knows of its slots.
-
-    ``written`` slots were written so far and ``released`` of them went out (their post
-    returned), so ``written - released`` slots are taken; slot ``written % capacity`` is
-    the next.  ``open`` is the chunk the last message went into, which the next one
-    joins while the window lets it grow; it holds the messages from ``open_at`` to
-    ``written``, and its end is set when it closes (``Engine._close_ring_chunk``).
-    Engine lock.
-    """
-
-    __slots__ = ("open", "open_at", "released", "written")
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
-        self.written = 0
-        self.released = 0
-        self.open: Chunk | None = None
-        self.open_at = 0
 
 
 class NotifySlots:

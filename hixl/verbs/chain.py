@@ -1097,7 +1097,7 @@ class SlotRing:
         wrs["sg_list"] = base + np.arange(capacity, dtype=np.uint64) * _WR_SIZE + SLOT_SGE_OFFSET
         # What a slot's WR keeps (its link and its SGE's address), and the C memory as a
         # buffer for WR_SLOT (see write(); the engine packs its slots the same way
-        # inline, Engine._ring_enqueuer).
+        # inline, SinglePaths._ring_enqueuer).
         self.links = [int(x) for x in wrs["next"]]
         self.sge_lists = [int(x) for x in wrs["sg_list"]]
         self.wr_mem = memoryview(ffi.buffer(chain._wr_mem))
