@@ -40,7 +40,8 @@ lock a :class:`CheckedRLock`, which counts per thread how many engine locks it h
 and makes :func:`assert_unlocked` (called before every socket send and every wake-up
 byte) raise :class:`AssertionError` when the calling thread holds one.  Off, an engine
 lock is a plain :class:`threading.RLock` and :func:`assert_unlocked` costs one global
-read.  The RDMA tests run with it on.
+read.  ``make test-rdma DEBUG_LOCKS=1`` runs the RDMA tier with it on; the default
+tier turns it on for the engines of ``tests/rdma/test_locking.py`` only.
 """
 
 from __future__ import annotations
