@@ -62,6 +62,7 @@ from hixl.core.handshake import (
     source_for,
     source_key,
 )
+from hixl.engine.locks import assert_unlocked
 from hixl.errors import (
     AuthenticationError,
     ConnectionFailed,
@@ -139,6 +140,7 @@ class Channel:
     def send(self, msg: wire.Message, deadline: float) -> None:
         _check_abort(self.abort, self.peer)
         self._timeout(deadline, whole=True)
+        assert_unlocked(f"a handshake message to {self.peer}")
         try:
             self.sock.sendall(wire.encode(msg))
         except TimeoutError as exc:
@@ -622,6 +624,7 @@ class Listener:
         self._flush(inc)
 
     def _flush(self, inc: Incoming) -> None:
+        assert_unlocked(f"a handshake message to {inc.source}")
         while inc.outbox:
             try:
                 sent = inc.sock.send(bytes(inc.outbox[:262144]))
@@ -637,6 +640,7 @@ class Listener:
     def _refuse(self, inc: Incoming, code: wire.ErrorCode, message: str) -> None:
         """Tell the client why (best effort, never blocks), then close."""
         log.info("handshake from %s (%s) refused: %s: %s", inc.peer, inc.source, code, message)
+        assert_unlocked(f"a refusal to {inc.source}")
         with contextlib.suppress(OSError):
             inc.sock.send(error_frame(code, message))
         self._finish(inc, None)
@@ -692,6 +696,7 @@ def _named(key: str) -> str:
 
 
 def _refuse_now(sock: socket.socket, code: wire.ErrorCode, message: str) -> None:
+    assert_unlocked("a refusal")
     with contextlib.suppress(OSError):
         sock.send(error_frame(code, message))
     _close(sock)
