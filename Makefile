@@ -23,8 +23,11 @@ test-registry:
 
 # `hixl run` uses the host's rxe when there is one and boots the VM otherwise.
 # HIXL_REQUIRE_RDMA=1 turns a missing device into a failure, never a skip.
+# `make test-rdma DEBUG_LOCKS=1` checks every engine's lock in the whole tier (no socket send or
+# wake-up byte under it); slower, so CI runs only tests/rdma/test_locking.py's checked engines.
+DEBUG_LOCKS ?= 0
 test-rdma:
-	HIXL_REQUIRE_RDMA=1 $(HIXL) run -- $(PY) -m pytest -p no:cacheprovider tests/rdma -q --durations=12
+	HIXL_REQUIRE_RDMA=1 $(HIXL) run -- env HIXL_DEBUG_LOCKS=$(DEBUG_LOCKS) $(PY) -m pytest -p no:cacheprovider tests/rdma -q --durations=12
 
 ## wheel-check: the wheel in a fresh venv with hixl[vm] (no system packages, so no pyverbs):
 ## `hixl doctor` must find a path to run on, and the README's first example runs there

@@ -96,7 +96,7 @@ def _wait_listen(port: int, proc: subprocess.Popen[bytes], seconds: float) -> No
 def serve(host: HostEnv, largest: int) -> int:
     """host0: the target of both tools."""
     buf = np.zeros(largest * 2, np.uint8)
-    with Engine(f"{host.address}:{ENGINE_PORT}") as eng:
+    with Engine(f"{host.address}:{ENGINE_PORT}", insecure=True) as eng:  # a benchmark wire
         eng.register(buf, access=Access.REMOTE_WRITE, name="sink")
         with Control.serve(host.address, CONTROL_PORT, timeout=400.0) as ctl:
             while True:

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -81,6 +82,7 @@ __all__ = [
     "ServerHandshake",
     "claim_mismatch",
     "source_for",
+    "source_key",
     "client_proof",
     "server_proof",
 ]
@@ -183,6 +185,27 @@ def source_for(engine_id: str, dest_host: str) -> str | None:
     if own.version != dest.version or own.is_loopback != dest.is_loopback:
         return None
     return host
+
+
+_LOOPBACK_V4 = ipaddress.ip_network("127.0.0.0/8")
+
+
+@functools.lru_cache(maxsize=1024)  # a flood comes from few sources, again and again
+def source_key(source: str) -> str:
+    """What a per-source limit counts the connection from IP address ``source`` under.
+
+    One host can take many addresses: all of 127.0.0.0/8 on any Linux machine, a whole
+    IPv6 /64 on a typical subnet. So an IPv4 address is its own source (/32), except
+    that 127.0.0.0/8 is one; an IPv6 address counts as its /64 (an IPv4-mapped one as
+    its IPv4 address, the zone dropped). Anything that is not an IP address counts as
+    itself.
+    """
+    ip = _ip(source)
+    if ip is None:
+        return source
+    if isinstance(ip, ipaddress.IPv4Address):
+        return str(_LOOPBACK_V4) if ip in _LOOPBACK_V4 else str(ip)
+    return str(ipaddress.IPv6Network((ip, 64), strict=False))
 
 
 def _matches(expected: bytes, got: bytes) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,7 +66,7 @@ def run_demo_hosts(
     import shutil
     import tempfile
 
-    from hixl.demo.kvdemo import format_summary, summarize
+    from hixl.demo.kvdemo import TOKEN_ENV, format_summary, summarize
 
     _require_vm_path()
     base = VMConfig(cpus=1, memory="2G", timeout=timeout + 300.0) if vm is None else vm
@@ -84,7 +85,8 @@ def run_demo_hosts(
             f"({host_address(1)}), each in its own VM (boots take 30-90 s under emulation)",
             flush=True,
         )
-        rc = run_hosts([c + common for c in commands], vmcfg, mtus=mtus, env=ONE_BLAS_THREAD)
+        env = {**ONE_BLAS_THREAD, TOKEN_ENV: secrets.token_hex(32)}  # decode is off loopback
+        rc = run_hosts([c + common for c in commands], vmcfg, mtus=mtus, env=env)
         results = {}
         for role in ("prefill", "decode"):
             try:

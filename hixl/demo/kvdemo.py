@@ -821,6 +821,16 @@ def _wait_note(engine: Any, name: str, peer: str, deadline: _Deadline) -> Any:
                 ) from None
 
 
+TOKEN_ENV = "HIXL_DEMO_TOKEN"
+"""The variable that gives both roles their engines' shared token (none when unset: then
+decode must listen on loopback)."""
+
+
+def demo_token() -> str | None:
+    """The roles' shared engine token, from ``$HIXL_DEMO_TOKEN`` (None when unset)."""
+    return os.environ.get(TOKEN_ENV) or None
+
+
 def run_decode(cfg: DemoConfig, listen: str, seconds: float, emit: Emit) -> dict[str, Any]:
     """The decode role: receive, verify, recompute, generate, compare. Returns results."""
     from hixl.engine import Access, ConnState, Engine
@@ -834,7 +844,7 @@ def run_decode(cfg: DemoConfig, listen: str, seconds: float, emit: Emit) -> dict
     cache = np.zeros(dst.nbytes, dtype=np.uint8)
     view = PagedKV(cache, dst, ids)
     layers: list[dict[str, Any]] = []
-    with Engine(listen) as engine:
+    with Engine(listen, token=demo_token()) as engine:
         engine.register(cache, access=Access.REMOTE_WRITE, name="kv")
         emit(
             f"listening on {listen}; paged KV cache {dst.nbytes / (1 << 20):.2f} MiB "
@@ -1083,7 +1093,7 @@ def run_prefill(cfg: DemoConfig, peer: str, seconds: float, emit: Emit) -> dict[
     src = source_layout(cfg)
     buf = np.zeros(src.nbytes, dtype=np.uint8)
     kv = source_view(buf, src)
-    with Engine("127.0.0.1:0") as engine:
+    with Engine("127.0.0.1:0", token=demo_token()) as engine:
         region = engine.register(buf, access=Access.NONE, name="prefill-kv")
         conn = _connect(engine, peer, deadline)
         dev = engine.device

@@ -48,10 +48,14 @@ tables (by peer id and by QPN), the set of pending handles, the notification que
 notification send slots and per-peer counts, the exposed-region index, each connection's
 state, send window (including its *poster* flag, which lets one thread at a time post
 a reserved batch, so chunks go out in order), control outbox and probe fields.  Held for
-dictionary updates, counters, reserving a batch, ``ibv_poll_cq`` and state moves.
-**Never held across socket I/O, a sleep, a wait on another thread, or a system call on
-the data path**: ``ibv_post_send`` of a batch, arming a CQ and reading its channel run
-without it (the condition's own wait releases it).
+dictionary updates, counters, reserving a batch and state moves.  **Never held across
+socket I/O, a sleep, a wait on another thread, or a system call on the data path**:
+``ibv_post_send`` of a batch, arming a CQ and reading its channel, and making a
+connection's queue pairs run without it (the condition's own wait releases it).  The few
+system calls that stay under it (``ibv_reg_mr``/``ibv_dereg_mr``, ``ibv_modify_qp`` to
+ERR, re-posting a receive, ``ibv_poll_cq`` of the shared CQs, ``epoll_ctl``) are listed
+with their reasons in :mod:`hixl.engine.locks`, which also holds the
+``HIXL_DEBUG_LOCKS=1`` switch that checks the rule.
 Control messages (REGIONS, BYE) are queued in the connection's outbox under the lock and
 written by the progress thread with non-blocking sends; a peer that leaves more than
 ``MAX_OUTBOX`` bytes unread fails.  Handshakes run on their own sockets without the lock
@@ -66,7 +70,7 @@ the status before it reads the Event, so one of the two sees the other.
 
 Lock order: ``hixl.compat`` locks, then ``Engine._lock``.  Nothing takes them in another
 order.  The wake-up byte that hands a backlog to the progress thread is sent after the
-lock is let go (``Engine._wake``).
+lock is let go (``Poster.wake_if_due``).
 
 Lock-free reads, each a single atomic operation on an immutable value under the GIL:
 ``Engine.connection()`` (one dict lookup), a connection's ``remote_regions`` (a tuple

@@ -11,7 +11,7 @@ the channel by popping its one token, and marks the lane busy before it reads th
 engine's and the connection's state, which ``close``/``disconnect`` change under the
 lock before they wait for (or skip) a busy lane.  The lock is taken only to fail the
 connection, or to release a notification that was queued while the call was out and
-held behind it (see :meth:`Channel._end` and ``Engine._queue``).
+held behind it (see :meth:`Channel._end` and ``Queuer.queue``).
 
 Why it exists: on a blocking ``Engine.put`` of one range most of the time is the
 engine's general bookkeeping, not the device (docs/benchmarks.md).  A channel is the
@@ -22,9 +22,10 @@ lifetimes are still checked on every call before anything is posted.
 from __future__ import annotations
 
 import operator
+import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, SupportsIndex
 
 import numpy as np
 
@@ -49,14 +50,24 @@ from hixl.verbs.chain import SendChain
 
 if TYPE_CHECKING:
     from hixl.engine.connection import Connection, Lane
-    from hixl.engine.engine import Engine
+    from hixl.engine.posting import Poster
 
-__all__ = ["Channel", "LaneBusy"]
+__all__ = ["Channel", "ChannelHost", "LaneBusy"]
 
 _NAP_MAX = 0.001  # longest sleep between polls once the spin is over (seconds)
 #: Bare polls right after the post, before the timed wait (about 0.1 ms natively, a few
 #: ms under emulation): a small request's completion comes within them.
 SPIN_POLLS = 512
+
+
+class ChannelHost(Protocol):
+    """What a :class:`Channel` needs of its engine, besides the values it is given."""
+
+    def check_open(self) -> None:
+        """Raise :class:`StateError` when the engine is closed or broken."""
+
+    def fail(self, conn: Connection, reason: str, error: HixlError | None = None) -> None:
+        """Fail ``conn`` (engine lock held): flush it and fail its pending transfers."""
 
 
 class LaneBusy(StateError):
@@ -77,22 +88,34 @@ class Channel:
 
     def __init__(
         self,
-        engine: Engine,
+        host: ChannelHost,
         conn: Connection,
         local: Region,
         remote: RemoteRegion,
+        poster: Poster,
         *,
+        lock: threading.RLock,
+        conns: Mapping[str, Connection],
+        max_msg_sz: int,
+        alignment: int | None,
         lent: bool = False,
     ) -> None:
-        """``lent``: the engine's own use of the lane for a blocking single put or get
-        while no channel is open (its calls back off with :class:`LaneBusy` once a
-        channel is opened, see :meth:`Engine.channel`, and skip the per-call checks,
-        which the engine has just made); a user's channel is not lent."""
+        """``lock`` is the engine lock, ``conns`` its connections by peer (read only),
+        ``max_msg_sz`` the device's message size and ``alignment`` the engine's offset
+        policy; ``poster.closed`` tells that the engine closed.
+
+        ``lent``: the engine's own use of the lane for a blocking single put or get while
+        no channel is open (its calls back off with :class:`LaneBusy` once a channel is
+        opened, see :meth:`Engine.channel`, and skip the per-call checks, which the
+        engine has just made); a user's channel is not lent."""
         assert conn.direct is not None and conn.direct_cq is not None
         self.peer = conn.peer
         self.local = local
         self.remote = remote
-        self._engine = engine
+        self._host = host
+        self._lock = lock
+        self._conns = conns
+        self._poster = poster
         self._conn = conn
         self._lane: Lane = conn.direct
         self._cq = conn.direct_cq
@@ -101,8 +124,8 @@ class Channel:
         self._rlen = remote.length
         self._lbase = local.addr
         self._rbase = remote.addr
-        self._max = engine.limits.max_msg_sz
-        self._align = engine.alignment or 0
+        self._max = max_msg_sz
+        self._align = alignment or 0
         self._closed = False
         self._write = self._chain(verbs.WR_RDMA_WRITE, local, remote)
         self._read = self._chain(verbs.WR_RDMA_READ, local, remote)
@@ -193,7 +216,7 @@ class Channel:
         (a call still running on another thread finishes normally)."""
         if self._closed:
             return
-        with self._engine._lock:
+        with self._lock:
             self._closed = True
             if self._conn.channel is self:
                 self._conn.channel = None
@@ -216,7 +239,8 @@ class Channel:
         llen, rlen, biggest = self._llen, self._rlen, self._max
         mask = self._align - 1 if self._align else 0  # a power of two: a bit test
         lbase, rbase = self._lbase, self._rbase
-        conn, eng, token, local = self._conn, self._engine, self._token, self.local
+        conn, token, local = self._conn, self._token, self.local
+        poster, lock = self._poster, self._lock
         lent = self._lent
         post = self._lane.qp.post_and_poll(chain, self._cq)  # pointers bound once
         place = chain.place_one
@@ -267,9 +291,9 @@ class Channel:
                 place(lbase + lo, n, rbase + ro)
                 at_lo, at_ro, at_n = lo, ro, n
             conn.direct_busy = True
-            if self._closed or eng._closed or conn.state is not ready:
+            if self._closed or poster.closed or conn.state is not ready:
                 self._end()
-                with eng._lock:
+                with lock:
                     self._refuse()
             try:
                 got = post(SPIN_POLLS)
@@ -308,8 +332,8 @@ class Channel:
         chain = self._chain(opcode, self.local, self.remote)
         chain.place_one(self._lbase + lo, n, self._rbase + ro)
         post = self._lane.qp.post_and_poll(chain, self._cq)
-        conn, eng, token = self._conn, self._engine, self._token
-        mr, conns, peer = self.local.mr, eng._conns, conn.peer
+        conn, token, poster = self._conn, self._token, self._poster
+        mr, conns, peer = self.local.mr, self._conns, conn.peer
         ready = ConnState.READY
         what = "put" if opcode == verbs.WR_RDMA_WRITE else "get"
 
@@ -324,13 +348,12 @@ class Channel:
             except IndexError:
                 return False
             conn.direct_busy = True
-            # Connection._remote is what Connection.remote_regions returns.
             if (
                 conn.state is not ready
-                or conn._remote is not remotes
+                or conn.remote_regions is not remotes
                 or mr.closed
                 or conn.channel is not None
-                or eng._closed
+                or poster.closed
                 or conns.get(peer) is not conn
             ):
                 self._end()
@@ -340,7 +363,7 @@ class Channel:
             except BaseException as exc:
                 self._post_raised(exc)
                 raise
-            eng._lane_posts += 1  # after the post: nothing between the checks and it
+            self._poster.lane_posts += 1  # after the post: nothing between the checks and it
             if got is None:
                 got = self._wait(timeout, n, what)
             if got[0] == 0:
@@ -390,8 +413,8 @@ class Channel:
         return ConnectionFailed(f"connection to {self.peer} failed: {why}")
 
     def _local_closed(self) -> NoReturn:
-        if self._closed or self._engine.closed:
-            with self._engine._lock:
+        if self._closed or self._poster.closed:
+            with self._lock:
                 self._refuse()
         raise RegistrationError(f"local region {self.local!r} was deregistered")
 
@@ -435,10 +458,11 @@ class Channel:
         is why).  Then free the direct lane and the channel, and :meth:`_after`.  A
         request still out when the connection fails ends with the failure's flush, which
         nobody needs to wait for."""
-        eng, conn = self._engine, self._conn
+        conn = self._conn
         if reason:
-            with eng._lock:
-                eng._fail(conn, reason, error)
+            with self._lock:
+                self._host.fail(conn, reason, error)
+            self._poster.wake_if_due()  # the goodbye the failure queued
         conn.direct_busy = False
         self._token.append(None)
         self._after()
@@ -446,17 +470,16 @@ class Channel:
     def _after(self) -> None:
         """After the lane was freed: release a notification held behind the call (engine
         lock; the queueing side looks at the lane again after holding, so one of the two
-        always sees the other, see ``Engine._queue``), and have the progress thread free
+        always sees the other, see ``Queuer.queue``), and have the progress thread free
         a connection that was dropped meanwhile."""
-        eng, conn = self._engine, self._conn
+        conn = self._conn
         if conn.held:
-            with eng._lock:
+            with self._lock:
                 if conn.release_held() and not conn.lanes[0].window.poster:
-                    eng._want_post(conn.lanes[0])
-            if eng._wake_due:
-                eng._wake()
+                    self._poster.want_post(conn.lanes[0])
+            self._poster.wake_if_due()
         if conn.state is ConnState.CLOSED:
-            eng._wake()
+            self._poster.wake()
 
     # -- the slow path of errors -----------------------------------------------------------
     def _checked(self, lo: Any, ro: Any, n: Any) -> tuple[int, int, int]:
@@ -500,7 +523,7 @@ class Channel:
         """Why a call cannot start (engine lock held)."""
         if self._closed:
             raise StateError(f"channel to {self.peer} is closed")
-        self._engine._check_open()
+        self._host.check_open()
         conn = self._conn
         if conn.state is not ConnState.READY:
             conn.check_ready()

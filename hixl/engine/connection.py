@@ -32,7 +32,7 @@ import secrets
 import socket
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -40,16 +40,22 @@ from hixl.core import notify, wire
 from hixl.core.ratelimit import Budget
 from hixl.core.seal import Opener, Sealer
 from hixl.core.states import ConnEvent, ConnState, next_state
-from hixl.core.window import Batch, SendWindow
+from hixl.core.window import Batch, Chunk, SendWindow
 from hixl.core.wire import RemoteRegion
+from hixl.engine.locks import assert_unlocked
 from hixl.errors import ConnectionFailed, HandshakeError, HixlError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
+from hixl.verbs.chain import SlotRing
 
-if TYPE_CHECKING:
-    from hixl.engine.datapath import LaneRing
-    from hixl.engine.engine import Engine
-
-__all__ = ["Connection", "Lane", "MAX_OUTBOX", "MAX_REMOTE_END", "RECV_SLOTS"]
+__all__ = [
+    "Connection",
+    "ConnectionHost",
+    "Lane",
+    "LaneRing",
+    "MAX_OUTBOX",
+    "MAX_REMOTE_END",
+    "RECV_SLOTS",
+]
 
 RECV_SLOTS = 64  # receive buffers per connection, for notifications
 DIRECT_SQ_DEPTH = 2  # send slots of the direct lane: a channel has one request out at a time
@@ -64,6 +70,47 @@ CONTROL_MSGS_PER_S = 2000
 
 _QI = TypeVar("_QI", wire.Info, wire.Accept)
 _KEYS = itertools.count(1)  # Connection.note_key
+
+
+class ConnectionHost(Protocol):
+    """What a :class:`Connection` needs of its engine to make its queue pairs."""
+
+    @property
+    def device(self) -> verbs.Device: ...
+
+    @property
+    def qp_timeout(self) -> int: ...
+
+    @property
+    def sq_depth(self) -> int: ...
+
+    @property
+    def send_cq(self) -> verbs.CompletionQueue: ...
+
+    @property
+    def recv_cq(self) -> verbs.CompletionQueue: ...
+
+
+class LaneRing(SlotRing):
+    """A lane's ring of single messages (see :meth:`hixl.engine.single.SinglePaths._ring_enqueuer`):
+    a :class:`~hixl.verbs.chain.SlotRing` and what the engine knows of its slots.
+
+    ``written`` slots were written so far and ``released`` of them went out (their post
+    returned), so ``written - released`` slots are taken; slot ``written % capacity`` is
+    the next.  ``open`` is the chunk the last message went into, which the next one
+    joins while the window lets it grow; it holds the messages from ``open_at`` to
+    ``written``, and its end is set when it closes (``Poster.close_ring_chunk``).
+    Engine lock.
+    """
+
+    __slots__ = ("open", "open_at", "released", "written")
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.written = 0
+        self.released = 0
+        self.open: Chunk | None = None
+        self.open_at = 0
 
 
 class Lane:
@@ -108,7 +155,12 @@ class Connection:
     """
 
     def __init__(
-        self, engine: Engine, peer: str, outbound: bool, lanes: int = 1, direct: bool = False
+        self,
+        engine: ConnectionHost,
+        peer: str,
+        outbound: bool,
+        lanes: int = 1,
+        direct: bool = False,
     ) -> None:
         self.peer = peer
         self.outbound = outbound
@@ -116,7 +168,9 @@ class Connection:
         self.failure: str | None = None
         self.mtu = 0
         self.sent_regions: tuple[RemoteRegion, ...] = ()  # what our handshake message carried
-        self._remote: tuple[RemoteRegion, ...] = ()
+        # The regions the peer exposes to us (its latest announcement), read without the lock:
+        # a whole tuple swapped in one store.  Set only by set/update_remote_regions.
+        self.remote_regions: tuple[RemoteRegion, ...] = ()
         self._remote_map: dict[tuple[int, int], RemoteRegion] = {}  # by (rkey, addr)
         # Liveness probe (engine lock): the nonce of our last PING, when it went out, and
         # when a PONG with that nonce came back.
@@ -138,7 +192,7 @@ class Connection:
         # Round robin over the lanes for single requests: next(lane_cycle) (a C call,
         # no Python frame per message); made again whenever ``lanes`` is set.
         self.lane_cycle: Iterator[Lane] = itertools.cycle(self.lanes)
-        self.held = 0  # notifications waiting for the other lanes (see Engine._queue)
+        self.held = 0  # notifications waiting for the other lanes (see Queuer.queue)
         # The direct lane (see Channel): the QP made after the lanes, on a CQ of its own;
         # connected when the peer made one too.  ``direct_busy``: a channel's call is
         # under way on it (written by that call without the engine lock; read under it:
@@ -215,16 +269,11 @@ class Connection:
         """The QP numbers of every lane made, connected or not."""
         return tuple(lane.qpn for lane in self._all)
 
-    @property
-    def remote_regions(self) -> tuple[RemoteRegion, ...]:
-        """The regions the peer exposes to us (its latest announcement)."""
-        return self._remote
-
     def remote_region(self, name: str) -> RemoteRegion:
         """The peer's region registered under ``name``; :class:`RegistrationError` if none."""
-        found = [r for r in self._remote if r.name == name]
+        found = [r for r in self.remote_regions if r.name == name]
         if len(found) != 1:
-            names = sorted({r.name for r in self._remote if r.name})
+            names = sorted({r.name for r in self.remote_regions if r.name})
             what = "no" if not found else f"{len(found)}"
             raise RegistrationError(
                 f"peer {self.peer} has {what} region named {name!r} (named regions: {names})"
@@ -236,12 +285,12 @@ class Connection:
 
         Raises :class:`RegistrationError` when no region the peer exposes holds it.
         """
-        for r in self._remote:
+        for r in self.remote_regions:
             if r.addr <= addr and addr + nbytes <= r.addr + r.length:
                 return r
         raise RegistrationError(
             f"remote memory not registered: addr={addr:#x} nbytes={nbytes} is in no region "
-            f"peer {self.peer} exposes ({len(self._remote)} regions)"
+            f"peer {self.peer} exposes ({len(self.remote_regions)} regions)"
         )
 
     def exposes(self, region: RemoteRegion) -> bool:
@@ -256,7 +305,7 @@ class Connection:
         """
         self._check_reachable(regions)
         self._remote_map = {(r.rkey, r.addr): r for r in regions}
-        self._remote = tuple(self._remote_map.values())
+        self.remote_regions = tuple(self._remote_map.values())
 
     def update_remote_regions(
         self, add: tuple[RemoteRegion, ...], remove: tuple[RemoteRegion, ...]
@@ -278,7 +327,7 @@ class Connection:
                 f"peer {self.peer} would expose {len(new)} regions (at most {wire.MAX_REGIONS})"
             )
         self._remote_map = new
-        self._remote = tuple(new.values())
+        self.remote_regions = tuple(new.values())
 
     def _check_reachable(self, regions: tuple[RemoteRegion, ...]) -> None:
         for r in regions:
@@ -293,7 +342,7 @@ class Connection:
     def __repr__(self) -> str:
         return (
             f"<Connection peer={self.peer} qpn={self.qpn:#x} state={self.state.name} "
-            f"mtu={self.mtu} regions={len(self._remote)}>"
+            f"mtu={self.mtu} regions={len(self.remote_regions)}>"
         )
 
     # -- state ---------------------------------------------------------------------------
@@ -424,6 +473,7 @@ class Connection:
         # A copy: send() releases the GIL, and a bytearray with a live export cannot grow
         # when another thread queues a message meanwhile.  Only this thread removes bytes.
         data = bytes(self._outbox[:65536])
+        assert_unlocked(f"a control message to {self.peer}")
         try:
             sent = self.sock.send(data)
         except (BlockingIOError, InterruptedError):

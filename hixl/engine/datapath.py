@@ -43,7 +43,7 @@ from hixl.core.wire import RemoteRegion
 from hixl.engine.regions import Access, Region
 from hixl.errors import ArgumentError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
-from hixl.verbs.chain import ChainMemory, SendChain, SlotRing
+from hixl.verbs.chain import ChainMemory, SendChain
 
 if TYPE_CHECKING:
     from hixl.core.window import Chunk
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Built",
-    "LaneRing",
     "NotifySlots",
     "PLAN_CACHE",
     "Planner",
@@ -70,7 +69,8 @@ CHAIN_WRS_PER_KEY = 4096  # WRs of idle chains kept for one layout (at least 4 c
 POSTED_BATCHES = 64  # posted batches whose chains wait to be pooled (older ones are dropped)
 SIZED_KEYS = 64  # layouts remembered per chain size for refilling (older ones are dropped)
 SIZED_SIZES = 256  # chain sizes indexed for refilling (the index starts over past this)
-CHAIN_RESERVE = 2 << 20  # bytes of chain memory touched when the engine is made (8192 WRs fit)
+CHAIN_RESERVE = 2 << 20  # bytes of chain memory touched when the engine is made
+CHAIN_BLANK = 8192  # WRs (and SGEs) of the chain formatted in that memory when the engine is made
 
 
 def signal_interval(sq_depth: int) -> int:
@@ -125,12 +125,12 @@ class Template:
     # for building its chain through cffi alone (:meth:`SendChain.single`); else None.
     single: tuple[int, int, int] | None = None
     # The engine's lent channel for repeating it blocking on the direct lane (made on
-    # first use by Engine._on_lane; a holder, since the template is frozen).
+    # first use by SinglePaths._on_lane; a holder, since the template is frozen).
     lane: list[Any] = field(default_factory=list)
     # The engine's functions for its lane's ring, made on first use: [the one that queues
-    # it at given addresses (Engine._ring_enqueuer), and, once put_async/get_async kept it
-    # (Engine._remember_ring), the peer's region as named by the call and the runner for
-    # calls of that form (Engine._ring_runner)].
+    # it at given addresses (SinglePaths._ring_enqueuer), and, once put_async/get_async kept it
+    # (SinglePaths._remember_ring), the peer's region as named by the call and the runner for
+    # calls of that form (SinglePaths._ring_runner)].
     ring: list[Any] = field(default_factory=list)
 
 
@@ -150,6 +150,15 @@ class Planner:
         # and taken back when a chain is freed, so a first transfer pays no page faults.
         self.memory = ChainMemory(CHAIN_RESERVE)
         self._warm_up()
+        # One chain formatted in that memory now (links, one SGE per WR, WRITE): the
+        # first plan whose chain would take memory of that size class (more than half
+        # as many WRs) takes it, cut to its size, instead of formatting a new chain
+        # (see _chain_for).  A list: taken by one atomic pop.
+        self._blank = [
+            SendChain.blank(
+                CHAIN_BLANK, CHAIN_BLANK, verbs.WR_RDMA_WRITE, self.memory, one_each=True
+            )
+        ]
         self._plans: dict[tuple[Any, ...], Plan] = {}
         self._chains: dict[tuple[Any, ...], list[Built]] = {}  # idle chains by layout
         self._chain_bytes = 0  # bytes held by idle chains (approximate: no lock)
@@ -170,6 +179,7 @@ class Planner:
         self._chains.clear()
         self._sized.clear()
         self._plans.clear()
+        self._blank.clear()
         self._chain_bytes = 0
         self.memory.close()
 
@@ -320,8 +330,13 @@ class Planner:
     ) -> SendChain:
         """``plan``'s chain when no idle chain of its layout is pooled: an idle chain of
         another layout with as many WRs and SGEs, filled anew (no allocation: a fill into
-        memory in use costs well under half of a new chain's, see ``bench_build.py``), or
-        a new chain."""
+        memory in use costs well under half of a new chain's, see ``bench_build.py``),
+        else the blank chain formatted when the engine was made, if it is still unused
+        and the plan's chain would be of its size class, else a new chain.
+
+        A refilled chain keeps its old ``wr_id``s and flags: every chain built here is
+        signaled over its whole length (``set_signals``) before it is posted, which
+        rewrites them (:meth:`Engine._queue`)."""
         kw: dict[str, Any] = {
             "opcode": opcode,
             "local_addr": local_addr,
@@ -333,9 +348,23 @@ class Planner:
         if plan.num_wrs > 1:
             idle = self._take_sized((plan.num_wrs, plan.num_sges))
             if idle is not None:
-                idle.chain.fill_plan(plan, **kw)
+                idle.chain.fill_plan(plan, keep_ids=True, **kw)
                 self.chains_refilled += 1
                 return idle.chain
+            if (
+                self._blank
+                and CHAIN_BLANK // 2 < plan.num_wrs <= CHAIN_BLANK
+                and plan.num_sges <= CHAIN_BLANK
+            ):
+                try:
+                    chain = self._blank.pop()
+                except IndexError:  # another thread took it
+                    pass
+                else:
+                    chain.shrink(plan.num_wrs, plan.num_sges)
+                    chain.fill_plan(plan, keep_ids=True, **kw)
+                    self.chains_built += 1
+                    return chain
         self.chains_built += 1
         return SendChain.for_plan(plan, memory=self.memory, **kw)
 
@@ -596,28 +625,6 @@ def ranges_key(
     if type(ldesc) is ContiguousDesc and type(rdesc) is ContiguousDesc:
         return (_RANGES, peer, op, local, remote, ldesc.nbytes, rdesc.nbytes)
     return None
-
-
-class LaneRing(SlotRing):
-    """A lane's ring of single messages (see :meth:`hixl.engine.engine.Engine._ring_enqueuer`):
-    a :class:`~hixl.verbs.chain.SlotRing` and what the engine knows of its slots.
-
-    ``written`` slots were written so far and ``released`` of them went out (their post
-    returned), so ``written - released`` slots are taken; slot ``written % capacity`` is
-    the next.  ``open`` is the chunk the last message went into, which the next one
-    joins while the window lets it grow; it holds the messages from ``open_at`` to
-    ``written``, and its end is set when it closes (``Engine._close_ring_chunk``).
-    Engine lock.
-    """
-
-    __slots__ = ("open", "open_at", "released", "written")
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
-        self.written = 0
-        self.released = 0
-        self.open: Chunk | None = None
-        self.open_at = 0
 
 
 class NotifySlots:

@@ -7,7 +7,6 @@ The threading and locking rules are in the package docstring (:mod:`hixl.engine`
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import secrets
 import socket
@@ -18,35 +17,30 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from hixl.core import notify, wire
-from hixl.core.descriptors import ContiguousDesc, Descriptor
+from hixl.core.descriptors import Descriptor
 from hixl.core.notify import Notification
 from hixl.core.plan import DeviceLimits, Op
 from hixl.core.seal import IntegrityError, Opener, Sealer
 from hixl.core.states import ConnEvent, ConnState
-from hixl.core.window import MAX_BATCHES, Batch, Chunk
-from hixl.core.wire import MAX_LANES, RemoteRegion
-from hixl.engine.channel import Channel, LaneBusy
+from hixl.core.window import MAX_BATCHES, Chunk
+from hixl.core.wire import RemoteRegion
+from hixl.engine.channel import Channel
+from hixl.engine.config import EngineConfig, is_loopback
 from hixl.engine.connection import RECV_SLOTS, Connection, Lane
 from hixl.engine.datapath import (
     Built,
-    LaneRing,
     NotifySlots,
     Planner,
-    Template,
     ranges_key,
     resolve_remote,
     signal_interval,
 )
 from hixl.engine.handles import (
-    SPIN_S,
-    GroupHandle,
-    MemberHandle,
     TransferHandle,
     TransferRequest,
-    TransferStatus,
 )
 from hixl.engine.handshake import (
     PROBE_S,
@@ -59,12 +53,16 @@ from hixl.engine.handshake import (
 )
 from hixl.engine.inbox import Inbox
 from hixl.engine.kv import KVBlocks, KVCache
+from hixl.engine.locks import engine_lock
 from hixl.engine.names import Names
-from hixl.engine.progress import POLL_BATCH, Progress
+from hixl.engine.posting import POLL_BATCH, Poster
+from hixl.engine.progress import Progress
+from hixl.engine.queueing import Queuer
+from hixl.engine.reaping import SendReaper
 from hixl.engine.regions import Access, Region, buffer_span
+from hixl.engine.single import LentLane, SinglePaths
 from hixl.errors import (
     ArgumentError,
-    CompletionError,
     ConnectionFailed,
     HandshakeError,
     HixlError,
@@ -75,7 +73,7 @@ from hixl.errors import (
 )
 from hixl.verbs import adapter as verbs
 from hixl.verbs.adapter import gid_to_str
-from hixl.verbs.chain import WR_BYTES, WR_SLOT, SendChain
+from hixl.verbs.chain import SendChain
 
 if TYPE_CHECKING:
     from hixl.registry import Registry, Watch
@@ -85,21 +83,10 @@ __all__ = ["Diagnostics", "Engine"]
 log = logging.getLogger("hixl.engine")
 
 SEND_NOTIFY_SLOTS = 256  # notifications in flight per engine
-TEMPLATES = 1024  # single requests kept checked and planned (see Engine._one)
-RING_SLOTS = 256  # slots of a lane's ring of single messages (at most the queue's depth)
 #: Longest :meth:`Engine.channel` waits for a blocking put or get on the direct lane.
 CHANNEL_WAIT_S = 60.0
-#: A request of a few WRs but at least this many bytes is signalled in smaller groups,
-#: so that it is cut over the lanes like a long one (see _spread).
-SPREAD_BYTES = 128 * 1024
 # Room left in a handshake message for everything but the exposed regions, bytes.
 _REGION_BYTES = wire.MAX_PAYLOAD - 4096
-# Engine._ring_runner's function: (peer, local, remote, local_desc, remote_desc, timeout)
-# -> the handle, or None when the call is not the runner's or cannot go its way.
-_RingRun = Callable[[str, Region, Any, Any, Any, float], TransferHandle | None]
-# Engine._ring_enqueuer's function: (sge_addr, remote_addr, timeout) -> the handle, or
-# None when the template went stale.
-_RingQueue = Callable[[int, int, float], TransferHandle | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +146,8 @@ class Engine:
     bounds how long a silent peer takes to fail a transfer.  ``max_peers``
     caps connections, checked before a queue pair is made or any key sent.
     ``max_handshakes`` and ``max_handshakes_per_source`` cap incoming
-    handshakes under way, in all and from one IP address (over either, a
+    handshakes under way, in all and from one source (an IPv4 address, all of
+    127.0.0.0/8 as one, or an IPv6 /64; over either, a
     client is answered ERROR(BUSY) and asks again); ``handshake_timeout``
     bounds a whole handshake, each of its steps has a shorter deadline.
     ``max_notifications_per_peer`` and ``max_notifications`` bound
@@ -167,7 +155,7 @@ class Engine:
     connection is granted ``min(max_notifications_per_peer, max_notifications //
     max_peers)`` credits, a sender out of credits waits for the application here
     to take some (its call fails with TransferTimeout at its deadline; nothing
-    else fails), and at the total the peer holding the most loses its oldest
+    else fails), and at the total the departed peer holding the most loses its oldest
     (see :mod:`hixl.engine.inbox`).  ``completion_events=False`` makes the progress thread
     poll the CQs instead of sleeping on completion channels (a test hook).
     ``lanes`` is how many queue pairs a connection sends its work over (as many as both
@@ -185,8 +173,9 @@ class Engine:
     proxy, whose connections come from another address than their id names.
 
     Without a token any client that reaches the port learns the rkeys of
-    every remotely accessible region; an engine listening on an address
-    other than loopback without one logs a WARNING once.
+    every remotely accessible region, so an engine that listens on an address
+    other than loopback (``0.0.0.0`` included) needs a token, or
+    ``insecure=True`` to run open on purpose (it then logs a WARNING once).
 
     ``registry`` (a URL such as ``"etcd://10.0.0.1:2379"`` or ``"memory://NAME"``, or a
     :class:`hixl.registry.Registry` the caller shares) lets :meth:`connect` take peer
@@ -194,9 +183,10 @@ class Engine:
     device's GID and MTU, ``capacity``) under a lease that ends with the engine. Without a
     registry nothing is needed: peers are ``"ip:port"`` as always.
 
-    Raises :class:`ArgumentError` for a bad id, an empty token or a limit
-    below 1, :class:`DeviceError` when no device is usable, :class:`OSError`
-    when the address cannot be bound, :class:`~hixl.errors.RegistryUnavailable`
+    Raises :class:`ArgumentError` for a bad id, an empty token, a limit below 1
+    or a non-loopback listening address with neither a token nor ``insecure=True``,
+    :class:`DeviceError` when no device is usable, :class:`OSError` when the
+    address cannot be bound, :class:`~hixl.errors.RegistryUnavailable`
     naming the registry when it does not answer.
     """
 
@@ -226,46 +216,32 @@ class Engine:
         role: str = "engine",
         capacity: int = 0,
         trust_peer_hosts: bool = False,
+        insecure: bool = False,
     ) -> None:
         self._closed = True  # until fully built, so __del__ stays quiet on failure
-        try:
-            host, tcp_port = wire.parse_engine_id(engine_id)
-        except ValueError as exc:
-            raise ArgumentError(f"bad engine id {engine_id!r}: {exc}") from exc
-        limits = {
-            "max_peers": max_peers,
-            "max_handshakes": max_handshakes,
-            "max_handshakes_per_source": max_handshakes_per_source,
-            "max_notifications_per_peer": max_notifications_per_peer,
-            "max_notifications": max_notifications,
-        }
-        for what, value in limits.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ArgumentError(f"{what} must be an integer >= 1, got {value!r}")
-        if handshake_timeout <= 0:
-            raise ArgumentError(f"handshake_timeout must be > 0 seconds, got {handshake_timeout}")
-        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
-            raise ArgumentError(f"lanes must be an integer in [1, {MAX_LANES}], got {lanes!r}")
-        self._lanes = lanes
-        # One more queue pair per connection for a Channel, while the wire has room for it.
-        self._direct_lane = bool(direct_lane) and lanes < MAX_LANES
-        if gil_switch_interval is not None:
-            if not 0 < gil_switch_interval <= 1:
-                raise ArgumentError(
-                    f"gil_switch_interval must lie in (0, 1] seconds or be None, "
-                    f"got {gil_switch_interval!r}"
-                )
-            if sys.getswitchinterval() > gil_switch_interval:
-                sys.setswitchinterval(gil_switch_interval)
+        cfg = EngineConfig.check(
+            engine_id,
+            token=token,
+            lanes=lanes,
+            direct_lane=direct_lane,
+            handshake_timeout=handshake_timeout,
+            max_peers=max_peers,
+            max_handshakes=max_handshakes,
+            max_handshakes_per_source=max_handshakes_per_source,
+            max_notifications_per_peer=max_notifications_per_peer,
+            max_notifications=max_notifications,
+            gil_switch_interval=gil_switch_interval,
+            name=name,
+            has_registry=registry is not None,
+            insecure=insecure,
+        )
+        host, tcp_port = cfg.host, cfg.tcp_port
+        self._lanes = cfg.lanes
+        self._direct_lane = cfg.direct_lane
+        if gil_switch_interval is not None and sys.getswitchinterval() > gil_switch_interval:
+            sys.setswitchinterval(gil_switch_interval)  # asked for by name (see above)
         self._names: Names | None = None
-        if name is not None and registry is None:
-            raise ArgumentError(f"name={name!r} needs registry= (an etcd:// or memory:// URL)")
-        if name is not None and not tcp_port:
-            raise ArgumentError(
-                f"name={name!r}: an engine that does not listen (port 0 in {engine_id!r}) "
-                "cannot be announced"
-            )
-        self._token = _token_bytes(token)
+        self._token = cfg.token
         if registry is not None:
             # Before the device, so that an unreachable registry fails before it is opened.
             self._names = Names(registry, self._peer_gone)
@@ -274,7 +250,7 @@ class Engine:
         self._max_notes = max_notifications
         self.qp_timeout = qp_timeout
         self._max_peers = max_peers
-        self._lock = threading.RLock()
+        self._lock = engine_lock()
         self._notify_cv = threading.Condition(self._lock)
         self._credit_cv = threading.Condition(self._lock)  # notification credits came back
         try:
@@ -320,17 +296,6 @@ class Engine:
         # register_kv, put_blocks, get_blocks.  A weak host: the parts hold no strong reference
         # back, so an engine dropped without close() is still collected (and warns).
         self._kv = KVBlocks(weakref.proxy(self), self._planner.memory)
-        self._templates: dict[tuple[Any, ...], Template] = {}
-        self._last_template: tuple[tuple[Any, ...], Template] | None = None
-        # The last blocking put and get that ran on a direct lane, as (arguments, run):
-        # the same call again goes straight to ``run`` (see Channel.repeat_runner).
-        self._repeat_put: tuple[tuple[Any, ...], Callable[[float], bool]] | None = None
-        self._repeat_get: tuple[tuple[Any, ...], Callable[[float], bool]] | None = None
-        # The last asynchronous put and get of two ContiguousDesc that went into a lane's
-        # ring, as a function that queues a call of the same regions and sizes at any
-        # offsets, or returns None (see _ring_runner).
-        self._ring_put: _RingRun | None = None
-        self._ring_get: _RingRun | None = None
         self._regions: dict[tuple[int, int], Region] = {}
         self._conns: dict[str, Connection] = {}
         self._by_qpn: dict[int, Lane] = {}  # every lane made, connected or not
@@ -341,26 +306,30 @@ class Engine:
         # registration order, and the bytes they take in a handshake message.
         self._exposed_map: dict[tuple[int, int], RemoteRegion] = {}
         self._exposed_bytes = 0
-        self._next_wr = 1
-        # Posting (see _start_post): connections whose backlog the progress thread posts,
-        # whether it was woken for them, and batches out (posted outside the lock).
-        self._to_post: dict[int, Lane] = {}
-        self._post_wake = False
-        self._wake_due = False  # _want_post asked for a wake-up: sent once the lock is free
-        self._posters = 0
-        # When a waiter last reaped send completions itself (monotonic); while that is
-        # recent the progress thread does not arm the send CQ (see Progress).
-        self._driven_at = 0.0
-        self._send_posts = 0  # post_send calls for transfers, and the WRs they carried
-        self._posted_wrs = 0
-        self._direct_posts = 0  # of them, blocking single requests posted by their caller
-        self._lane_posts = 0  # and on a direct lane (see _on_lane; not in _direct_posts)
-        self._slot_messages = 0  # single async requests through a lane's ring (_ring_enqueuer)
-        self._post_cv = threading.Condition(self._lock)
+        # Posting: lanes waiting for the progress thread, posters at work, the wake-up due.
+        self._parts = parts = _Host(self)
+        self._poster = Poster(self._lock, self.sq_depth, self._planner, parts)
+        self._reaper = SendReaper(self._by_qpn, self._handles, self._poster, parts)
+        self._queuer = Queuer(
+            self._lock, self._poster, self._planner, self._handles, self._notify_slots,
+            self._every, parts,
+        )  # fmt: skip
+        self._singles = SinglePaths(
+            self._lock, self._planner, self._poster, self._reaper, self._queuer, self.send_cq,
+            self.sq_depth, self._conns, self._handles, self.id, parts,
+        )  # fmt: skip
         self._outgoing: set[Connection] = set()  # connections with control output queued
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
         self._broken: str | None = None  # why the progress thread died, if it did
-        self._progress = Progress(self, listener, (self.send_cq, self.recv_cq), completion_events)
+        self._progress = Progress(
+            self,
+            listener,
+            (self.send_cq, self.recv_cq),
+            completion_events,
+            self._poster,
+            self._reaper,
+        )
+        self._poster.attach(self._progress, self.send_cq, self._reaper.reap_send)
         self._incoming: Listener | None = None
         if listener is not None:
             self._incoming = Listener(
@@ -375,7 +344,7 @@ class Engine:
             )
         self._closed = False
         self._progress.start()
-        if listener is not None and self._token is None and not _is_loopback(host):
+        if listener is not None and self._token is None and not is_loopback(host):
             log.warning(
                 "engine %s listens on a non-loopback address without a token: any client "
                 "that reaches the port gets the rkeys of every remotely accessible region; "
@@ -427,7 +396,7 @@ class Engine:
 
     def diagnostics(self) -> Diagnostics:
         """A snapshot of the progress thread and tables (see :class:`Diagnostics`)."""
-        thread = self._progress.thread
+        thread, poster = self._progress.thread, self._poster
         with self._lock:
             return Diagnostics(
                 progress_thread_id=thread.native_id,
@@ -440,11 +409,11 @@ class Engine:
                 refused_busy=self._incoming.refused_busy if self._incoming is not None else 0,
                 notifications=len(self._inbox),
                 notifications_dropped=self._inbox.dropped,
-                send_posts=self._send_posts + self._direct_posts + self._lane_posts,
-                posted_wrs=self._posted_wrs + self._direct_posts + self._lane_posts,
-                direct_posts=self._direct_posts + self._lane_posts,
-                lane_posts=self._lane_posts,
-                slot_messages=self._slot_messages + self._open_messages(),
+                send_posts=poster.send_posts + poster.direct_posts + poster.lane_posts,
+                posted_wrs=poster.posted_wrs + poster.direct_posts + poster.lane_posts,
+                direct_posts=poster.direct_posts + poster.lane_posts,
+                lane_posts=poster.lane_posts,
+                slot_messages=self._poster.slot_messages + self._open_messages(),
                 chains_built=self._planner.chains_built,
                 chains_refilled=self._planner.chains_refilled,
             )
@@ -468,6 +437,7 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
+            self._poster.closed = True
             names, self._names = self._names, None
         if names is not None:
             names.close()
@@ -478,13 +448,14 @@ class Engine:
                 h.finish(StateError(f"engine {self.id} closed while the transfer was pending"))
             self._handles.clear()
             self._notify_cv.notify_all()
+        self._poster.wake_if_due()
         self._progress.stop()
         with self._lock:  # a thread still posting a batch to a queue pair about to go
             until = time.monotonic() + 10.0
-            while (self._posters or any(c.direct_busy for c in self._dead)) and (
+            while (self._poster.posters or any(c.direct_busy for c in self._dead)) and (
                 time.monotonic() < until
             ):
-                self._post_cv.wait(0.1)  # (a channel call ends without notifying: polled)
+                self._poster.post_cv.wait(0.1)  # (a channel call ends without notifying: polled)
         if self._incoming is not None:
             self._incoming.close()  # the progress thread is gone: nobody else touches it
         if self._listener is not None:
@@ -492,10 +463,7 @@ class Engine:
         self._release_dead()
         self._progress.close()
         self._regions.clear()
-        self._templates.clear()
-        self._last_template = None
-        self._repeat_put = self._repeat_get = None
-        self._ring_put = self._ring_get = None
+        self._singles.clear()
         self._dev.close()
         with self._lock:
             self._notify_slots.close()
@@ -585,6 +553,7 @@ class Engine:
                 self._exposed_bytes += size
                 self._announce(add=(remote,))
             self._regions[(addr, length)] = region
+        self._poster.wake_if_due()
         log.debug("registered %r", region)
         return region
 
@@ -601,6 +570,7 @@ class Engine:
                 self._exposed_bytes -= wire.region_size(remote)
                 if not self._closed:
                     self._announce(remove=(remote,))
+        self._poster.wake_if_due()
 
     @property
     def regions(self) -> list[Region]:
@@ -639,12 +609,16 @@ class Engine:
                 self._queue_control(conn, msg)
 
     def _queue_control(self, conn: Connection, data: bytes) -> None:
-        """Queue a control message for the progress thread to send (caller holds the lock)."""
+        """Queue a control message for the progress thread to send (caller holds the lock).
+
+        The wake-up is only marked due: whoever let go of the lock last sends it
+        (``Poster.wake_if_due``), since sending it is a system call.
+        """
         if not conn.queue_control(data):
             self._fail(conn, "peer left too many control messages unread")
             return
         self._outgoing.add(conn)
-        self._progress.wake()
+        self._poster.wake_due = True
 
     # -- connections ---------------------------------------------------------------------
     def connect(
@@ -695,6 +669,7 @@ class Engine:
                     stale = self._conns.get(seen.engine)
                     if stale is not None:
                         self._drop(stale, f"{peer} was restarted", send_bye=False)
+                self._poster.wake_if_due()
             peer = ann.engine
 
             def abort() -> str | None:  # the name's process left the registry meanwhile
@@ -718,12 +693,14 @@ class Engine:
                 return old
             if old is not None:
                 self._drop(old, "replaced by a new connection", send_bye=False)
+        self._poster.wake_if_due()
         deadline = time.monotonic() + timeout
         conn = client_handshake(self, peer, (host, port), self._token, deadline, abort)
         reason = None if abort is None else abort()
         if reason is not None:  # it left just before the connection went live: fail it
             with self._lock:
                 self._fail(conn, reason)
+            self._poster.wake_if_due()
             raise ConnectionFailed(f"connection to {peer} failed: {reason}")
         log.debug("connected to %r", conn)
         return conn
@@ -734,6 +711,7 @@ class Engine:
         return len(self._conns) + len(claims - set(self._conns))
 
     def _new_connection(self, peer: str, *, outbound: bool) -> Connection:
+        """An outgoing connection, within ``max_peers``."""
         with self._lock:
             self._check_open()
             if self._peer_count() >= self._max_peers:
@@ -741,10 +719,32 @@ class Engine:
                     f"engine {self.id} already has {self._peer_count()} peers "
                     f"(max_peers={self._max_peers})"
                 )
+        return self._make_connection(peer, outbound)
+
+    def _make_connection(self, peer: str, outbound: bool) -> Connection:
+        """A connection's queue pairs, CQ and receive slots, made outside the lock (each
+        is a system call) and then indexed under it; :meth:`close` waits for the making
+        as it waits for a post (it counts as a poster).  :class:`StateError` once the
+        engine is closed."""
+        with self._lock:
+            self._check_open()
+            self._poster.posters += 1
+        try:
             conn = Connection(self, peer, outbound, self._lanes, self._direct_lane)
-            for lane in conn.all_lanes:
-                self._by_qpn[lane.qpn] = lane
-            return conn
+        except BaseException:
+            with self._lock:
+                self._poster.release_poster()
+            raise
+        with self._lock:
+            if not self._closed:
+                for lane in conn.all_lanes:
+                    self._by_qpn[lane.qpn] = lane
+                self._poster.release_poster()
+                return conn
+        conn.destroy()  # before close() goes on to close the device
+        with self._lock:
+            self._poster.release_poster()
+        raise StateError(f"engine {self.id} is closed")
 
     def _admit(self, peer: str, info: wire.Info, claims: set[str]) -> Admission:
         """Whether a proven client may connect as ``peer``; progress thread, never blocks.
@@ -783,14 +783,13 @@ class Engine:
                 )
             if old is not None:
                 self._drop(old, f"replaced by a new connection from {peer}", send_bye=False)
-            try:
-                conn = Connection(
-                    self, peer, outbound=False, lanes=self._lanes, direct=self._direct_lane
-                )
-            except HixlError as exc:
-                return Admission(code=wire.ErrorCode.INTERNAL, message=f"no queue pair: {exc}")
-            for lane in conn.all_lanes:
-                self._by_qpn[lane.qpn] = lane
+        self._poster.wake_if_due()
+        try:
+            conn = self._make_connection(peer, outbound=False)
+        except StateError:
+            return Admission(code=wire.ErrorCode.BUSY, message=f"engine {self.id} is closing")
+        except HixlError as exc:
+            return Admission(code=wire.ErrorCode.INTERNAL, message=f"no queue pair: {exc}")
         try:
             conn.establish(info)
         except HixlError as exc:
@@ -875,6 +874,7 @@ class Engine:
             if added or removed:
                 self._queue_control(conn, wire.encode(wire.Regions(add=added, remove=removed)))
             self._queue_control(conn, wire.encode(wire.Credit(notes=self._inbox.grant)))
+        self._poster.wake_if_due()
 
     def disconnect(self, peer: str) -> None:
         """Close the connection to ``peer``; its pending transfers fail.  Unknown peers: no-op."""
@@ -882,6 +882,7 @@ class Engine:
             conn = self._conns.get(peer)
             if conn is not None:
                 self._drop(conn, f"disconnected by {self.id}", send_bye=True)
+        self._poster.wake_if_due()
 
     def connection(self, peer: str) -> Connection:
         """The connection to ``peer``; :class:`ConnectionFailed` if there is none."""
@@ -902,6 +903,7 @@ class Engine:
             conn = self._conns.get(engine_id)
             if conn is not None and not self._closed:
                 self._fail(conn, reason)
+        self._poster.wake_if_due()
 
     @property
     def registry(self) -> Registry | None:
@@ -973,7 +975,7 @@ class Engine:
                 frame = wire.encode(wire.Bye(reason=text))
             if conn.queue_control(frame):  # best effort: a peer that reads nothing is gone
                 self._outgoing.add(conn)
-                self._progress.wake()
+                self._poster.wake_due = True  # sent once the lock is free (wake_if_due)
         if culprit is not None and error is not None:
             culprit.finish(error)
             self._handles.discard(culprit)
@@ -985,7 +987,7 @@ class Engine:
 
     def _fail_pending(self, conn: Connection, error: HixlError) -> None:
         for lane in conn.all_lanes:
-            self._close_ring_chunk(lane.ring)  # counted, and no message joins it now
+            self._poster.close_ring_chunk(lane.ring)  # counted, and no message joins it now
         chunks = [c for lane in conn.all_lanes for c in lane.window.drain()]
         conn.held = 0
         for chunk in chunks:
@@ -1019,7 +1021,7 @@ class Engine:
         if self._conns.get(conn.peer) is conn:
             del self._conns[conn.peer]
         self._dead.append(conn)
-        self._progress.wake()
+        self._poster.wake_due = True  # the progress thread frees it (sent once the lock is free)
 
     def _release_dead(self) -> None:
         """Send what dropped connections still have queued (best effort), then free them."""
@@ -1034,18 +1036,7 @@ class Engine:
             conn.destroy()
         if dead:
             with self._lock:
-                self._forget_calls(dead)
-
-    def _forget_calls(self, conns: list[Connection]) -> None:
-        """Drop the kept calls (templates and the fast paths made from them) to ``conns``,
-        which are gone: a template holds its connection, and peers come and go (lock
-        held)."""
-        gone = {id(c) for c in conns}
-        for key in [k for k, t in self._templates.items() if id(t.conn) in gone]:
-            del self._templates[key]
-        self._last_template = None
-        self._repeat_put = self._repeat_get = None
-        self._ring_put = self._ring_get = None
+                self._singles.forget(dead)
 
     # -- transfers -----------------------------------------------------------------------
     def put(
@@ -1075,7 +1066,7 @@ class Engine:
         open and no other call is on that lane, else on an idle queue pair.  Otherwise
         it is queued like :meth:`put_async` and waited for.
         """
-        again = self._repeat_put  # the same call as the last one on the lane: no lookup
+        again = self._singles.repeat_put  # the same call as the last one on the lane: no lookup
         if (
             again is not None
             and notify is None
@@ -1083,7 +1074,7 @@ class Engine:
             and again[1](timeout)
         ):
             return
-        handle = self._one(
+        handle = self._singles.one(
             "write",
             peer,
             local,
@@ -1095,7 +1086,7 @@ class Engine:
             timeout,
             now=True,
         )
-        if handle is not None:  # None: posted and completed on this thread (see _solo)
+        if handle is not None:  # None: posted and completed on this thread (see SinglePaths._solo)
             handle.wait()
 
     def get(
@@ -1113,14 +1104,14 @@ class Engine:
         Errors, and the direct post of a repeated single work request, as for
         :meth:`put`.  ``local`` needs ``Access.LOCAL_WRITE``.
         """
-        again = self._repeat_get
+        again = self._singles.repeat_get
         if (
             again is not None
             and again[0] == (peer, local, remote, local_desc, remote_desc)
             and again[1](timeout)
         ):
             return
-        handle = self._one(
+        handle = self._singles.one(
             "read", peer, local, remote, local_desc, remote_desc, None, b"", timeout, now=True
         )
         if handle is not None:
@@ -1149,12 +1140,12 @@ class Engine:
         ones before it are done, it fails with its own status and the later ones with
         the connection.
         """
-        again = self._ring_put  # the last ring template's call: no lookup if it matches
+        again = self._singles.ring_put  # the last ring template's call: no lookup if it matches
         if again is not None and notify is None:
             fast = again(peer, local, remote, local_desc, remote_desc, timeout)
             if fast is not None:
                 return fast
-        handle = self._one(
+        handle = self._singles.one(
             "write",
             peer,
             local,
@@ -1183,12 +1174,12 @@ class Engine:
 
         A get of one work request of one SGE goes through a ring of slots as a put does
         (see :meth:`put_async`)."""
-        again = self._ring_get
+        again = self._singles.ring_get
         if again is not None:
             fast = again(peer, local, remote, local_desc, remote_desc, timeout)
             if fast is not None:
                 return fast
-        handle = self._one(
+        handle = self._singles.one(
             "read", peer, local, remote, local_desc, remote_desc, None, b"", timeout, now=False
         )
         assert handle is not None
@@ -1274,11 +1265,9 @@ class Engine:
         :class:`DescriptorError` (a mismatch of the caches, a bad or repeated destination
         block id), :class:`RegistrationError`; after: as :meth:`put`, naming the request
         and the blocks not known to have landed.  See docs/api.md."""
-        self._kv.transfer(
-            Op.WRITE, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
-            heads=heads, remote_heads=remote_heads, notify=notify,
-            notify_message=notify_message, timeout=timeout, now=True,
-            remote_tensors=remote_tensors,
+        self._blocks(
+            Op.WRITE, True, peer, kv, remote_name, local_blocks, remote_blocks, tensors, heads,
+            remote_heads, remote_tensors, notify, notify_message, timeout,
         ).wait()  # fmt: skip
 
     def get_blocks(
@@ -1299,11 +1288,9 @@ class Engine:
     ) -> None:
         """RDMA READ the peer's blocks ``remote_blocks[i]`` into ``local_blocks[i]`` of
         ``kv``; as :meth:`put_blocks` otherwise (the notification follows the reads)."""
-        self._kv.transfer(
-            Op.READ, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
-            heads=heads, remote_heads=remote_heads, notify=notify,
-            notify_message=notify_message, timeout=timeout, now=True,
-            remote_tensors=remote_tensors,
+        self._blocks(
+            Op.READ, True, peer, kv, remote_name, local_blocks, remote_blocks, tensors, heads,
+            remote_heads, remote_tensors, notify, notify_message, timeout,
         ).wait()  # fmt: skip
 
     def put_blocks_async(
@@ -1323,11 +1310,9 @@ class Engine:
         timeout: float = 30.0,
     ) -> TransferHandle:
         """Start a :meth:`put_blocks`; return its handle."""
-        return self._kv.transfer(
-            Op.WRITE, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
-            heads=heads, remote_heads=remote_heads, notify=notify,
-            notify_message=notify_message, timeout=timeout, now=False,
-            remote_tensors=remote_tensors,
+        return self._blocks(
+            Op.WRITE, False, peer, kv, remote_name, local_blocks, remote_blocks, tensors, heads,
+            remote_heads, remote_tensors, notify, notify_message, timeout,
         )  # fmt: skip
 
     def get_blocks_async(
@@ -1347,11 +1332,34 @@ class Engine:
         timeout: float = 30.0,
     ) -> TransferHandle:
         """Start a :meth:`get_blocks`; return its handle."""
+        return self._blocks(
+            Op.READ, False, peer, kv, remote_name, local_blocks, remote_blocks, tensors, heads,
+            remote_heads, remote_tensors, notify, notify_message, timeout,
+        )  # fmt: skip
+
+    def _blocks(
+        self,
+        op: Op,
+        now: bool,
+        peer: str,
+        kv: KVCache,
+        remote_name: str,
+        local_blocks: object,
+        remote_blocks: object,
+        tensors: Sequence[int] | range | None,
+        heads: tuple[int, int] | None,
+        remote_heads: tuple[int, int] | None,
+        remote_tensors: Sequence[int] | range | None,
+        notify: str | None,
+        notify_message: bytes,
+        timeout: float,
+    ) -> TransferHandle:
+        """The one path of the four block calls: the KV part checks and plans, the
+        engine queues (``now``: a blocking call, posted on this thread when it can)."""
         return self._kv.transfer(
-            Op.READ, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
-            heads=heads, remote_heads=remote_heads, notify=notify,
-            notify_message=notify_message, timeout=timeout, now=False,
-            remote_tensors=remote_tensors,
+            op, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
+            heads=heads, remote_heads=remote_heads, remote_tensors=remote_tensors,
+            notify=notify, notify_message=notify_message, timeout=timeout, now=now,
         )  # fmt: skip
 
     def _queue_chain(
@@ -1369,104 +1377,11 @@ class Engine:
         """Queue a filled chain as one transfer (pooled under ``key`` once posted)."""
         payload = _notify.encode(notify, notify_message) if notify is not None else None
         built = Built(chain, nbytes, key, (0, 0))
-        return self._queue(conn, [built], payload, reads, timeout, now)
+        return self._queuer.queue(conn, [built], payload, reads, timeout, now)
 
     def _idle_chain(self, key: tuple[Any, ...]) -> SendChain | None:
         idle = self._planner.take(key)
         return None if idle is None else idle.chain
-
-    def _one(
-        self,
-        op: str,
-        peer: str,
-        local: Region,
-        remote: RemoteRegion | str,
-        local_desc: Descriptor | None,
-        remote_desc: Descriptor | None,
-        notify: str | None,
-        notify_message: bytes,
-        timeout: float,
-        *,
-        now: bool,
-    ) -> TransferHandle | None:
-        """A single put or get.  One already checked with these very arguments on this
-        connection is repeated from its :class:`~hixl.engine.datapath.Template` (no
-        checks, no planning: what they depend on has not changed, see there).  A pair of
-        :class:`ContiguousDesc` at new offsets reuses the template of the same sizes
-        between the same regions; only the bounds and the alignment are checked.
-
-        None (only with ``now``): the transfer was posted and has completed on this
-        thread (:meth:`_solo`); otherwise its handle."""
-        tkey: tuple[Any, ...] | None = (peer, op, local, remote, local_desc, remote_desc)
-        last = self._last_template  # a loop repeats one call: compared by identity first
-        t: Template | None
-        if last is not None and last[0] == tkey:
-            t = last[1]
-            # Keep this call's objects: an equal but new descriptor per loop then costs
-            # one dataclass comparison, not one per call.
-            self._last_template = (tkey, last[1])
-        else:
-            try:
-                t = self._templates.get(tkey)  # type: ignore[arg-type]
-            except TypeError:  # an unhashable descriptor
-                t, tkey = None, None
-            if t is not None and tkey is not None:
-                self._last_template = (tkey, t)
-        if t is not None:
-            la, ra = t.local_addr, t.remote_addr
-        else:
-            rkey = ranges_key(peer, op, local, remote, local_desc, remote_desc)
-            t = self._templates.get(rkey) if rkey is not None else None
-            if t is not None:
-                where = self._planner.at_offsets(t, local_desc, remote_desc)  # type: ignore[arg-type]
-                if where is None:
-                    t = None  # planned as it is, which raises what is wrong
-                else:
-                    la, ra = where
-        if t is not None:
-            conn = t.conn
-            if (
-                conn.state is ConnState.READY
-                and conn.remote_regions is t.remotes
-                and not t.local.closed
-                and self._conns.get(conn.peer) is conn
-                and timeout > 0
-                and not self._closed
-            ):
-                if notify is None:
-                    if now and t.num_wrs == 1:
-                        if (
-                            t.single is not None
-                            and conn.channel is None
-                            and conn.direct is not None
-                            and self._on_lane(t, la, ra, timeout)
-                        ):
-                            if tkey is not None and (la, ra) == (t.local_addr, t.remote_addr):
-                                self._remember_repeat(t, tkey)
-                            return None
-                        return self._solo(t, la, ra, timeout)
-                    if t.single is not None and not now:
-                        if (
-                            type(local_desc) is ContiguousDesc
-                            and type(remote_desc) is ContiguousDesc
-                        ):
-                            self._remember_ring(t, remote)
-                        lo, _, ro = t.single
-                        ring_handle = self._queue_ring(t, la + lo, ra + ro, timeout)
-                        if ring_handle is not None:
-                            return ring_handle
-                        # The template went stale since the checks above: the general
-                        # path below checks and plans the call again.
-                    else:
-                        return self._queue1(conn, self._planner.rebuild(t, la, ra), timeout, now)
-                else:
-                    payload = _notify.encode(notify, notify_message)
-                    built = [self._planner.rebuild(t, la, ra)]
-                    return self._queue(conn, built, payload, op == "read", timeout, now)
-        req = TransferRequest(
-            op=op, local=local, remote=remote, local_desc=local_desc, remote_desc=remote_desc
-        )
-        return self._submit(peer, [req], notify, notify_message, timeout, now=now, tkey=tkey)
 
     def _submit(
         self,
@@ -1498,513 +1413,13 @@ class Engine:
             t = self._planner.template(conn, requests[0], built[0])
             if t is not None:
                 req = requests[0]
-                # Also under the key of the same sizes at other offsets (see _one).
+                # Also under the key of the same sizes at other offsets (see SinglePaths.one).
                 rkey = ranges_key(
                     peer, req.op, req.local, req.remote, req.local_desc, req.remote_desc
                 )
-                if len(self._templates) >= TEMPLATES - 1:
-                    self._templates.clear()
-                self._templates[tkey] = t
-                if rkey is not None:
-                    self._templates[rkey] = t
+                self._singles.keep(tkey, rkey, t)
         reads = any(r.op == "read" for r in requests)
-        return self._queue(conn, built, payload, reads, timeout, now)
-
-    def _queue(
-        self,
-        conn: Connection,
-        built: list[Built],
-        payload: bytes | None,
-        reads: bool,
-        timeout: float,
-        now: bool,
-    ) -> TransferHandle:
-        """Queue built requests (and a notification) as one transfer; post or hand over."""
-        if len(built) == 1 and payload is None:
-            return self._queue1(conn, built[0], timeout, now)
-        now_s = time.monotonic()
-        nbytes = sum(b.nbytes for b in built)
-        num_wrs = sum(b.chain.num_wrs for b in built)
-        handle = TransferHandle(conn.peer, nbytes, num_wrs, now_s + timeout, self._reap_inline)
-        every = self._every
-        chunks = []
-        for b in built:
-            chunk = Chunk(b.chain, 0, b.chain.num_wrs, handle, every)
-            chunk.built = b
-            chunks.append(chunk)
-        with self._lock:  # ids are taken in queue order: completions rely on it
-            try:
-                self._check_open()
-                conn.check_ready()
-                if payload is not None:  # may wait (lock released): before any id is taken
-                    self._take_credit(conn, handle.deadline, timeout)
-            except HixlError:
-                for b in built:
-                    self._planner.give_back(b)
-                raise
-            placed: list[tuple[Lane, Chunk]] = []
-            for chunk in chunks:
-                chunk.first_id = self._next_wr
-                chunk.every = _every_for(conn, chunk.size, chunk.built.nbytes, every)
-                chunk.groups = chunk.chain.set_signals(self._next_wr, chunk.every)
-                self._next_wr += chunk.groups
-                placed += _spread(chunk, conn)
-            for lane, part in placed:
-                lane.window.queue1(part)
-            handle.chunks_left = len(placed) + (payload is not None)
-            first = conn.lanes[0]  # where the notifications go, after the data
-            if payload is not None:
-                slot = self._notify_slots.take(payload)
-                chunk = Chunk(self._notify_slots.chain, slot, slot + 1, handle, 1, self._next_wr)
-                chunk.notify_slot = slot
-                # Work queued before it on other lanes must complete first: only then has
-                # its data landed (lanes complete in any order among themselves).
-                if conn.behind(chunk.first_id):
-                    chunk.held = True
-                    conn.held += 1
-                    # A channel call ends without the lock: it clears its busy mark, then
-                    # looks at ``held``.  Looking at the lanes again after counting the
-                    # hold means one of the two sides sees the other (see Channel._end).
-                    if not conn.behind(chunk.first_id):
-                        chunk.held = False
-                        conn.held -= 1
-                chunk.groups = chunk.chain.set_signals(self._next_wr, 1, slot, slot + 1)
-                # After READs the SEND is fenced: it starts only once they have completed,
-                # so the peer is told "done" after its memory was read, not before.
-                if reads:
-                    chunk.chain.fence(slot)
-                log.debug(
-                    "notification %r to %s posted%s",
-                    payload.partition(b"\0")[0].decode(),
-                    conn.peer,
-                    " fenced" if reads else "",
-                )
-                self._next_wr += 1
-                first.window.queue1(chunk)
-                placed.append((first, chunk))
-            self._handles.add(handle)
-            lane, batch = self._start_posts([lane for lane, _ in placed], now)
-        self._post_or_wake(lane, batch)
-        return handle
-
-    def _queue1(self, conn: Connection, b: Built, timeout: float, now: bool) -> TransferHandle:
-        """:meth:`_queue` for the common case, one request and no notification."""
-        now_s = time.monotonic()
-        chain = b.chain
-        n = chain.num_wrs
-        handle = TransferHandle(conn.peer, b.nbytes, n, now_s + timeout, self._reap_inline)
-        handle.chunks_left = 1
-        chunk = Chunk(chain, 0, n, handle, self._every)
-        chunk.built = b
-        with self._lock:  # ids are taken in queue order: completions rely on it
-            if self._closed or conn.state is not ConnState.READY:
-                self._planner.give_back(b)
-                self._check_open()
-                conn.check_ready()
-            chunk.first_id = first = self._next_wr
-            if n == 1:
-                chain.signal_one(first)
-                chunk.groups = 1
-            else:
-                chunk.every = _every_for(conn, n, b.nbytes, chunk.every)
-                chunk.groups = chain.set_signals(first, chunk.every)
-            self._next_wr = first + chunk.groups
-            self._handles.add(handle)
-            if chunk.groups > 1 and len(conn.lanes) > 1:  # a long chain: over every lane
-                parts = _spread(chunk, conn)
-                handle.chunks_left = len(parts)
-                for lane, part in parts:
-                    lane.window.queue1(part)
-                lane, batch = self._start_posts([lane for lane, _ in parts], now)
-            else:
-                lane = conn.pick_lane()
-                window = lane.window
-                window.queue1(chunk)
-                if window.poster:
-                    return handle  # the batch being posted takes it next
-                if now and not window.in_flight:
-                    batch = self._start_post(lane, defer=False)
-                else:  # hand it to the progress thread (see _start_post)
-                    self._want_post(lane)
-                    batch = None
-        self._post_or_wake(lane, batch)
-        return handle
-
-    def _queue_ring(
-        self, t: Template, sge_addr: int, remote_addr: int, timeout: float
-    ) -> TransferHandle | None:
-        """An asynchronous request of one WR and one SGE (``t`` placed so that its SGE
-        starts at ``sge_addr`` and its remote range at ``remote_addr``), written into the
-        next slot of a lane's ring (:class:`~hixl.verbs.chain.SlotRing`) by ``t``'s
-        enqueuing function (:meth:`_ring_enqueuer`, made on first use)."""
-        return self._enqueuer_of(t)(sge_addr, remote_addr, timeout)
-
-    def _enqueuer_of(self, t: Template) -> _RingQueue:
-        """``t``'s enqueuing function, kept first in ``t.ring`` (made on first use)."""
-        held = t.ring
-        if not held:
-            held.append(self._ring_enqueuer(t))
-        return held[0]  # type: ignore[no-any-return]
-
-    def _ring_enqueuer(self, t: Template) -> _RingQueue:
-        """``t`` (one WR, one SGE) as a function ``(sge_addr, remote_addr, timeout)`` that
-        writes it, so placed, into the next slot of one of its connection's lanes' rings
-        (round robin) and returns the caller's :class:`MemberHandle`.  What the template
-        fixes (its connection, regions, keys, opcode and size) is bound once here, not
-        read per message.
-
-        While the lane's last queued chunk is this ring's open one and none of it is
-        taken for posting, the message joins it: one more WR, the group's byte count
-        and earliest deadline, and its region if new.  Otherwise the message opens a
-        chunk of its own (:meth:`_open_ring_chunk`).  With every slot waiting for its
-        post, the request is queued as a chain of its own instead.  The poster posts the
-        open chunk with the rest of the backlog and signals the batch's last WR; the
-        slots are free again once that post returned (:meth:`_post`).
-
-        The function returns None, with nothing queued, when the template is stale (the
-        peer announced other regions, ``t``'s local region was deregistered, the
-        connection was replaced): the caller takes the general path, which checks
-        everything again.  These are checked under the lock, for :meth:`_ring_runner`'s
-        calls, which check only their arguments; a closed engine or a connection that
-        is not READY raises as the general path would.
-        """
-        engine = self
-        conn, local, remotes = t.conn, t.local, t.remotes
-        mr = local.mr
-        n, opcode, rkey, lkey = t.nbytes, t.opcode, t.rkey, t.lkey
-        lo, _, ro = t.single  # type: ignore[misc]
-        lock = self._lock
-        ready = ConnState.READY
-        pack = WR_SLOT.pack_into
-        slots = min(RING_SLOTS, self.sq_depth)
-        clock = time.monotonic
-        new, member = object.__new__, MemberHandle
-
-        def enqueue(sge_addr: int, remote_addr: int, timeout: float) -> TransferHandle | None:
-            with lock:
-                if engine._closed or conn.state is not ready:
-                    engine._check_open()
-                    conn.check_ready()
-                # Connection._remote is what Connection.remote_regions returns, and
-                # MemoryRegion.closed what Region.closed does: no property calls per
-                # message.  A READY connection is the one indexed under its peer: it
-                # becomes READY in the same locked step that indexes it (_adopt), only
-                # from CONNECTING, and leaves READY before it is dropped from the index.
-                if conn._remote is not remotes or mr.closed:
-                    return None
-                lane = next(conn.lane_cycle)  # Connection.pick_lane, inline
-                ring = lane.ring
-                if ring is None:
-                    ring = lane.ring = LaneRing(slots)
-                written = ring.written
-                cap = ring.capacity
-                if written - ring.released < cap:
-                    slot = written % cap
-                    chunk = ring.open
-                    # The open chunk is closed before any of it is taken for posting
-                    # (_start_post) and when another opens, so only a wrap (slot 0: a
-                    # chunk is one range of the chain) or a chunk queued after it on the
-                    # lane ends the joining here.  Its end, signal groups and count are
-                    # set when it closes (_close_ring_chunk), not per message.
-                    if chunk is not None and slot and lane.window.last is chunk:
-                        group = chunk.handle
-                        k = written - ring.open_at
-                        regions = chunk.regions
-                        if regions[-1] is not local:  # type: ignore[index]
-                            regions.append(local)  # type: ignore[union-attr]
-                        # A member's deadline is its group's, the earliest of theirs.  A
-                        # message with no shorter timeout than the group's shortest,
-                        # queued later, has a later deadline: no clock reading for it.
-                        if timeout < group.timeout:
-                            group.timeout = timeout
-                            deadline = clock() + timeout
-                            if deadline < group.deadline:
-                                group.deadline = deadline
-                    else:
-                        chunk = engine._open_ring_chunk(lane, ring, slot, local, timeout)
-                        group = chunk.handle
-                        k = 0
-                    group.nbytes += n
-                    group.num_wrs += 1
-                    # SlotRing.write, inline (a call less per message): one unsignaled
-                    # RDMA WR of one SGE in the slot.
-                    pack(
-                        ring.wr_mem,
-                        slot * WR_BYTES,
-                        chunk.first_id + k,
-                        ring.links[slot],
-                        ring.sge_lists[slot],
-                        1,
-                        opcode,
-                        0,
-                        0,
-                        remote_addr,
-                        rkey,
-                        sge_addr,
-                        n,
-                        lkey,
-                    )
-                    ring.written = written + 1
-                    # MemberHandle(group, k, n), without a Python __init__ frame.
-                    handle = new(member)
-                    handle._group = group
-                    handle._index = k
-                    handle.nbytes = n
-                else:
-                    handle = None
-            if handle is None:  # every slot waits for its post: a chain of its own
-                built = engine._planner.rebuild(t, sge_addr - lo, remote_addr - ro)
-                return engine._queue1(conn, built, timeout, False)
-            if engine._wake_due:
-                engine._wake()
-            return handle
-
-        return enqueue
-
-    def _open_ring_chunk(
-        self, lane: Lane, ring: LaneRing, slot: int, local: Region, timeout: float
-    ) -> Chunk:
-        """A new open chunk of ``lane``'s ring starting at ``slot`` (lock held), tracked
-        as one :class:`GroupHandle`, which reserves a block of ``wr_id``s (one per slot
-        the chunk may grow to), so that whatever is queued after it on any lane has
-        higher ids; the poster is asked for unless it will take it anyway."""
-        self._close_ring_chunk(ring)
-        cap = ring.capacity
-        group = GroupHandle(lane.conn.peer, time.monotonic() + timeout, self._reap_inline, timeout)
-        group.chunks_left = 1
-        chunk = Chunk(ring.chain, slot, slot + 1, group, 1, self._next_wr)
-        chunk.groups = 1
-        chunk.regions = [local]
-        chunk.ring = ring
-        self._next_wr += cap
-        ring.open = chunk
-        ring.open_at = ring.written
-        self._handles.add(group)
-        window = lane.window
-        window.queue1(chunk)
-        # A message that joins this chunk later needs no asking: the chunk is then still
-        # queued and not taken, so whoever posts it (asked here, or the poster at work
-        # now) posts the joined slots with it.
-        if not window.poster and lane.qpn not in self._to_post:
-            self._want_post(lane)  # (once asked, the poster takes it with the rest)
-        return chunk
-
-    def _close_ring_chunk(self, ring: LaneRing | None) -> None:
-        """End ``ring``'s open chunk, if it has one, where its last message went (lock
-        held): its stop, its signal groups (one per message) and the diagnostics' count,
-        which its messages do not update one by one.  No message joins it afterwards."""
-        chunk = ring.open if ring is not None else None
-        if chunk is None:
-            return
-        assert ring is not None
-        size = ring.written - ring.open_at
-        chunk.stop = chunk.start + size
-        chunk.groups = size
-        self._slot_messages += size
-        ring.open = None
-
-    def _remember_ring(self, t: Template, remote: RemoteRegion | str) -> None:
-        """Keep ``t`` (a template of two ranges, the peer's region named by ``remote``)
-        for :meth:`put_async` or :meth:`get_async` of the same regions and sizes at any
-        offsets."""
-        enqueue = self._enqueuer_of(t)
-        held = t.ring  # [enqueue, the remote argument, the runner]
-        if len(held) < 3 or held[1] != remote:
-            held[1:] = [remote, self._ring_runner(t, remote, enqueue)]
-        if t.opcode == verbs.WR_RDMA_WRITE:
-            self._ring_put = held[2]
-        else:
-            self._ring_get = held[2]
-
-    def _ring_runner(
-        self, t: Template, remote_arg: RemoteRegion | str, enqueue: _RingQueue
-    ) -> _RingRun:
-        """``t`` (one WR, one SGE, two ranges) into a lane's ring, as one function of a
-        call's arguments: the handle when the call has ``t``'s local region, peer and
-        sizes and ``remote_arg``; None, with nothing queued, when it has not, or when
-        the template is stale, a range leaves its region or breaks the alignment policy,
-        or the timeout is not > 0, and the caller takes the general path, which checks
-        everything again and raises what is wrong.  The checks are those of :meth:`_one`
-        for a template and of :meth:`Planner.at_offsets`: the call's own ones here, the
-        template's in ``enqueue`` (:meth:`_ring_enqueuer`), under its lock."""
-        conn, local, peer = t.conn, t.local, t.conn.peer
-        remote = t.remote
-        size = t.nbytes
-        lo, _, ro = t.single  # type: ignore[misc]
-        lbase, rbase = local.addr + lo, remote.addr + ro  # where the SGE and range start
-        llen, rlen = local.length - size, remote.length - size
-        align = self._planner.alignment or 0
-        ready = ConnState.READY
-        ranges = ContiguousDesc
-
-        def run(
-            peer_: str, local_: Region, remote_: Any, ldesc: Any, rdesc: Any, timeout: float
-        ) -> TransferHandle | None:
-            if (
-                local_ is local
-                and type(ldesc) is ranges
-                and type(rdesc) is ranges
-                and ldesc.nbytes == size
-                and rdesc.nbytes == size
-                and remote_ == remote_arg
-                and peer_ == peer
-            ):
-                loff, roff = ldesc.offset, rdesc.offset
-                if (
-                    loff <= llen
-                    and roff <= rlen
-                    and not (align and (loff % align or roff % align))
-                    and conn.state is ready  # else the general path finds its successor
-                    and timeout > 0
-                ):
-                    return enqueue(lbase + loff, rbase + roff, timeout)
-            return None
-
-        return run
-
-    def _solo(self, t: Template, la: int, ra: int, timeout: float) -> TransferHandle | None:
-        """A blocking request of one WR (``t`` placed at ``la``/``ra``), posted and waited
-        for on this thread when one of the connection's lanes is idle; None once it has
-        completed (its error raised).  The common case of a blocking put or get: no
-        hand-over, no handle to wait on, no batch, and the completion is polled here.
-
-        The chunk goes through the lane's window like any other (:meth:`SendWindow.take_solo`),
-        so whichever thread reaps its completion ends it, a connection failure fails it,
-        and notifications queued meanwhile wait for it.  With no idle lane it is queued as
-        usual and its handle returned.  Past ``timeout`` it fails with
-        :class:`TransferTimeout` and, as any transfer past its deadline, fails the
-        connection.  Counts as a poster until it returns, so :meth:`close` waits for it.
-        """
-        conn = t.conn
-        b = self._planner.rebuild(t, la, ra)
-        chain = b.chain
-        start = time.monotonic()
-        handle = TransferHandle(conn.peer, b.nbytes, 1, start + timeout)
-        handle.chunks_left = 1
-        chunk = Chunk(chain, 0, 1, handle, 1)
-        with self._lock:
-            if self._closed or conn.state is not ConnState.READY:
-                self._planner.give_back(b)
-                self._check_open()
-                conn.check_ready()
-            wr_id = chunk.first_id = self._next_wr
-            chunk.groups = 1
-            for lane in conn.lanes:
-                if lane.window.take_solo(chunk):
-                    self._next_wr = wr_id + 1
-                    self._posters += 1
-                    self._direct_posts += 1  # also a post of one WR, see diagnostics
-                    break
-            else:
-                lane = None
-        if lane is None:  # every lane busy: queued behind their work, as usual
-            return self._queue1(conn, b, timeout, True)
-        chain.signal_one(wr_id)
-        err: HixlError | None = None
-        try:
-            lane.qp.post_whole(chain)
-        except HixlError as exc:
-            err = exc
-        self._planner.give_back(b)  # the provider has copied the WR
-        self._await_solo(lane, err, handle, start)
-        if handle.error is not None:
-            raise handle.error
-        return None
-
-    def _remember_repeat(self, t: Template, tkey: tuple[Any, ...]) -> None:
-        """Keep the blocking call ``tkey`` (peer, op, local, remote and the two
-        descriptors), which just ran on the direct lane at its template's own offsets, so
-        that :meth:`put` or :meth:`get` with the same arguments runs it again at once."""
-        held = t.lane
-        if len(held) < 2:
-            _, dlo, dro, n, ch = held[0]
-            held.append(
-                ch.repeat_runner(t.opcode, t.local_addr + dlo, t.remote_addr + dro, n, t.remotes)
-            )
-        entry = (tkey[:1] + tkey[2:], held[1])
-        if t.opcode == verbs.WR_RDMA_WRITE:
-            self._repeat_put = entry
-        else:
-            self._repeat_get = entry
-
-    def _on_lane(self, t: Template, la: int, ra: int, timeout: float) -> bool:
-        """A blocking request of one WR and one SGE (``t`` placed at ``la``/``ra``) run on
-        the connection's direct lane while no channel holds it: the path of a
-        :class:`Channel` call, through a channel the engine keeps for the template (its
-        regions and access were checked when the template was made; the call checks the
-        offsets again, and the regions' lifetimes).  True once it completed (its error
-        raised); False, with nothing posted, when another call has the lane."""
-        held = t.lane
-        if not held:
-            ch = Channel(self, t.conn, t.local, t.remote, lent=True)
-            lo, n, ro = t.single  # type: ignore[misc]
-            call = ch._put if t.opcode == verbs.WR_RDMA_WRITE else ch._get
-            held.append((call, lo - t.local.addr, ro - t.remote.addr, n, ch))
-        call, dlo, dro, n, _ = held[0]
-        # Counted as it starts, as a direct post is (without the lock: approximate when
-        # several threads put at once); taken back if the lane was not free.
-        self._lane_posts += 1
-        try:
-            call(la + dlo, ra + dro, n, timeout=timeout)
-        except LaneBusy:
-            self._lane_posts -= 1
-            return False
-        return True
-
-    def _await_solo(
-        self, lane: Lane, err: HixlError | None, handle: TransferHandle, start: float
-    ) -> None:
-        """After :meth:`_solo`'s post returned (``err``: the provider refused it): settle
-        the post, then reap the send CQ on this thread until ``handle`` finishes, spinning
-        for :data:`SPIN_S`, then with sleeps of up to 1 ms between polls; then stop
-        counting as a poster (also when a poll raises).  The queue is polled under the
-        lock, as every reaper does (completions of one queue pair are handled in order).
-        The first round settles the post and polls in one turn of the lock."""
-        cq = self.send_cq
-        lock = self._lock
-        spin_until = start + SPIN_S
-        nap = 0.00005
-        settle = True
-        released = False
-        try:
-            while True:
-                with lock:
-                    if settle:
-                        settle = False
-                        self._settle_locked(lane, err, handle)
-                    if self._closed:
-                        handle.finish(
-                            StateError(f"engine {self.id} closed while the transfer was pending")
-                        )
-                        rows = None
-                    else:
-                        rows = cq.poll_rows(POLL_BATCH)
-                        if rows:
-                            self._reap_send(rows)
-                    if handle.status is not TransferStatus.PENDING:
-                        released = True
-                        self._release_poster()
-                if self._wake_due:  # the reap handed other lanes' backlog over
-                    self._wake()
-                if released:
-                    return
-                now = time.monotonic()  # also when others' completions keep coming
-                if now >= handle.deadline:
-                    with lock:
-                        self._fail(
-                            lane.conn,
-                            "a transfer timed out",
-                            _deadline_error(handle),
-                            culprit=handle,
-                        )
-                elif not rows and now >= spin_until:
-                    time.sleep(nap)
-                    nap = min(nap * 2, 0.001)
-        except BaseException:
-            if not released:
-                with lock:
-                    self._release_poster()
-            raise
+        return self._queuer.queue(conn, built, payload, reads, timeout, now)
 
     def channel(self, peer: str, local: Region, remote: RemoteRegion | str) -> Channel:
         """A :class:`~hixl.engine.channel.Channel` to ``peer``: blocking puts and gets of
@@ -2048,7 +1463,7 @@ class Engine:
                     f"connection to {peer} already has an open channel {conn.channel!r}; "
                     "close it first (one channel per connection)"
                 )
-            ch = Channel(self, conn, local, rem)
+            ch = self._new_channel(conn, local, rem, lent=False)
             conn.channel = ch
         # A blocking put or get of this engine's may be finishing on the lane (see
         # _on_lane); from here on none starts there.  Wait for it, without the lock.
@@ -2068,6 +1483,14 @@ class Engine:
             nap = min(nap * 2, 0.001)
         return ch
 
+    def _new_channel(
+        self, conn: Connection, local: Region, remote: RemoteRegion, *, lent: bool
+    ) -> Channel:
+        return Channel(
+            self._parts, conn, local, remote, self._poster, lock=self._lock, conns=self._conns,
+            max_msg_sz=self.limits.max_msg_sz, alignment=self.alignment, lent=lent,
+        )  # fmt: skip
+
     def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0) -> None:
         """Send a notification to ``peer`` alone (after everything posted before it)."""
         self.transfer(peer, [], notify=name, notify_message=message, timeout=timeout)
@@ -2078,188 +1501,6 @@ class Engine:
             chunk.notify_slot = None
 
     # -- posting ---------------------------------------------------------------------------
-    def _start_post(self, lane: Lane, *, defer: bool) -> Batch | None:
-        """Reserve the next batch of ``lane``'s backlog for this thread to post (lock held).
-
-        None when a batch of the lane is already out (its poster takes the rest next),
-        when nothing fits, or with ``defer``: then the progress thread posts, and what
-        callers queue meanwhile goes out with it in one ``post_send`` (coalescing) while
-        they go on running Python.  Blocking calls post to an idle queue pair themselves
-        (one thread hand-off less), and so does a waiter that finds a lane waiting for
-        the progress thread (:meth:`_reap_inline`): two threads then post at once, each
-        to its own lane.
-        """
-        window = lane.window
-        if window.poster or not window.backlog:
-            return None
-        if defer:
-            self._want_post(lane)
-            return None
-        chunk = window.head
-        self._close_ring_chunk(lane.ring)  # none of it is taken while it may still grow
-        try:
-            batch = lane.take_batch(self.sq_depth)
-        except HixlError as exc:
-            culprit = chunk.handle if chunk is not None else None
-            self._fail(lane.conn, f"post_send refused: {exc}", exc, culprit=culprit)
-            return None
-        if batch is not None:
-            self._posters += 1
-            self._send_posts += 1  # counted when reserved: completions may beat the post
-            self._posted_wrs += sum(hi - lo for _, lo, hi in batch.pieces)
-        return batch
-
-    def _start_posts(self, lanes: list[Lane], now: bool) -> tuple[Lane, Batch | None]:
-        """After queueing a transfer's parts on ``lanes`` (lock held): reserve the first
-        lane's batch for this thread when ``now`` and that lane is idle, and hand the
-        others to the progress thread (or a waiter, see :meth:`_reap_inline`)."""
-        order = list(dict.fromkeys(lanes))
-        lane = order[0]
-        batch = self._start_post(lane, defer=not now or lane.window.in_flight > 0)
-        for other in order[1:]:
-            self._start_post(other, defer=True)
-        return lane, batch
-
-    def _want_post(self, lane: Lane) -> None:
-        """Have the progress thread post ``lane``'s backlog (lock held).
-
-        An application thread sends the wake-up this may ask for (:meth:`_wake`) once it
-        has let go of the lock: sending is a system call, and it releases the GIL.
-        """
-        self._to_post[lane.qpn] = lane
-        # A thread that is not sleeping sees _to_post before it sleeps (Progress.step
-        # looks again after saying it sleeps), so only a sleeping one needs the byte.
-        if not self._post_wake and self._progress.sleeping:
-            self._post_wake = True
-            self._wake_due = True
-
-    def _post_or_wake(self, lane: Lane, batch: Batch | None) -> None:
-        """After queueing (lock let go): post the batch this thread reserved, or send the
-        wake-up the hand-over asked for."""
-        if batch is not None:
-            self._post(lane, batch)
-        elif self._wake_due:
-            self._wake()
-
-    def _wake(self) -> None:
-        """Send the wake-up :meth:`_want_post` asked for (lock not held)."""
-        self._wake_due = False
-        self._progress.wake()
-
-    def _post(self, lane: Lane, batch: Batch) -> None:
-        """Post a reserved batch outside the lock, then settle it under the lock.
-
-        The chains of chunks that went out whole go to the planner, to be pooled by a
-        caller (the provider copied their WRs).  A refusal fails the connection.  What was queued
-        meanwhile is left to the progress thread.
-        """
-        err: HixlError | None = None
-        try:
-            lane.post_batch(batch)
-        except HixlError as exc:
-            err = exc
-        if batch.finished:
-            self._planner.posted(batch.finished)  # pooled later, by a caller
-        chunk = batch.finished[0] if batch.finished else None
-        with self._lock:
-            for done in batch.finished:
-                ring = done.ring
-                if ring is not None:  # the provider copied its slots: free again
-                    ring.released += done.stop - done.start
-            self._settle_locked(lane, err, chunk.handle if chunk is not None else None)
-            self._release_poster()
-        if self._wake_due:
-            self._wake()
-
-    def _release_poster(self) -> None:
-        """This thread's post (a batch, or a direct post and its wait) is over (lock
-        held); :meth:`close` waits for the last one."""
-        self._posters -= 1
-        if self._closed and not self._posters:
-            self._post_cv.notify_all()
-
-    def _settle_locked(
-        self, lane: Lane, err: HixlError | None, culprit: TransferHandle | None
-    ) -> None:
-        """After a post to ``lane`` returned (lock held): end its batch, fail the
-        connection if the provider refused it (``culprit``: the transfer that gets
-        ``err``), or hand the backlog queued meanwhile to the progress thread.  The
-        caller stops counting as a poster itself."""
-        conn = lane.conn
-        lane.window.end_batch()
-        if err is not None:
-            self._fail(conn, f"post_send failed: {err}", err, culprit=culprit)
-        elif lane.window.backlog and conn.state is ConnState.READY:
-            self._want_post(lane)
-        if conn.state is ConnState.CLOSED:
-            self._wake_due = True  # free it now that nobody posts to it
-
-    def _post_pending(self) -> bool:
-        """Progress thread: post the lanes waiting for it; True if more waits.
-
-        One lane at a time, oldest first, each taken under the lock just before its
-        post: a waiter that looks meanwhile takes another (:meth:`_reap_inline`), and
-        the two posts run at once.  Lanes queued during this call wait for the next.
-        """
-        with self._lock:
-            self._post_wake = False
-            count = len(self._to_post)
-        for _ in range(count):
-            with self._lock:
-                if not self._to_post:
-                    break
-                lane = self._to_post.pop(next(iter(self._to_post)))
-                batch = self._start_post(lane, defer=False)
-            if batch is not None:
-                self._post(lane, batch)
-        return bool(self._to_post)
-
-    def _reap_inline(self, now: float) -> bool:
-        """A waiter reaps send completions itself (no hand-off); True: worth spinning on.
-
-        Skips the reaping when the lock is busy (the progress thread is reaping, most
-        likely).  A lane whose backlog waits for the progress thread is posted by the
-        waiter itself, so two threads post at once.  Spinning stops paying once only a
-        batch being posted is left: the completions the waiter wants then come after
-        that post, and a spinning waiter only takes the CPU and the GIL the poster needs
-        (on rxe the post itself does the sending).  ``now``: the waiter's clock reading
-        (``time.monotonic()``), or 0.0 when it is about to sleep on its handle, and the
-        progress thread is woken to watch the completion queue.
-        """
-        if not now:
-            self._driven_at = 0.0
-            # A progress thread that is not sleeping arms the send CQ before it sleeps
-            # (Progress.step looks at _driven_at again after saying it sleeps): only a
-            # sleeping one needs the wake-up, a system call that wakes a thread.
-            if self._progress.sleeping:
-                self._progress.wake()
-            return False
-        self._driven_at = now
-        if not self._lock.acquire(blocking=False):
-            return True
-        lane: Lane | None = None
-        batch: Batch | None = None
-        try:
-            if self._closed:
-                return False
-            self._reap_send(self.send_cq.poll_rows(POLL_BATCH))
-            if not self._to_post:
-                return not self._posters
-            # A lane waits for the progress thread: post it from here, beside whatever
-            # that thread posts (on rxe the post does the sending, and two threads on
-            # two lanes send twice as much).
-            _, lane = self._to_post.popitem()
-            batch = self._start_post(lane, defer=False)
-        except HixlError:
-            return False
-        finally:
-            self._lock.release()
-            if self._wake_due:
-                self._wake()
-        if batch is not None:
-            self._post(lane, batch)
-        return True
-
     def _has_pending(self) -> bool:
         return bool(self._handles)
 
@@ -2267,7 +1508,9 @@ class Engine:
     def notifications(self) -> list[Notification]:
         """Take every notification received so far (oldest first)."""
         with self._lock:
-            return self._inbox.take_all(self._return_credits)
+            notes = self._inbox.take_all(self._return_credits)
+        self._poster.wake_if_due()  # the credits given back go out with the next round
+        return notes
 
     def wait_notification(self, name: str, timeout: float, peer: str | None = None) -> Notification:
         """Wait up to ``timeout`` s for a notification called ``name`` (from ``peer``).
@@ -2278,21 +1521,27 @@ class Engine:
         when the engine is closed (or closes while waiting).
         """
         deadline = time.monotonic() + timeout
+        found: Notification | None = None
         with self._notify_cv:
-            while True:
+            while found is None:
                 for note in self._inbox.notes:
                     if note.name == name and (peer is None or note.peer == peer):
                         owed = self._inbox.take(note)
                         if owed is not None:
                             self._return_credits(*owed)
-                        return note
-                if self._closed or self._broken is not None:
-                    self._check_open()
-                    raise StateError(f"engine {self.id} is closed")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._notify_cv.wait(left)
+                        found = note
+                        break
+                else:
+                    if self._closed or self._broken is not None:
+                        self._check_open()
+                        raise StateError(f"engine {self.id} is closed")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._notify_cv.wait(left)
+        if found is not None:
+            self._poster.wake_if_due()  # the credits given back go out with the next round
+            return found
         raise TransferTimeout(
             f"no notification {name!r}{' from ' + peer if peer else ''} within {timeout} s"
         )
@@ -2336,66 +1585,6 @@ class Engine:
         self._notify_cv.notify_all()
 
     # -- progress thread callbacks (all but the socket reads run under the lock) -----------
-    def _reap_send(self, wcs: list[tuple[int, int, int, int]]) -> int:
-        """Handle send completions, rows of ``CompletionQueue.poll_rows``; return how many.
-
-        One completion per signal group, not per work request.  Connections that freed
-        send-queue room post more of their backlog once, after the whole batch.
-        """
-        if not wcs:
-            return 0
-        pump: dict[int, Lane] = {}
-        for wr_id, status, vendor_err, qpn in wcs:
-            lane = self._by_qpn.get(qpn)
-            if lane is None:
-                continue
-            conn = lane.conn
-            got = lane.window.completed(wr_id)
-            if not got:
-                continue  # completion of a chunk that was already failed
-            if status != 0:
-                chunk = got[-1][0]  # the failed WR's own chunk; those before it are done
-                for early, _ in got[:-1]:
-                    self._chunk_done(early)
-                op = "RDMA transfer" if chunk.notify_slot is None else "notification"
-                self._release_notify(chunk)
-                name = verbs.WC_STATUS_NAMES.get(status, f"IBV_WC_STATUS_{status}")
-                err = CompletionError(f"{op} to {conn.peer}", status, name, wr_id, vendor_err)
-                if chunk.ring is not None:  # a group of messages: the members before it landed
-                    group = chunk.handle
-                    group.fail_at = wr_id - chunk.first_id
-                    group.rest = ConnectionFailed(
-                        f"connection to {conn.peer} failed: completion error {name}"
-                    )
-                for other in conn.all_lanes:
-                    pump.pop(other.qpn, None)
-                self._fail(conn, f"completion error {name}", err, culprit=chunk.handle)
-                continue
-            pump[qpn] = lane
-            for chunk, finished in got:
-                if finished:
-                    self._chunk_done(chunk)
-        for lane in pump.values():
-            conn = lane.conn
-            if conn.held and lane.index and conn.release_held():
-                first = conn.lanes[0]
-                if not first.window.poster:
-                    self._want_post(first)
-            if lane.window.backlog and not lane.window.poster:
-                self._want_post(lane)
-        return len(wcs)
-
-    def _chunk_done(self, chunk: Chunk) -> None:
-        if chunk.notify_slot is not None:
-            self._release_notify(chunk)
-        handle = chunk.handle
-        if handle is not None:
-            left = handle.chunks_left - 1
-            handle.chunks_left = left
-            if not left:
-                handle.finish(None)
-                self._handles.discard(handle)
-
     def _reap_recv(self, wcs: list[verbs.Completion]) -> int:
         """Handle receive completions (notifications); return how many there were."""
         for wc in wcs:
@@ -2424,16 +1613,6 @@ class Engine:
                 continue
             self._queue_note(conn, note)
         return len(wcs)
-
-    def _expire(self, now: float) -> None:
-        for h in [h for h in self._handles if h.deadline <= now]:
-            err = _deadline_error(h)
-            conn = self._conns.get(h.peer)
-            if conn is not None:
-                self._fail(conn, "a transfer timed out", err, culprit=h)
-            else:
-                h.finish(err)
-                self._handles.discard(h)
 
     def _flush_outboxes(self) -> None:
         """Progress thread: send queued control messages, free dropped connections."""
@@ -2480,6 +1659,7 @@ class Engine:
         with self._lock:
             if conn.state is not ConnState.CLOSED:
                 self._on_controls(conn, msgs, problem, eof=not data)
+        self._poster.wake_if_due()
 
     def _on_controls(
         self,
@@ -2543,7 +1723,7 @@ class Engine:
             # closes once it has our last notification says goodbye right after that
             # send completed here, maybe before this thread reaped it (same select round).
             self._reap_recv(self.recv_cq.poll(64))
-            self._reap_send(self.send_cq.poll_rows(POLL_BATCH))
+            self._reaper.reap_send(self.send_cq.poll_rows(POLL_BATCH))
             self._peer_left(conn, f"peer said goodbye: {escape(msg.reason)}", expected=True)
         elif isinstance(msg, wire.Error):
             self._peer_left(conn, f"peer reported {msg.code}: {escape(msg.message)}")
@@ -2553,82 +1733,60 @@ class Engine:
             self._let_go(conn, what)
 
 
-def _deadline_error(h: TransferHandle) -> TransferTimeout:
-    """The error of a transfer past its deadline (queued or posted directly)."""
-    return TransferTimeout(
-        f"transfer to {h.peer} did not complete within its deadline "
-        f"({h.nbytes} bytes, {h.num_wrs} work requests); the connection is marked "
-        "failed because its requests cannot be recalled"
-    )
+class _Host:
+    """The engine as its parts see it (:class:`~hixl.engine.posting.PostingHost`,
+    :class:`~hixl.engine.reaping.ReapingHost`, :class:`~hixl.engine.queueing.QueueHost`,
+    :class:`~hixl.engine.single.SingleHost`).
 
-
-def _every_for(conn: Connection, n: int, nbytes: int, every: int) -> int:
-    """The signal group size for a request of ``n`` WRs and ``nbytes``: ``every``, or for
-    a request of one group's WRs or fewer that carries :data:`SPREAD_BYTES` or more, a
-    group per lane (two WRs of 1 MiB then go out on two lanes at once)."""
-    k = len(conn.lanes)
-    if k > 1 and 1 < n <= every and nbytes >= SPREAD_BYTES:
-        return -(-n // k)
-    return every
-
-
-def _spread(chunk: Chunk, conn: Connection) -> list[tuple[Lane, Chunk]]:
-    """``chunk`` (ids assigned) cut at signal-group boundaries into a part per lane, as
-    even as the groups allow, each paired with its lane (lock held).
-
-    A part completes under the ids of its own groups, as a whole chunk would.  The parts
-    share the chain and its :class:`Built`: whichever part's post is handed back last
-    returns the chain to the pool (``Built.parts``).  A chunk of one group, or a
-    connection of one lane, stays whole on the next lane of the round robin.
+    It holds the engine by a weak proxy: the poster lives as long as the engine, and an
+    engine the application forgets to close must still be collected (and warn).
     """
-    lanes = conn.lanes
-    k = min(len(lanes), chunk.groups)
-    if k < 2:
-        return [(conn.pick_lane(), chunk)]
-    per, extra = divmod(chunk.groups, k)
-    every, start = chunk.every, chunk.start
-    parts: list[tuple[Lane, Chunk]] = []
-    g = 0
-    for i in range(k):
-        n = per + (i < extra)
-        part = Chunk(
-            chunk.chain,
-            start + g * every,
-            min(chunk.stop, start + (g + n) * every),
-            chunk.handle,
-            every,
-            chunk.first_id + g,
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine: Engine = cast("Engine", weakref.proxy(engine))
+
+    def fail(
+        self,
+        conn: object,
+        reason: str,
+        error: HixlError | None = None,
+        *,
+        culprit: TransferHandle | None = None,
+    ) -> None:
+        assert isinstance(conn, Connection)
+        self._engine._fail(conn, reason, error, culprit=culprit)
+
+    def release_notify(self, chunk: Chunk) -> None:
+        self._engine._release_notify(chunk)
+
+    def connection_of(self, peer: str) -> Connection | None:
+        return self._engine._conns.get(peer)
+
+    def check_open(self) -> None:
+        self._engine._check_open()
+
+    def take_credit(self, conn: Connection, deadline: float, timeout: float) -> None:
+        self._engine._take_credit(conn, deadline, timeout)
+
+    def submit(
+        self,
+        peer: str,
+        requests: Sequence[TransferRequest],
+        notify: str | None,
+        notify_message: bytes,
+        timeout: float,
+        *,
+        now: bool,
+        tkey: tuple[Any, ...] | None = None,
+    ) -> TransferHandle:
+        return self._engine._submit(
+            peer, requests, notify, notify_message, timeout, now=now, tkey=tkey
         )
-        part.groups = n
-        part.built = chunk.built
-        parts.append((conn.pick_lane(), part))
-        g += n
-    if chunk.built is not None:
-        chunk.built.parts = [True] + [False] * (k - 1)  # popped once per part posted
-    return parts
 
-
-def _token_bytes(token: bytes | str | None) -> bytes | None:
-    """The token as bytes; :class:`ArgumentError` for an empty or mistyped one."""
-    if token is None:
-        return None
-    if isinstance(token, str):
-        token = token.encode("utf-8")
-    if not isinstance(token, bytes):
-        raise ArgumentError(f"token must be str, bytes or None, got {type(token).__name__}")
-    if not token:
-        raise ArgumentError(
-            "token must not be empty (an empty token would fail every handshake); pass "
-            "None for no authentication, or a random one from 'hixl token'"
-        )
-    return token
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.partition("%")[0]).is_loopback
-    except ValueError:
-        return host == "localhost"
+    def lent_channel(self, conn: Connection, local: Region, remote: RemoteRegion) -> LentLane:
+        return self._engine._new_channel(conn, local, remote, lent=True)
 
 
 _notify = notify  # the module, under a name the ``notify`` parameters do not shadow

@@ -224,8 +224,6 @@ class MemberHandle(TransferHandle):
 
     def __init__(self, group: GroupHandle, index: int, nbytes: int) -> None:
         # The base's own state is never used: every reader goes to the group.
-        # Engine._ring_enqueuer makes members with these three stores and no call of
-        # this method (a Python frame less per message): keep the two alike.
         self._group = group
         self._index = index
         self.nbytes = nbytes

@@ -19,8 +19,12 @@ bytes, never a thread or a slot others wait for. Each step has its own short dea
 (the first frame within :data:`FIRST_FRAME_S` of accept, the next ones within
 :data:`STEP_S`) inside the engine's ``handshake_timeout``; a late step is answered with
 ERROR(TIMEOUT) and closed. There are at most ``max_handshakes`` at once and
-``max_handshakes_per_source`` from one IP address; a socket over either limit is answered
-ERROR(BUSY) and closed at once, so a client always hears why.
+``max_handshakes_per_source`` from one source, and the bytes they buffer before the client
+has proved itself are bounded, :data:`MAX_PENDING_BYTES` in all and
+:data:`MAX_PENDING_BYTES_PER_SOURCE` from one source; a socket over a limit is answered
+ERROR(BUSY) and closed at once, so a client always hears why. A source is an IPv4 address,
+except that all of 127.0.0.0/8 is one, or an IPv6 /64
+(:func:`hixl.core.handshake.source_key`): one host can take many addresses.
 
 A client whose listening id names another IP address than the one its connection comes
 from is refused with ERROR(AUTH) (unless the engine trusts peer hosts: NAT, proxies);
@@ -51,7 +55,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hixl.core import wire
-from hixl.core.handshake import ClientHandshake, ServerHandshake, claim_mismatch, source_for
+from hixl.core.handshake import (
+    ClientHandshake,
+    ServerHandshake,
+    claim_mismatch,
+    source_for,
+    source_key,
+)
+from hixl.engine.locks import assert_unlocked
 from hixl.errors import (
     AuthenticationError,
     ConnectionFailed,
@@ -85,6 +96,9 @@ PROBE_S = 2.0  # a live connection must answer a PING this soon to keep its id, 
 BUSY_RETRY_S = 0.05  # first pause before a client asks a BUSY server again, seconds
 ACCEPTS_PER_ROUND = 64  # connections taken from the listen queue per progress round
 MAX_PENDING_BYTES = 32 << 20  # bytes buffered by all unfinished handshakes together
+# ... and by those from one source (see source_key): a quarter, so that one source's
+# sockets cannot hold the whole budget; 8 INFO frames of the largest size.
+MAX_PENDING_BYTES_PER_SOURCE = MAX_PENDING_BYTES // 4
 HELLO_MAX_PAYLOAD = 4096  # a HELLO is small: a first frame announcing more is refused
 ABORT_POLL_S = 0.1  # how often a client handshake with an abort check looks at it, seconds
 
@@ -126,6 +140,7 @@ class Channel:
     def send(self, msg: wire.Message, deadline: float) -> None:
         _check_abort(self.abort, self.peer)
         self._timeout(deadline, whole=True)
+        assert_unlocked(f"a handshake message to {self.peer}")
         try:
             self.sock.sendall(wire.encode(msg))
         except TimeoutError as exc:
@@ -323,6 +338,7 @@ class Incoming:
         "expect",
         "hs",
         "info",
+        "key",
         "outbox",
         "probe",
         "sock",
@@ -333,6 +349,7 @@ class Incoming:
     def __init__(self, sock: socket.socket, source: str, hs: ServerHandshake, now: float):
         self.sock = sock
         self.source = source
+        self.key = source_key(source)  # what per-source limits count it under
         self.hs = hs
         self.decoder = wire.Decoder(max_payload=HELLO_MAX_PAYLOAD)
         self.outbox = bytearray()
@@ -381,9 +398,10 @@ class Listener:
         self.trust_hosts = trust_hosts
         self._timeout = timeout
         self._pending: dict[socket.socket, Incoming] = {}
-        self._per_source: dict[str, int] = {}
+        self._per_source: dict[str, int] = {}  # source key -> handshakes under way
         self._claimed: set[str] = set()  # ids of admitted peers not READY yet
         self._buffered = 0
+        self._buffered_by: dict[str, int] = {}  # source key -> bytes its handshakes hold
         self.refused_busy = 0  # sockets answered ERROR(BUSY), for diagnostics
 
     @property
@@ -413,32 +431,35 @@ class Listener:
 
     def _take(self, sock: socket.socket, source: str) -> None:
         sock.setblocking(False)
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._engine.closed:
             _close(sock)
             return
         busy = None
+        key = source_key(source)
         if len(self._pending) >= self.max_handshakes:
             busy = (
                 f"{len(self._pending)} handshakes under way (max_handshakes={self.max_handshakes})"
             )
-        elif self._per_source.get(source, 0) >= self.max_per_source:
+        elif self._per_source.get(key, 0) >= self.max_per_source:
             busy = (
-                f"{self._per_source[source]} handshakes from {source} under way "
+                f"{self._per_source[key]} handshakes from {_named(key)} under way "
                 f"(max_handshakes_per_source={self.max_per_source})"
             )
         elif self._buffered > MAX_PENDING_BYTES:
             busy = f"handshakes hold {self._buffered} bytes (at most {MAX_PENDING_BYTES})"
+        elif self._buffered_by.get(key, 0) > MAX_PENDING_BYTES_PER_SOURCE:
+            busy = self._over_source(key)
         if busy is not None:
             self.refused_busy += 1
             _refuse_now(sock, wire.ErrorCode.BUSY, f"engine {self._engine.id} is busy: {busy}")
             return
+        with contextlib.suppress(OSError):  # only for the sockets kept: refusals are cheap
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         now = time.monotonic()
         inc = Incoming(sock, source, ServerHandshake(self._engine.id, self._engine._token), now)
         inc.total_deadline = now + self._timeout
         self._pending[sock] = inc
-        self._per_source[source] = self._per_source.get(source, 0) + 1
+        self._per_source[key] = self._per_source.get(key, 0) + 1
         self._register(sock, inc, selectors.EVENT_READ)
 
     # -- events ----------------------------------------------------------------------------
@@ -469,15 +490,19 @@ class Listener:
             self._refuse(inc, inc.decoder.error_code or wire.ErrorCode.MALFORMED, str(exc))
             return
         finally:
-            self._buffered += inc.decoder.buffered - before
-        if self._buffered > MAX_PENDING_BYTES and inc.decoder.buffered:
-            self._refuse(
-                inc,
-                wire.ErrorCode.BUSY,
-                f"handshakes under way hold {self._buffered} bytes (at most "
-                f"{MAX_PENDING_BYTES}); try again",
-            )
-            return
+            self._hold(inc, inc.decoder.buffered - before)
+        if inc.decoder.buffered:
+            busy = None
+            if self._buffered > MAX_PENDING_BYTES:
+                busy = (
+                    f"handshakes under way hold {self._buffered} bytes "
+                    f"(at most {MAX_PENDING_BYTES})"
+                )
+            elif self._buffered_by.get(inc.key, 0) > MAX_PENDING_BYTES_PER_SOURCE:
+                busy = self._over_source(inc.key)
+            if busy is not None:
+                self._refuse(inc, wire.ErrorCode.BUSY, f"{busy}; try again")
+                return
         for i, msg in enumerate(msgs):
             if inc.sock not in self._pending:
                 return
@@ -599,6 +624,7 @@ class Listener:
         self._flush(inc)
 
     def _flush(self, inc: Incoming) -> None:
+        assert_unlocked(f"a handshake message to {inc.source}")
         while inc.outbox:
             try:
                 sent = inc.sock.send(bytes(inc.outbox[:262144]))
@@ -614,6 +640,7 @@ class Listener:
     def _refuse(self, inc: Incoming, code: wire.ErrorCode, message: str) -> None:
         """Tell the client why (best effort, never blocks), then close."""
         log.info("handshake from %s (%s) refused: %s: %s", inc.peer, inc.source, code, message)
+        assert_unlocked(f"a refusal to {inc.source}")
         with contextlib.suppress(OSError):
             inc.sock.send(error_frame(code, message))
         self._finish(inc, None)
@@ -632,13 +659,30 @@ class Listener:
             return
         if inc.conn is not None:
             self._claimed.discard(inc.peer)
-        self._buffered -= inc.decoder.buffered
-        left = self._per_source.get(inc.source, 1) - 1
+        self._hold(inc, -inc.decoder.buffered)
+        left = self._per_source.get(inc.key, 1) - 1
         if left:
-            self._per_source[inc.source] = left
+            self._per_source[inc.key] = left
         else:
-            self._per_source.pop(inc.source, None)
+            self._per_source.pop(inc.key, None)
         self._unregister(inc.sock)
+
+    def _hold(self, inc: Incoming, change: int) -> None:
+        """Count ``change`` more bytes buffered by ``inc``'s handshake."""
+        if not change:
+            return
+        self._buffered += change
+        held = self._buffered_by.get(inc.key, 0) + change
+        if held > 0:
+            self._buffered_by[inc.key] = held
+        else:
+            self._buffered_by.pop(inc.key, None)
+
+    def _over_source(self, key: str) -> str:
+        return (
+            f"handshakes from {_named(key)} hold {self._buffered_by.get(key, 0)} bytes "
+            f"(at most {MAX_PENDING_BYTES_PER_SOURCE} from one source)"
+        )
 
     def close(self) -> None:
         """Close every unfinished handshake (the engine is closing)."""
@@ -646,7 +690,13 @@ class Listener:
             self._finish(inc, None)
 
 
+def _named(key: str) -> str:
+    """A source key as a message names it."""
+    return key if "/" not in key else f"{key} (counted as one source)"
+
+
 def _refuse_now(sock: socket.socket, code: wire.ErrorCode, message: str) -> None:
+    assert_unlocked("a refusal")
     with contextlib.suppress(OSError):
         sock.send(error_frame(code, message))
     _close(sock)

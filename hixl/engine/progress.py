@@ -10,9 +10,9 @@ channels are not available it polls the CQs with a back-off of up to 2 ms instea
 
 Each round: poll the CQs that may hold something (arming the drained ones, then
 polling once more for what completed before the arming), expire transfers past their
-deadline, post what callers left queued (:meth:`Engine._post_pending`), then wait.
+deadline, post what callers left queued (:meth:`Poster.post_pending`), then wait.
 The send CQ is not armed while nothing is pending, nor while a waiter has reaped it
-within :data:`DRIVEN_S` (``Engine._driven_at``): the waiter gets its completions without
+within :data:`DRIVEN_S` (``Poster.driven_at``): the waiter gets its completions without
 an event, a channel read and a re-arm on this thread, and this thread looks again after
 :data:`DRIVEN_S`.
 Socket reads and writes, arming a CQ, reading its channel and posting happen outside
@@ -32,12 +32,16 @@ from typing import TYPE_CHECKING
 
 from hixl.core.states import ConnState
 from hixl.engine.handshake import Incoming
+from hixl.engine.locks import assert_unlocked
+from hixl.engine.posting import POLL_BATCH
 from hixl.errors import HixlError
 from hixl.verbs import adapter as verbs
 
 if TYPE_CHECKING:
     from hixl.engine.connection import Connection
     from hixl.engine.engine import Engine
+    from hixl.engine.posting import Poster
+    from hixl.engine.reaping import SendReaper
 
 __all__ = ["Progress"]
 
@@ -47,7 +51,6 @@ IDLE_MAX = 0.002  # longest sleep when the thread has to poll, seconds
 SLEEP_PENDING = 0.02  # with completion events: longest sleep while transfers are pending
 SLEEP_IDLE = 0.1  # ... and with nothing pending
 SWEEP_EVERY = 0.05  # how often unfinished handshakes are checked against their deadlines
-POLL_BATCH = 64  # completions taken per poll
 #: Seconds after a waiter last reaped the send CQ on its own thread during which the
 #: progress thread does not arm that CQ (no event per completion for it to handle); it
 #: looks again after this long.
@@ -65,7 +68,11 @@ class Progress:
         listener: socket.socket | None,
         cqs: tuple[verbs.CompletionQueue, verbs.CompletionQueue],
         events: bool,
+        poster: Poster,
+        reaper: SendReaper,
     ) -> None:
+        self._poster = poster
+        self._reaper = reaper
         self._selector = selectors.DefaultSelector()
         self._listener = listener
         if listener is not None:
@@ -107,7 +114,9 @@ class Progress:
         return self._stop.is_set()
 
     def wake(self) -> None:
-        """Make the thread run a round now.  Any thread, never blocks."""
+        """Make the thread run a round now.  Any thread without the engine lock (the
+        send is a system call); never blocks."""
+        assert_unlocked("the progress thread's wake-up byte")
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
 
@@ -196,10 +205,10 @@ class Progress:
                 if engine.closed:
                     return False
                 if not self.events:
-                    busy |= engine._reap_send(self.send_cq.poll_rows(POLL_BATCH)) == POLL_BATCH
+                    busy |= self._reaper.reap_send(self.send_cq.poll_rows(POLL_BATCH)) == POLL_BATCH
                     busy |= engine._reap_recv(self.recv_cq.poll(POLL_BATCH)) == POLL_BATCH
                 if now >= self._next_expiry_check:
-                    engine._expire(now)
+                    self._reaper.expire(now)
                     self._next_expiry_check = now + 0.01
                 if busy:
                     timeout = 0.0
@@ -209,7 +218,8 @@ class Progress:
                     timeout = SLEEP_PENDING if engine._has_pending() else SLEEP_IDLE
                 else:
                     timeout = idle
-            if engine._to_post and engine._post_pending():  # outside the lock
+            poster = self._poster
+            if poster.to_post and poster.post_pending():  # outside the lock
                 timeout = 0.0  # more was queued meanwhile: post it after the next reap
             incoming = engine._incoming
             if incoming is not None and incoming.pending and now >= self._next_sweep:
@@ -219,17 +229,21 @@ class Progress:
                 later = self._resume(engine, now)
                 if later is not None:
                     timeout = min(timeout, max(0.0, later - now))
+            # Control messages queued under the lock during this round (answers, region
+            # updates, connections dropped) are sent once it is free: wake this thread's
+            # own selector rather than sleep on them.
+            poster.wake_if_due()
             self.sleeping = True  # from here, callers wake this thread for posting
-            if engine._to_post:
+            if poster.to_post:
                 timeout = 0.0
             elif (
                 self.events
-                and not engine._driven_at
+                and not poster.driven_at
                 and self.send_cq not in self._armed
                 and engine._handles
             ):
                 # A waiter went to sleep since the poll above left the send CQ unarmed;
-                # it did not wake this thread (Engine._reap_inline): arm the CQ now.
+                # it did not wake this thread (Poster.reap_inline): arm the CQ now.
                 timeout = 0.0
             try:
                 events = self._selector.select(timeout=timeout)
@@ -288,9 +302,9 @@ class Progress:
                 # wakes this thread (posting is handed over) or is waited on by a caller
                 # that reaps its own completion and wakes this thread before it sleeps.
                 continue
-            if cq is send and now - engine._driven_at < DRIVEN_S:
+            if cq is send and now - self._poster.driven_at < DRIVEN_S:
                 # A waiter is reaping on its own thread: no event for this thread; look
-                # again in DRIVEN_S.  A waiter about to sleep clears _driven_at and wakes
+                # again in DRIVEN_S.  A waiter about to sleep clears driven_at and wakes
                 # this thread, which then arms.
                 self._left_to_callers = True
                 continue
@@ -303,7 +317,9 @@ class Progress:
 
     def _reap_send(self, engine: Engine) -> int:
         with engine._lock:
-            return 0 if engine.closed else engine._reap_send(self.send_cq.poll_rows(POLL_BATCH))
+            return (
+                0 if engine.closed else self._reaper.reap_send(self.send_cq.poll_rows(POLL_BATCH))
+            )
 
     def _reap_recv(self, engine: Engine) -> int:
         with engine._lock:

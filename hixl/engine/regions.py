@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -12,10 +12,7 @@ from hixl.core.wire import RemoteRegion
 from hixl.errors import RegistrationError
 from hixl.verbs import adapter as verbs
 
-if TYPE_CHECKING:
-    from hixl.engine.engine import Engine
-
-__all__ = ["Access", "Region", "buffer_span"]
+__all__ = ["Access", "Region", "RegionOwner", "buffer_span"]
 
 
 class Access(enum.IntFlag):
@@ -39,6 +36,15 @@ assert wire.REMOTE_WRITE == Access.REMOTE_WRITE and wire.REMOTE_READ == Access.R
 _REMOTE_BITS = int(Access.REMOTE_READ | Access.REMOTE_WRITE)
 
 
+class RegionOwner(Protocol):
+    """The engine a :class:`Region` belongs to, as the region sees it."""
+
+    @property
+    def id(self) -> str: ...
+
+    def deregister(self, region: Region) -> None: ...
+
+
 class Region:
     """A registered memory region of an :class:`Engine`.
 
@@ -47,7 +53,9 @@ class Region:
     :meth:`Engine.deregister` (or by closing the engine).
     """
 
-    def __init__(self, engine: Engine, mr: verbs.MemoryRegion, access: Access, name: str) -> None:
+    def __init__(
+        self, engine: RegionOwner, mr: verbs.MemoryRegion, access: Access, name: str
+    ) -> None:
         self.engine = engine
         self.mr = mr
         self.addr = mr.addr

@@ -438,14 +438,52 @@ class SendChain:
         chain.regions = regions
         return chain
 
+    def _wr_buffer(self) -> Any:
+        """The C memory of the chain's :attr:`capacity` WRs (its array may be longer,
+        see :meth:`shrink`)."""
+        return ffi.buffer(self._wr_mem, self.capacity * _WR_SIZE)
+
+    def _sge_buffer(self) -> Any:
+        """The C memory of the chain's :attr:`sge_capacity` SGEs."""
+        return ffi.buffer(self._sge_mem, self.sge_capacity * _SGE_SIZE)
+
+    def shrink(self, capacity: int, sge_capacity: int) -> None:
+        """Use only the first ``capacity`` WRs and ``sge_capacity`` SGEs from now on, as
+        if the chain had been made that size: a blank chain made in advance (see
+        :meth:`blank`) becomes the chain of a plan of that size.  Its memory stays
+        allocated whole until the chain is freed.  Only for a chain not filled yet."""
+        if self.num_wrs or not (
+            1 <= capacity <= self.capacity and 1 <= sge_capacity <= self.sge_capacity
+        ):
+            raise ArgumentError(
+                f"shrink to {capacity} WRs and {sge_capacity} SGEs: a chain of "
+                f"{self.capacity} and {self.sge_capacity} not filled yet can shrink to "
+                "1 or more of each, at most its own"
+            )
+        self.capacity, self.sge_capacity = capacity, sge_capacity
+        self._one_each = min(self._one_each, capacity)
+        self._rkey_n = min(self._rkey_n, capacity)
+        self._dirty = min(self._dirty, capacity)
+        self._group_cache = None
+        # The views made so far, cut to the new size (the same memory).
+        if self._wrs is not None and self._sges is not None:
+            self._wrs, self._sges = self._wrs[:capacity], self._sges[:sge_capacity]
+            self._sge_addr = self._sges["addr"]
+            self._wr_raddr = self._wrs["remote_addr"]
+        if self._wr_q is not None and self._sge_q is not None:
+            self._wr_q, self._sge_q = self._wr_q[:capacity], self._sge_q[:sge_capacity]
+        if self._pair_views is not None:
+            a, b = self._pair_views
+            self._pair_views = (a[:capacity], b[:capacity])
+
     def _views(
         self,
     ) -> tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]:
         """The numpy views of the C memory: WRs, SGEs, SGE addresses, remote addresses."""
         wrs, sges = self._wrs, self._sges
         if wrs is None or sges is None:
-            wrs = self._wrs = np.frombuffer(ffi.buffer(self._wr_mem), WR_DTYPE)
-            sges = self._sges = np.frombuffer(ffi.buffer(self._sge_mem), SGE_DTYPE)
+            wrs = self._wrs = np.frombuffer(self._wr_buffer(), WR_DTYPE)
+            sges = self._sges = np.frombuffer(self._sge_buffer(), SGE_DTYPE)
             self._sge_addr = sges["addr"]
             self._wr_raddr = wrs["remote_addr"]
         assert self._sge_addr is not None and self._wr_raddr is not None
@@ -455,10 +493,10 @@ class SendChain:
         """The C memory as 64-bit words, one row per WR and per SGE (see :meth:`fill`)."""
         q, sq = self._wr_q, self._sge_q
         if q is None or sq is None:
-            q = self._wr_q = np.frombuffer(ffi.buffer(self._wr_mem), np.uint64).reshape(
+            q = self._wr_q = np.frombuffer(self._wr_buffer(), np.uint64).reshape(
                 self.capacity, _WR_SIZE // 8
             )
-            sq = self._sge_q = np.frombuffer(ffi.buffer(self._sge_mem), np.uint64).reshape(
+            sq = self._sge_q = np.frombuffer(self._sge_buffer(), np.uint64).reshape(
                 self.sge_capacity, _SGE_SIZE // 8
             )
         return q, sq
@@ -467,7 +505,7 @@ class SendChain:
         """Words 2-3 and 5-6 of every WR as one 16-byte element each (see :meth:`fill`)."""
         pairs = self._pair_views
         if pairs is None:
-            buf = ffi.buffer(self._wr_mem)
+            buf = self._wr_buffer()
             pairs = self._pair_views = (
                 np.ndarray((self.capacity,), _PAIR, buf, _SG_PAIR_AT, (_WR_SIZE,)),
                 np.ndarray((self.capacity,), _PAIR, buf, _RDMA_PAIR_AT, (_WR_SIZE,)),
@@ -542,9 +580,15 @@ class SendChain:
         remote_addr: int,
         rkey: int,
         regions: tuple[Any, ...] = (),
+        keep_ids: bool = False,
     ) -> None:
         """Fill from a :class:`hixl.core.plan.Plan` whose offsets are relative to the
-        local region at ``local_addr`` and the remote one at ``remote_addr``."""
+        local region at ``local_addr`` and the remote one at ``remote_addr``.
+
+        ``keep_ids``: leave every WR's ``wr_id`` and flags as they are instead of
+        clearing them (one pass over the WRs fewer), for a caller that calls
+        :meth:`set_signals` over the whole chain before it is posted, which rewrites
+        them all."""
         self._write(
             opcode,
             plan.wr_remote_offset,
@@ -559,18 +603,23 @@ class SendChain:
             plan.sge_length_range,
             lkey,
             regions,
+            keep_ids,
         )
 
-    def _begin(self, n: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    def _begin(
+        self, n: int, keep_ids: bool = False
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
         """Start a fill of ``n`` WRs: restore the old terminator's link, mark the chain
-        half-written, and clear ``wr_id`` and the flags where a signal call set them."""
+        half-written, and clear ``wr_id`` and the flags where a signal call set them
+        (``keep_ids``: leave them; :attr:`_dirty` and :attr:`_flags` still say where
+        they are set, for :meth:`set_signals` and the next fill)."""
         q, sq = self._words()
         old = self.num_wrs
         if old and old != n:
             q[old - 1, 1] = self.wr_address(old) if old < self.capacity else 0
         self.num_wrs = self.num_sges = 0  # half-written: not postable until the end
         dirty = self._dirty
-        if dirty:
+        if dirty and not keep_ids:
             w = q[:dirty]
             w[:, 0] = 0
             marks = self._flags
@@ -665,10 +714,12 @@ class SendChain:
         lengths: tuple[int, int],
         lkey: int,
         regions: tuple[Any, ...],
+        keep_ids: bool = False,
     ) -> None:
         """:meth:`fill` with the addresses as offsets from ``rbase``/``sbase`` and
         ``start`` consistent with them; ``one_each``: WR ``i`` has SGE ``i`` alone;
-        ``lengths``: the shortest and longest of ``slen``."""
+        ``lengths``: the shortest and longest of ``slen``; ``keep_ids``: see
+        :meth:`fill_plan`."""
         n, m = int(raddr.size), int(saddr.size)
         if n < 1:
             raise DescriptorError("a chain needs at least one work request, got 0")
@@ -684,7 +735,7 @@ class SendChain:
             )
         if not (0 <= rkey <= 0xFFFF_FFFF and 0 <= lkey <= 0xFFFF_FFFF):
             raise DescriptorError(f"keys must be 32-bit: rkey={rkey:#x} lkey={lkey:#x}")
-        q, sq = self._begin(n)
+        q, sq = self._begin(n, keep_ids)
         # Two strided passes over the WRs (one cache line per WR each, whatever the width
         # written), each storing two adjacent 64-bit words from a small contiguous array:
         # words 2-3 (sg_list; num_sge | opcode << 32) and words 5-6 (wr.rdma.remote_addr;
@@ -770,11 +821,14 @@ class SendChain:
         sge_capacity: int,
         opcode: int = 0,
         memory: ChainMemory | None = None,
+        one_each: bool = False,
     ) -> SendChain:
         """A new chain of this capacity, its WRs formatted and linked and nothing filled:
-        what :meth:`fill_tiles` writes into (its memory is written once, not zeroed
-        first; see :meth:`_format`).  ``memory``: where its arrays come from (default:
-        the C heap)."""
+        what :meth:`fill_tiles` and :meth:`fill_plan` write into (its memory is written
+        once, not zeroed first; see :meth:`_format`).  ``memory``: where its arrays come
+        from (default: the C heap).  ``one_each``: WR ``i`` points at SGE ``i`` alone
+        with ``opcode`` (needs ``sge_capacity >= capacity``), so that a fill from a plan
+        of one SGE per WR with that opcode leaves those words alone."""
         if capacity < 1 or sge_capacity < 1:
             raise ArgumentError(
                 f"a chain needs room for >= 1 WR and >= 1 SGE, got capacity={capacity} "
@@ -782,7 +836,10 @@ class SendChain:
             )
         chain = cls.__new__(cls)
         chain._make(capacity, sge_capacity, _UNCLEARED if memory is None else memory.allocator)
-        chain._format(opcode, 0, False)
+        chain._format(opcode, 0, one_each)
+        if one_each:  # made for fill_plan: its numpy views too
+            chain._words()
+            chain._pairs()
         return chain
 
     def _format(self, opcode: int, rkey: int, one_each: bool) -> None:
@@ -1040,7 +1097,7 @@ class SlotRing:
         wrs["sg_list"] = base + np.arange(capacity, dtype=np.uint64) * _WR_SIZE + SLOT_SGE_OFFSET
         # What a slot's WR keeps (its link and its SGE's address), and the C memory as a
         # buffer for WR_SLOT (see write(); the engine packs its slots the same way
-        # inline, Engine._ring_enqueuer).
+        # inline, SinglePaths._ring_enqueuer).
         self.links = [int(x) for x in wrs["next"]]
         self.sge_lists = [int(x) for x in wrs["sg_list"]]
         self.wr_mem = memoryview(ffi.buffer(chain._wr_mem))

@@ -46,7 +46,7 @@ def test_peer_host_vanishes_mid_transfer(
         time.sleep(0.01)
 
     # The survivor is still usable: new memory, a new connection, a verified transfer.
-    with Engine(f"{host.address}:5001") as other:
+    with Engine(f"{host.address}:5001", insecure=True) as other:
         dst = np.zeros(1 << 20, np.uint8)
         other.register(dst, access=Access.REMOTE_WRITE, name="survivor")
         small = pattern(3, 1 << 20)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import ipaddress
 import logging
 import multiprocessing as mp
 import os
@@ -188,32 +189,60 @@ def _flood(pipe: Pipe, target: tuple[str, int], sources: list[str], count: int) 
     pipe.send({"opened": opened, "closed": closed, "held": len(sel.get_map())})
 
 
+def _device_ipv4() -> str:
+    """The IPv4 address of the netdev under the RDMA device (its RoCEv2 GID)."""
+    with Engine() as probe:
+        mapped = ipaddress.IPv6Address(probe.device.gid).ipv4_mapped
+    assert mapped is not None, f"the device's GID {probe.device.gid.hex()} is not IPv4"
+    return str(mapped)
+
+
+FLOOD_DEADLINE_S = 10.0  # each honest connect and put (the default handshake_timeout)
+
+
+def _connect_put(cli: Engine, srv: Engine, src: Any, failures: list[str]) -> float | None:
+    """Seconds one connect + put + disconnect took, or None (the failure appended)."""
+    t0 = time.monotonic()
+    try:
+        cli.connect(srv.id, timeout=FLOOD_DEADLINE_S)
+        cli.put(srv.id, src, "dst", timeout=FLOOD_DEADLINE_S)
+        return time.monotonic() - t0
+    except Exception as exc:  # noqa: BLE001 - any failure counts, and is shown
+        failures.append(f"{time.monotonic() - t0:.2f} s: {type(exc).__name__}: {exc}")
+        return None
+    finally:
+        cli.disconnect(srv.id)
+
+
 @pytest.mark.parametrize("sources", [1, 4], ids=["one-source", "four-sources"])
 def test_idle_socket_flood_does_not_lock_out_peers(sources: int) -> None:
+    """An attacker on loopback (all of 127.0.0.0/8 is one source) holds 200 idle sockets
+    and re-opens each one the server refuses; an honest client from the host's own address
+    still connects and puts, every time. The same pair without the flood, first, is the
+    control the times are shown against."""
     port = free_tcp_port()
+    host = _device_ipv4()
+    token = secrets.token_hex(32)
     ctx = mp.get_context("fork")
     here, there = ctx.Pipe()
     attacker_ips = [f"127.0.0.{2 + i}" for i in range(sources)]
-    proc = ctx.Process(target=_flood, args=(there, ("127.0.0.1", port), attacker_ips, 200))
+    proc = ctx.Process(target=_flood, args=(there, (host, port), attacker_ips, 200))
     proc.start()
     try:
-        with Engine(f"127.0.0.1:{port}") as srv, Engine("127.0.0.1:0") as cli:
+        with (
+            Engine(f"{host}:{port}", token=token) as srv,
+            Engine(f"{host}:0", token=token) as cli,
+        ):
             srv.register(np.zeros(4096, np.uint8), access=RW, name="dst")
             src = cli.register(np.ones(4096, np.uint8), access=Access.NONE)
+            failures: list[str] = []
+            control = [_connect_put(cli, srv, src, failures) for _ in range(3)]
+            assert not failures, failures
             here.send("go")
             assert here.poll(30) and here.recv() == "holding"
             time.sleep(1.5)  # the server sees every idle socket by now
-            attempts, times, failures = 20, [], []
-            for _ in range(attempts):
-                t0 = time.monotonic()
-                try:
-                    cli.connect(srv.id, timeout=3.0)
-                    cli.put(srv.id, src, "dst", timeout=3.0)
-                    times.append(time.monotonic() - t0)
-                except Exception as exc:  # noqa: BLE001 - any failure counts, and is shown
-                    failures.append(f"{time.monotonic() - t0:.2f} s: {type(exc).__name__}: {exc}")
-                finally:
-                    cli.disconnect(srv.id)
+            attempts = 20
+            times = [t for _ in range(attempts) if (t := _connect_put(cli, srv, src, failures))]
             here.send("stop")
             assert here.poll(30)
             stats = here.recv()
@@ -221,14 +250,16 @@ def test_idle_socket_flood_does_not_lock_out_peers(sources: int) -> None:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
-    ok = [t for t in times if t <= 3.0]
+    times.sort()
     print(
-        f"flood from {sources} source(s): {len(ok)}/{attempts} connect+put within 3 s, "
-        f"slowest {max(times, default=0):.3f} s, attacker {stats}"
+        f"flood from {sources} source(s): {len(times)}/{attempts} connect+put, median "
+        f"{times[len(times) // 2] if times else 0:.3f} s, slowest {max(times, default=0):.3f} s; "
+        f"without the flood the slowest of 3 took {max(c or 0 for c in control):.3f} s; "
+        f"attacker {stats}"
     )
-    assert len(ok) >= 0.95 * attempts, (
-        f"{len(ok)} of {attempts} connect+put within 3 s under a flood of 200 idle sockets "
-        f"from {sources} source(s) ({stats}); failures: {failures[:3]}; times: {times}"
+    assert len(times) == attempts, (
+        f"{len(times)} of {attempts} connect+put within {FLOOD_DEADLINE_S} s under a flood of "
+        f"200 idle sockets from {sources} source(s) ({stats}); failures: {failures[:3]}"
     )
 
 
@@ -761,29 +792,6 @@ def test_exposed_region_limit_fails_that_register(server: Engine) -> None:
     with Engine("127.0.0.1:0") as late:
         conn = late.connect(server.id, timeout=30)
         assert len(conn.remote_regions) == limit
-
-
-def test_listening_without_token_off_loopback_warns(caplog: pytest.LogCaptureFixture) -> None:
-    def warnings_of(engine: Engine) -> list[str]:
-        # Only this engine's: an engine of an earlier test may still log as it winds down.
-        return [
-            r.getMessage()
-            for r in caplog.records
-            if r.levelno >= logging.WARNING and engine.id in r.getMessage()
-        ]
-
-    with caplog.at_level(logging.WARNING, logger="hixl"):
-        quiet = [
-            Engine(f"127.0.0.1:{free_tcp_port()}"),
-            Engine(f"0.0.0.0:{free_tcp_port()}", token=secrets.token_hex(32)),
-        ]
-        for e in quiet:
-            e.close()
-        loud = Engine(f"0.0.0.0:{free_tcp_port()}")
-        loud.close()
-    assert [warnings_of(e) for e in quiet] == [[], []]
-    warned = warnings_of(loud)
-    assert len(warned) == 1 and "token" in warned[0], warned
 
 
 # --------------------------------------------------------------------------- 8. after the handshake

@@ -45,9 +45,3 @@ def test_ceiling_probe_pairs_a_checkout_against_itself(tmp_path: Path) -> None:
         )
     assert 0 <= summary["this_wins"] <= 2
     assert summary["against"] == str(REPO)
-
-
-def test_ceiling_probe_refuses_a_tree_that_is_not_a_checkout(tmp_path: Path) -> None:
-    out = _ceiling(tmp_path, "--against", str(tmp_path))
-    assert out.returncode == 2
-    assert "not a hixl checkout" in out.stderr

@@ -296,6 +296,37 @@ def test_a_new_layout_of_a_known_size_refills_an_idle_chain_and_moves_its_bytes(
 
 
 @pytest.mark.parametrize("op", ["write", "read"])
+def test_the_first_large_layout_fills_the_chain_made_with_the_engine_and_moves_its_bytes(
+    loose: tuple[Engine, Engine], op: str
+) -> None:
+    """An engine formats one chain of 8192 WRs (for WRITEs) when it is made; the first
+    layout of more than 4096 WRs takes it, cut to its own size (a READ rewrites the
+    opcodes), and the next layout of that size refills it.  Both land exactly their own
+    bytes, none of the other's, and only that first chain counts as built."""
+    client, server = loose
+    rows, size = 6000, 8
+    n = rows * 32 + 4096
+    r, move, local_mem, remote_mem = _regions_for(op, client, server, n, seed=11)
+    src, dst = (local_mem, remote_mem) if op == "write" else (remote_mem, local_mem)
+    before = client.diagnostics()
+    for k, (stride, lo, ro) in enumerate([(16, 0, 64), (24, 8, 0)]):
+        dst[:] = 0
+        ldesc = StridedDesc(offset=lo, count=rows, size=size, stride=stride, alignment=None)
+        rdesc = StridedDesc(offset=ro, count=rows, size=size, stride=stride + 8, alignment=None)
+        move(server.id, r, "mem", local_desc=ldesc, remote_desc=rdesc, timeout=60)
+        byte = np.arange(size)
+        at_l = (lo + stride * np.arange(rows))[:, None] + byte
+        at_r = (ro + (stride + 8) * np.arange(rows))[:, None] + byte
+        s_at, d_at = (at_l, at_r) if op == "write" else (at_r, at_l)
+        expect = np.zeros_like(dst)
+        expect[d_at] = src[s_at]
+        assert np.array_equal(dst, expect), f"layout {k} (stride {stride})"
+    after = client.diagnostics()
+    assert after.chains_built - before.chains_built == 1
+    assert after.chains_refilled - before.chains_refilled == 1
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
 def test_ranges_of_one_size_at_new_offsets_move_their_bytes_and_are_checked_each_time(
     pair: tuple[Engine, Engine], op: str
 ) -> None:

@@ -2,7 +2,7 @@
 
 A repeated ``put``/``get`` of one work request to a connection with an idle queue pair
 skips the hand-over and the handle: the caller reserves the lane's window, posts, and
-polls the send CQ itself (``Engine._solo``).  These tests check that such transfers move
+polls the send CQ itself (``SinglePaths._solo``).  These tests check that such transfers move
 their bytes, share the queue pairs correctly with ``put_async`` traffic, fail with their
 own status, and end when the engine closes under them.
 """

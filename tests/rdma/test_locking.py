@@ -7,8 +7,10 @@ import signal
 import time
 
 import numpy as np
+import pytest
 
 from hixl import Access, Engine
+from hixl.engine import locks
 from hixl.testbed.net import free_tcp_port
 
 from .conftest import listening_engine
@@ -69,3 +71,33 @@ def test_stalled_peer_never_blocks_register_or_other_puts() -> None:
         eng.close()
         healthy.close()
         stalled.close()
+
+
+def test_no_wakeup_or_socket_send_under_the_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the lock checks on, every path that queues control traffic or drops a
+    connection lets go of the engine lock before the wake-up byte or a send: a region
+    announced and withdrawn, a disconnect (its goodbye), a peer's goodbye read, and
+    close().  A wake-up sent under the lock raises in the caller (or kills the progress
+    thread, which fails the put after it)."""
+    monkeypatch.setattr(locks, "DEBUG_LOCKS", True)  # engines made from here are checked
+    server = listening_engine()
+    client = Engine("127.0.0.1:0")
+    try:
+        client.connect(server.id, timeout=30)
+        dst = np.zeros(4096, np.uint8)
+        region = server.register(dst, access=Access.REMOTE_WRITE, name="late")  # announced
+        deadline = time.monotonic() + 10
+        conn = client.connection(server.id)
+        while not any(r.name == "late" for r in conn.remote_regions):
+            assert time.monotonic() < deadline, "the new region was never announced"
+            time.sleep(0.01)
+        src = client.register(np.full(4096, 7, np.uint8), access=Access.NONE)
+        client.put(server.id, src, "late", timeout=30)
+        assert np.all(dst == 7)
+        server.deregister(region)  # withdrawn
+        client.disconnect(server.id)  # a goodbye queued, the connection dropped
+        client.connect(server.id, timeout=30)  # the server drops the old one for it
+        assert client.connection(server.id).state.name == "READY"
+    finally:
+        client.close()
+        server.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -426,3 +427,17 @@ def test_child_line_protocol_answers_and_refusals() -> None:
     finally:
         silent.kill()
         silent.wait()
+
+
+def test_ceiling_probe_refuses_a_tree_that_is_not_a_checkout(tmp_path: Path) -> None:
+    # Arguments are checked before any device is opened, so this runs without one.
+    ceiling = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_ceiling.py"
+    out = subprocess.run(
+        [sys.executable, str(ceiling), "--against", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 2
+    assert "not a hixl checkout" in out.stderr

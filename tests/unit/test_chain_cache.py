@@ -37,3 +37,13 @@ def test_idle_chains_of_many_layouts_hold_at_most_the_cache_bound() -> None:
     retain = 8 << 20  # ChainMemory's default: free blocks kept beyond the reserve
     assert most <= CHAIN_CACHE_BYTES + retain, f"up to {most / 2**20:.1f} MiB of chains kept"
     planner.close()
+
+
+def test_a_closed_planner_gives_its_reserve_back_with_the_chain_formatted_in_it() -> None:
+    """The planner formats one chain in its reserve when it is made; closing the planner
+    lets go of that chain too, so the reserve goes back at once, not when the planner
+    object is collected."""
+    planner = Planner(DeviceLimits(), None)
+    assert planner.memory.reserve_held
+    planner.close()
+    assert not planner.memory.reserve_held

@@ -27,6 +27,7 @@ from hixl.core.handshake import (
     client_proof,
     server_proof,
     source_for,
+    source_key,
 )
 from hixl.errors import AuthenticationError, HandshakeError
 
@@ -443,6 +444,28 @@ def test_a_listening_id_must_name_the_connections_source(
 )
 def test_client_binds_its_ids_address_when_it_can(own: str, dest: str, bound: str | None) -> None:
     assert source_for(own, dest) == bound
+
+
+@pytest.mark.parametrize(
+    ("source", "key"),
+    [
+        ("10.0.0.1", "10.0.0.1"),
+        ("::ffff:10.0.0.1", "10.0.0.1"),  # a dual-stack listener's view of an IPv4 client
+        ("127.0.0.1", "127.0.0.0/8"),
+        ("127.200.3.4", "127.0.0.0/8"),
+        ("::ffff:127.0.0.2", "127.0.0.0/8"),
+        ("2001:db8::1", "2001:db8::/64"),
+        ("2001:db8::ffff:ffff:ffff:ffff", "2001:db8::/64"),
+        ("2001:db8:0:1::1", "2001:db8:0:1::/64"),
+        ("fe80::1%eth0", "fe80::/64"),
+        ("::1", "::/64"),
+        ("node-b", "node-b"),
+    ],
+)
+def test_per_source_limits_count_a_host_that_takes_many_addresses_once(
+    source: str, key: str
+) -> None:
+    assert source_key(source) == key
 
 
 def test_peer_text_is_escaped_for_one_log_line() -> None:

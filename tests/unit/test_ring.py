@@ -3,7 +3,7 @@ window, and the handles of a group (no device needed).
 
 The window model is the one of ``test_window.py``: a fake RC send queue reads each WR's
 ``wr_id`` and signal flag from the chain's C memory and completes signaled WRs in order.
-Messages arrive one at a time and, as the engine does (``Engine._ring_enqueuer``), join the
+Messages arrive one at a time and, as the engine does (``SinglePaths._ring_enqueuer``), join the
 lane's open chunk while it is the backlog's last chunk and none of it is taken, else open
 a chunk of their own with a block of ids.
 """

@@ -268,11 +268,21 @@ def test_ids_and_flags_follow_any_sequence_of_fills_and_signals(
     model = [(0, 0)] * chain.capacity  # (wr_id, flags) of every WR the chain has room for
     n = chain.num_wrs
     for _ in range(data.draw(st.integers(1, 12))):
-        step = data.draw(st.sampled_from(["fill", "signals", "range", "one", "flag"]))
-        if step == "fill":
+        step = data.draw(st.sampled_from(["fill", "keep", "signals", "range", "one", "flag"]))
+        if step in ("fill", "keep"):
             n = data.draw(st.sampled_from(sizes))
-            chain.fill_plan(rows(n), opcode=0, local_addr=LADDR, lkey=1, remote_addr=RADDR, rkey=2)
-            model[:n] = [(0, 0)] * n
+            keep = step == "keep"
+            chain.fill_plan(
+                rows(n),
+                opcode=0,
+                local_addr=LADDR,
+                lkey=1,
+                remote_addr=RADDR,
+                rkey=2,
+                keep_ids=keep,
+            )
+            if not keep:  # clears every WR's, hidden ones too; keep_ids: all stay
+                model = [(0, 0)] * chain.capacity
         elif step in ("signals", "range", "one"):
             start, stop = 0, n
             if step == "range":
@@ -303,6 +313,69 @@ def test_ids_and_flags_follow_any_sequence_of_fills_and_signals(
                 flags |= SEND_FENCE
             model[i] = (wr_id, flags)
         assert [(g["wr_id"], g["flags"]) for g in walk(chain)] == model[:n]
+
+
+@PROPS
+@given(a=plans(), b=plans(), every=st.integers(1, 9), first=st.integers(0, 1000))
+def test_a_fill_that_keeps_the_ids_then_signals_reads_as_a_fresh_chain_signaled(
+    a: Plan, b: Plan, every: int, first: int
+) -> None:
+    """``keep_ids`` skips clearing ``wr_id`` and the flags; once the whole chain is
+    signaled, as the engine does before every post, nothing of the plan before shows."""
+    kw: dict[str, Any] = {"local_addr": LADDR, "lkey": 3, "remote_addr": RADDR, "rkey": 4}
+    chain = SendChain(max(a.num_wrs, b.num_wrs), max(a.num_sges, b.num_sges))
+    chain.fill_plan(a, opcode=0, **kw)
+    chain.set_signals(first + 17, every + 1)
+    chain.signal(0)
+    chain.fill_plan(b, opcode=4, keep_ids=True, **kw)
+    chain.set_signals(first, every)
+    fresh = SendChain.for_plan(b, opcode=4, **kw)
+    fresh.set_signals(first, every)
+    assert walk(chain) == walk(fresh)
+
+
+@PROPS
+@FILLS
+def test_a_blank_chain_cut_to_a_plan_and_filled_is_byte_for_byte_one_made_for_it(
+    plan: Plan, lkey: int, rkey: int, opcode: int
+) -> None:
+    """A blank chain made in advance, larger than the plan, in memory another chain held
+    before, then cut to the plan's size (``shrink``) and filled, holds exactly the bytes
+    of a chain made for that plan: every WR, its links (the last one ends the chain)
+    and every SGE; its views are the plan's size."""
+    kw: dict[str, Any] = {
+        "opcode": opcode,
+        "local_addr": LADDR,
+        "lkey": lkey,
+        "remote_addr": RADDR,
+        "rkey": rkey,
+    }
+    dirty = SendChain.for_plan(plan, memory=_MEMORY, **{**kw, "rkey": rkey ^ 1})
+    dirty.set_signals(7, 3)
+    del dirty
+    cap = plan.num_wrs + 5
+    blank = SendChain.blank(cap, max(cap, plan.num_sges + 2), 4, _MEMORY, one_each=True)
+    blank.shrink(plan.num_wrs, plan.num_sges)
+    blank.fill_plan(plan, keep_ids=True, **kw)
+    made = SendChain.for_plan(plan, **kw)
+    assert walk(blank) == walk(made)
+    assert np.array_equal(wr_words(blank), wr_words(made))
+    assert blank.sges.tobytes() == made.sges.tobytes()
+    assert (blank.capacity, blank.sge_capacity) == (plan.num_wrs, plan.num_sges)
+    assert len(blank._views()[0]) == plan.num_wrs and len(blank._words()[1]) == plan.num_sges
+
+
+def test_shrink_refuses_to_grow_or_to_cut_a_filled_chain() -> None:
+    chain = SendChain.blank(8, 8, 4, one_each=True)
+    for bad in ((0, 1), (1, 0), (9, 8), (8, 9)):
+        with pytest.raises(ArgumentError, match="shrink"):
+            chain.shrink(*bad)
+    chain.shrink(4, 4)
+    chain.fill_plan(rows(4), opcode=4, local_addr=LADDR, lkey=1, remote_addr=RADDR, rkey=2)
+    with pytest.raises(ArgumentError, match="shrink"):
+        chain.shrink(2, 2)
+    with pytest.raises(ArgumentError, match="chain too small"):
+        chain.fill_plan(rows(5), opcode=4, local_addr=LADDR, lkey=1, remote_addr=RADDR, rkey=2)
 
 
 def wr_words(chain: SendChain) -> np.ndarray:
