@@ -10,13 +10,17 @@ runs more phases (``HIXL_PLATEAU_PHASES``).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import random
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
-import pytest
 
 from benchmarks.backends.nulldev import null_device
 from hixl import Access, Engine
@@ -56,8 +60,8 @@ def _layouts(r: random.Random) -> tuple[Descriptor, Descriptor]:
     )
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[Engine, Engine, object]]:
+@contextlib.contextmanager
+def _pair() -> Iterator[tuple[Engine, Engine, object]]:
     # No direct lane: the null device does not poll one.
     with (
         null_device(),
@@ -70,38 +74,60 @@ def pair() -> Iterator[tuple[Engine, Engine, object]]:
         yield srv, cli, src
 
 
-def test_rss_reaches_a_plateau_under_random_transfers(pair: tuple[Engine, Engine, object]) -> None:
-    srv, cli, src = pair
+def _measure() -> tuple[int, list[int]]:
+    """The idle RSS and the RSS after each phase, in this process."""
     errors: list[BaseException] = []
+    with _pair() as (srv, cli, src):
 
-    def work(seed: int, count: int) -> None:
-        r = random.Random(seed)
-        try:
-            for _ in range(count):
-                ld, rd = _layouts(r)
-                kw = {"local_desc": ld, "remote_desc": rd, "timeout": 30}
-                op = r.random()
-                if op < 0.4:
-                    cli.put(srv.id, src, "dst", **kw)  # type: ignore[arg-type]
-                elif op < 0.8:
-                    cli.get(srv.id, src, "dst", **kw)  # type: ignore[arg-type]
-                else:
-                    cli.put_async(srv.id, src, "dst", **kw).wait()  # type: ignore[arg-type]
-        except BaseException as exc:  # noqa: BLE001 - shown by the assertion below
-            errors.append(exc)
+        def work(seed: int, count: int) -> None:
+            r = random.Random(seed)
+            try:
+                for _ in range(count):
+                    ld, rd = _layouts(r)
+                    kw = {"local_desc": ld, "remote_desc": rd, "timeout": 30}
+                    op = r.random()
+                    if op < 0.4:
+                        cli.put(srv.id, src, "dst", **kw)  # type: ignore[arg-type]
+                    elif op < 0.8:
+                        cli.get(srv.id, src, "dst", **kw)  # type: ignore[arg-type]
+                    else:
+                        cli.put_async(srv.id, src, "dst", **kw).wait()  # type: ignore[arg-type]
+            except BaseException as exc:  # noqa: BLE001 - reported by the caller
+                errors.append(exc)
 
-    idle = rss_bytes()
-    samples = []
-    for phase in range(PHASES):
-        threads = [
-            threading.Thread(target=work, args=(1000 * phase + i, PER_PHASE // 3)) for i in range(3)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors[:3]
-        samples.append(rss_bytes())
+        idle = rss_bytes()
+        samples = []
+        for phase in range(PHASES):
+            threads = [
+                threading.Thread(target=work, args=(1000 * phase + i, PER_PHASE // 3))
+                for i in range(3)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            samples.append(rss_bytes())
+    return idle, samples
+
+
+def test_rss_reaches_a_plateau_under_random_transfers() -> None:
+    # A fresh interpreter: the heap the earlier tests of a run leave behind would move the
+    # figures (the allocator's fragmentation is part of what is measured).
+    root = Path(__file__).resolve().parents[2]
+    code = "import json, tests.unit.test_memory_plateau as m; print(json.dumps(m._measure()))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    idle, samples = json.loads(out.stdout.strip().splitlines()[-1])
     grown = [(s - idle) / 2**20 for s in samples]
     half = PHASES // 2
     print(f"RSS over the idle engines after each of {PHASES} phases: {grown} MiB")
