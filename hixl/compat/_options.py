@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 # Keys only this compat layer knows (hixl would warn about and ignore them).
+ENV_TOKEN = "HIXL_TOKEN"  # the token when the options give none
 OPTION_TOKEN = "hixl.Token"
 OPTION_ALIGNMENT = "hixl.Alignment"
 OPTION_DEVICE = "hixl.Device"
@@ -265,7 +267,7 @@ def parse_options(options: Mapping[str, str] | None) -> CompatOptions:
     HCCS feature with no verbs equivalent).
     """
     if options is None:
-        return CompatOptions()
+        return CompatOptions(token=env_token())
     if not isinstance(options, Mapping):
         raise ArgumentError(f"options must be a dict of str to str, got {type(options).__name__}")
     values: dict[str, str] = {}
@@ -336,9 +338,16 @@ def parse_options(options: Mapping[str, str] | None) -> CompatOptions:
             fields["gil_switch_interval"] = _seconds(key, value)
         else:
             unknown.append(key)
+    fields.setdefault("token", env_token())
     return CompatOptions(
         **fields, notes=tuple(notes), ignored=tuple(ignored), unknown=tuple(unknown)
     )
+
+
+def env_token() -> str | None:
+    """``$HIXL_TOKEN``, the token of an application that passes no ``hixl.Token`` option
+    (an unchanged script on hosts beyond loopback, where an engine needs one), or None."""
+    return os.environ.get(ENV_TOKEN) or None
 
 
 def engine_id_for(local_engine: str) -> str:

@@ -867,3 +867,14 @@ def test_connect_executor_shows_the_latest_request() -> None:
     finally:
         gate.set()
         ex.shutdown(5)
+
+
+def test_token_from_the_environment_when_the_options_give_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HIXL_TOKEN", "from-env")
+    assert parse_options(None).token == "from-env"
+    assert parse_options({}).token == "from-env"
+    assert parse_options({"hixl.Token": "given"}).token == "given"
+    monkeypatch.delenv("HIXL_TOKEN")
+    assert parse_options({}).token is None

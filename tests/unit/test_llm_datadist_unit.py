@@ -640,3 +640,13 @@ def test_pure_modules_import_without_pyverbs() -> None:
         "import hixl.compat.llm_datadist._plan, hixl.compat.llm_datadist._config"
     )
     subprocess.run([sys.executable, "-c", code_], check=True)
+
+
+def test_token_from_the_environment_when_the_options_give_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HIXL_TOKEN", "from-env")
+    assert parse_options({}, LLMRole.PROMPT).token == "from-env"
+    assert parse_options({"hixl.Token": "given"}, LLMRole.PROMPT).token == "given"
+    monkeypatch.delenv("HIXL_TOKEN")
+    assert parse_options({}, LLMRole.PROMPT).token is None

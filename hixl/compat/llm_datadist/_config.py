@@ -15,6 +15,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hixl.compat._options import env_token
 from hixl.compat.llm_datadist._status import check_int, check_type, require
 from hixl.compat.llm_datadist._types import U32, LLMRole
 
@@ -456,7 +457,7 @@ def parse_options(options: Mapping[str, str], role: LLMRole) -> DataDistOptions:
     listen_text = options.get("llm.listenIpInfo")
     listen = parse_listen(listen_text) if listen_text else None
     device = options.get(OPTION_DEVICE) or None
-    token = options.get(OPTION_TOKEN) or None
+    token = options.get(OPTION_TOKEN) or env_token()
     notes = tuple(
         f"option {key} is accepted without effect: {why}"
         for key, why in _NO_EFFECT.items()
