@@ -334,6 +334,18 @@ def test_a_fill_that_keeps_the_ids_then_signals_reads_as_a_fresh_chain_signaled(
     assert walk(chain) == walk(fresh)
 
 
+def _chain_args(lkey: int, rkey: int, opcode: int) -> dict[str, Any]:
+    return {"opcode": opcode, "local_addr": LADDR, "lkey": lkey, "remote_addr": RADDR, "rkey": rkey}
+
+
+def _leave_old_wrs_in_memory(plan: Plan, kw: dict[str, Any]) -> None:
+    """A chain for ``plan`` under another rkey, signalled, then freed: its blocks go back
+    to ``_MEMORY`` with their WRs still written."""
+    dirty = SendChain.for_plan(plan, memory=_MEMORY, **{**kw, "rkey": kw["rkey"] ^ 1})
+    dirty.set_signals(7, 3)
+    del dirty
+
+
 @PROPS
 @FILLS
 def test_a_blank_chain_cut_to_a_plan_and_filled_is_byte_for_byte_one_made_for_it(
@@ -343,16 +355,8 @@ def test_a_blank_chain_cut_to_a_plan_and_filled_is_byte_for_byte_one_made_for_it
     before, then cut to the plan's size (``shrink``) and filled, holds exactly the bytes
     of a chain made for that plan: every WR, its links (the last one ends the chain)
     and every SGE; its views are the plan's size."""
-    kw: dict[str, Any] = {
-        "opcode": opcode,
-        "local_addr": LADDR,
-        "lkey": lkey,
-        "remote_addr": RADDR,
-        "rkey": rkey,
-    }
-    dirty = SendChain.for_plan(plan, memory=_MEMORY, **{**kw, "rkey": rkey ^ 1})
-    dirty.set_signals(7, 3)
-    del dirty
+    kw = _chain_args(lkey, rkey, opcode)
+    _leave_old_wrs_in_memory(plan, kw)
     cap = plan.num_wrs + 5
     blank = SendChain.blank(cap, max(cap, plan.num_sges + 2), 4, _MEMORY, one_each=True)
     blank.shrink(plan.num_wrs, plan.num_sges)
@@ -397,13 +401,7 @@ def test_a_chain_made_for_a_plan_is_byte_for_byte_an_empty_chain_filled(
     """``for_plan`` writes its memory once instead of zeroing it first: every byte of
     every WR (the unions hixl does not use included) and of every SGE is what a zeroed
     chain filled from the same plan holds."""
-    kw: dict[str, Any] = {
-        "opcode": opcode,
-        "local_addr": LADDR,
-        "lkey": lkey,
-        "remote_addr": RADDR,
-        "rkey": rkey,
-    }
+    kw = _chain_args(lkey, rkey, opcode)
     made = SendChain.for_plan(plan, **kw)
     filled = SendChain(made.capacity, made.sge_capacity)
     filled.fill_plan(plan, **kw)
@@ -422,16 +420,8 @@ def test_a_chain_in_kept_memory_reads_as_one_in_new_memory(
 ) -> None:
     """Memory a freed chain gave back holds its old WRs; a new chain made in it must
     read exactly as one made in fresh memory."""
-    kw: dict[str, Any] = {
-        "opcode": opcode,
-        "local_addr": LADDR,
-        "lkey": lkey,
-        "remote_addr": RADDR,
-        "rkey": rkey,
-    }
-    dirty = SendChain.for_plan(plan, memory=_MEMORY, **{**kw, "rkey": rkey ^ 1})
-    dirty.set_signals(7, 3)
-    del dirty  # its blocks go back to _MEMORY, WRs and all
+    kw = _chain_args(lkey, rkey, opcode)
+    _leave_old_wrs_in_memory(plan, kw)
     made = SendChain.for_plan(plan, memory=_MEMORY, **kw)
     fresh = SendChain.for_plan(plan, **kw)
     assert walk(made) == walk(fresh)
