@@ -6,7 +6,6 @@ Transfers and links are tested on rxe in ``tests/rdma/test_llm_datadist.py``.
 
 from __future__ import annotations
 
-import ctypes
 import subprocess
 import sys
 from collections.abc import Callable
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvreplay import replay
 
 import hixl.compat.llm_datadist as lldd
 from hixl.compat.llm_datadist import (
@@ -515,17 +515,7 @@ def execute(
             remote_tensors=[rt for _, rt in pairs], heads=m.heads,
             remote_heads=m.remote_heads, limits=DeviceLimits(),
         )  # fmt: skip
-        moved = 0
-        sges = chain.sges
-        for wr in chain.wrs:
-            first = (int(wr["sg_list"]) - chain.sge_base) // sges.itemsize
-            remote_addr = int(wr["remote_addr"])
-            for sge in sges[first : first + int(wr["num_sge"])]:
-                addr, n = int(sge["addr"]), int(sge["length"])
-                src, dst = (addr, remote_addr) if op is Op.WRITE else (remote_addr, addr)
-                ctypes.memmove(dst, src, n)
-                remote_addr += n
-                moved += n
+        moved = replay(op, chain)
         assert moved == nbytes
 
 
