@@ -2,7 +2,7 @@
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that registers its parser
 and sets ``handler`` to a function ``(args) -> exit code``.  To add a subcommand, write
-such a function and append it to :data:`_COMMANDS`.
+such a function and add it to :data:`_COMMANDS` under the command's name.
 
 Errors: a :class:`~hixl.HixlError` escaping a handler is printed as
 ``hixl: error: <message>`` on stderr with exit status 2, never as a traceback.
@@ -560,28 +560,31 @@ def _add_token(sub: _Subparsers) -> None:
 
 # --- entry point -----------------------------------------------------------------------
 
-_COMMANDS: list[Callable[[_Subparsers], None]] = [
-    _add_devices,
-    _add_rxe,
-    _add_doctor,
-    _add_vm,
-    _add_run,
-    _add_bench,
-    _add_demo,
-    _add_token,
-]
+_COMMANDS: dict[str, Callable[[_Subparsers], None]] = {
+    "devices": _add_devices,
+    "rxe": _add_rxe,
+    "doctor": _add_doctor,
+    "vm": _add_vm,
+    "run": _add_run,
+    "bench": _add_bench,
+    "demo": _add_demo,
+    "token": _add_token,
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the ``hixl`` argument parser with every registered subcommand."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Return the ``hixl`` argument parser with every registered subcommand, or with only
+    ``command``'s when that names one (some commands' options come from modules that load
+    numpy: a small command such as ``hixl rxe up`` starts without them)."""
     parser = argparse.ArgumentParser(
         prog="hixl",
         description="One-sided RDMA transfers over the system's libibverbs: devices, "
         "soft-RoCE setup and diagnostics.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for register in _COMMANDS:
-        register(sub)
+    for name, register in _COMMANDS.items():
+        if command not in _COMMANDS or name == command:
+            register(sub)
     return parser
 
 
@@ -591,7 +594,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     0 on success, 1 when a command ran but found nothing usable, 2 on an error
     (printed as ``hixl: error: ...``; argparse usage errors also exit 2).
     """
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    command = next((w for w in words if not w.startswith("-")), None)
+    args = build_parser(command).parse_args(words)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)

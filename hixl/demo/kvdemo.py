@@ -1240,32 +1240,13 @@ def _forward(
             out.flush()
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     # One BLAS thread each: the two workers share the CPUs, and the same thread count
     # on both sides keeps decode's recompute bit-identical to prefill's math.
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = "1"
-    # In the hixl VM, OpenBLAS does not recognise QEMU's emulated CPU and falls back to
-    # its generic SSE kernel ("Katmai"); the guest does have AVX2 and FMA, and Haswell's
-    # kernel ran about twice as fast there. Both workers get the same kernel.
-    if (
-        os.environ.get("HIXL_IN_VM") == "1"
-        and "OPENBLAS_CORETYPE" not in env
-        and {"avx2", "fma"} <= _cpu_flags()
-    ):
-        env["OPENBLAS_CORETYPE"] = "Haswell"
+    # (In the hixl VM the guest also picks OpenBLAS's kernel: hixl.testbed.guest.)
     return env
 
 

@@ -57,12 +57,33 @@ def _bring_up_network(net: dict[str, Any] | None) -> list[str]:
     return ["--netdev", ifname]
 
 
+def _blas_kernel(env: dict[str, str]) -> None:
+    """Name OpenBLAS's CPU kernel when the emulated CPU can run Haswell's.
+
+    OpenBLAS does not recognise QEMU's emulated CPU and falls back to its generic
+    kernel, whose start-up alone made ``import numpy`` take 19-20 s instead of 11 s in a
+    TCG guest (and whose math ran about half as fast).  Every process of the command
+    inherits the choice; a value the caller set is kept."""
+    if "OPENBLAS_CORETYPE" in env:
+        return
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return
+    flags = next(
+        (ln.partition(":")[2].split() for ln in text.splitlines() if ln.startswith("flags")), []
+    )
+    if {"avx2", "fma"} <= set(flags):
+        env["OPENBLAS_CORETYPE"] = "Haswell"
+
+
 def main(argv: list[str]) -> int:
     xdir = Path(argv[0])
     (xdir / "booted").write_text("1")
     request = json.loads((xdir / "request.json").read_text())
     env = {str(k): str(v) for k, v in request["env"].items()}
     env["HIXL_VM_XDIR"] = str(xdir)  # where a command may leave a VANISHED note
+    _blas_kernel(env)
     rc = 1
     with (xdir / "stdout").open("wb") as out, (xdir / "stderr").open("wb") as err:
         try:
