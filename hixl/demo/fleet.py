@@ -671,20 +671,34 @@ def run_fleet(
     decode: int = 2,
     requests: int = 12,
     kill: bool = True,
+    baseline: bool = True,
     timeout: float = 600.0,
     json_path: str | None = None,
     out: IO[str] | None = None,
 ) -> dict[str, Any]:
-    """A 1x1 fleet, then a ``prefill`` x ``decode`` fleet (one decode killed mid-stream when
-    ``kill`` and there are two or more), each serving ``requests`` requests; returns and
-    prints the summary. Raises :class:`HixlError` if a worker fails or time runs out."""
+    """A 1x1 fleet (unless not ``baseline``), then a ``prefill`` x ``decode`` fleet (one
+    decode killed mid-stream when ``kill`` and there are two or more), each serving
+    ``requests`` requests; returns and prints the summary.  Without the 1x1 fleet the
+    summary's ``baseline`` and ``throughput_ratio`` are None.  Raises :class:`HixlError`
+    if a worker fails or time runs out."""
     if not (1 <= prefill <= 16 and 1 <= decode <= 16 and 1 <= requests <= 10_000):
         raise ArgumentError(
             f"fleet: prefill={prefill} decode={decode} requests={requests} out of range"
         )
     out = out or sys.stdout
-    base = _fleet_once(
-        cfg, prefill=1, decode=1, requests=requests, kill=False, timeout=timeout, out=out, tag="1x1"
+    base = (
+        _fleet_once(
+            cfg,
+            prefill=1,
+            decode=1,
+            requests=requests,
+            kill=False,
+            timeout=timeout,
+            out=out,
+            tag="1x1",
+        )
+        if baseline
+        else None
     )
     main = _fleet_once(
         cfg,
@@ -699,8 +713,10 @@ def run_fleet(
     summary = {
         "baseline": base,
         "fleet": main,
-        "throughput_ratio": main["requests_per_s"] / base["requests_per_s"],
-        "ok": base["all_ok"] and main["all_ok"],
+        "throughput_ratio": None
+        if base is None
+        else main["requests_per_s"] / base["requests_per_s"],
+        "ok": (base is None or base["all_ok"]) and main["all_ok"],
     }
     out.write("\n" + format_fleet(summary) + "\n")
     out.flush()
@@ -1030,8 +1046,13 @@ def format_fleet(s: dict[str, Any]) -> str:
         f"(missing {f['missing']}, duplicated {f['duplicated']}), re-run {f['retries']} times",
         f"  served per decode: {f['per_decode']}",
         f"  all bit-exact with identical tokens: {'yes' if f['all_ok'] else 'NO'}",
-        f"  throughput {f['requests_per_s']:.2f} req/s vs 1x1 {b['requests_per_s']:.2f} req/s "
-        f"in the same run: {s['throughput_ratio']:.2f}x",
+        f"  throughput {f['requests_per_s']:.2f} req/s"
+        + (
+            ""
+            if b is None
+            else f" vs 1x1 {b['requests_per_s']:.2f} req/s in the same run: "
+            f"{s['throughput_ratio']:.2f}x"
+        ),
         f"result: {'OK' if s['ok'] else 'FAILED'}",
     ]
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from hixl.demo.fleet import (
     cut_timeline,
     etcd_warnings,
     fleet_token,
+    format_fleet,
 )
 from hixl.errors import ArgumentError
 
@@ -126,3 +127,30 @@ def test_etcd_warnings_keeps_the_last_warnings_and_errors_of_its_log() -> None:
 def test_etcd_warnings_never_raises_and_stays_bounded(lines: list[str]) -> None:
     got = etcd_warnings("\n".join(lines), limit=3)
     assert len(got) <= 3 and all(len(w) <= 200 for w in got)
+
+
+def _fleet(requests_per_s: float) -> dict[str, Any]:
+    return {
+        "prefill": 2,
+        "decode": 2,
+        "requests": 6,
+        "killed": "decode-0",
+        "completed": 6,
+        "missing": [],
+        "duplicated": [],
+        "retries": 1,
+        "per_decode": {"decode-1": 5},
+        "all_ok": True,
+        "requests_per_s": requests_per_s,
+    }
+
+
+def test_the_fleet_summary_with_and_without_its_1x1_yardstick() -> None:
+    fleet, base = _fleet(0.5), _fleet(0.25)
+    with_base = format_fleet(
+        {"fleet": fleet, "baseline": base, "throughput_ratio": 2.0, "ok": True}
+    )
+    assert "vs 1x1 0.25 req/s in the same run: 2.00x" in with_base
+    alone = format_fleet({"fleet": fleet, "baseline": None, "throughput_ratio": None, "ok": True})
+    assert "throughput 0.50 req/s\n" in alone and "1x1" not in alone
+    assert alone.endswith("result: OK")
