@@ -4,7 +4,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 PY := $(BIN)/python
 HIXL := $(BIN)/hixl
 
-.PHONY: soak setup test test-unit test-registry test-rdma wheel-check test-hosts test-fleet test-fleet-demo test-fleet-cases check demo bench bench-smoke bench-peers
+.PHONY: pyc soak setup test test-unit test-registry test-rdma wheel-check test-hosts test-fleet test-fleet-demo test-fleet-cases check demo bench bench-smoke bench-peers
 
 ## setup: system packages (and the VM path if the kernel lacks rdma_rxe), then .venv
 setup:
@@ -21,12 +21,17 @@ test-unit:
 test-registry:
 	HIXL_REQUIRE_ETCD=1 $(PY) -m pytest -p no:cacheprovider tests/registry -q
 
+# Bytecode for the VM stages: the VM sees this checkout read-only, so a module without a
+# .pyc would be compiled again by every Python process there (seconds each under emulation).
+pyc:
+	$(PY) -m compileall -q hixl tests benchmarks examples > /dev/null
+
 # `hixl run` uses the host's rxe when there is one and boots the VM otherwise.
 # HIXL_REQUIRE_RDMA=1 turns a missing device into a failure, never a skip.
 # `make test-rdma DEBUG_LOCKS=1` checks every engine's lock in the whole tier (no socket send or
 # wake-up byte under it); slower, so CI runs only tests/rdma/test_locking.py's checked engines.
 DEBUG_LOCKS ?= 0
-test-rdma:
+test-rdma: pyc
 	HIXL_REQUIRE_RDMA=1 $(HIXL) run -- env HIXL_DEBUG_LOCKS=$(DEBUG_LOCKS) $(PY) -m pytest -p no:cacheprovider tests/rdma -q --durations=12
 
 ## wheel-check: the wheel in a fresh venv with hixl[vm] (no system packages, so no pyverbs):
@@ -47,7 +52,7 @@ soak:
 ## test-hosts: two VMs, each with its own kernel and rxe, on one virtual wire (MTU 1500 and
 ## 9000): strided put/get, notifications, MTU negotiation, link flap, a peer host killed.
 ## host0 runs tests/hosts, host1 the agent they drive. About 2-3 min under emulation.
-test-hosts:
+test-hosts: pyc
 	$(HIXL) vm hosts --mtu 1500 --mtu 9000 --cpus 1 --memory 2G --timeout 900 \
 		--host '$(PY) -m pytest -p no:cacheprovider tests/hosts -v -rA --durations=0' \
 		--host '$(PY) tests/hosts/agent.py'
@@ -61,10 +66,10 @@ test-hosts:
 ##   failure behaviour as a test. Every engine has the run's shared token.
 test-fleet: test-fleet-demo test-fleet-cases
 
-test-fleet-demo:
+test-fleet-demo: pyc
 	$(HIXL) demo --hosts 4 --prefill 2 --decode 2 --requests 12 --timeout 600
 
-test-fleet-cases:
+test-fleet-cases: pyc
 	HIXL_FLEET_TOKEN=$$($(HIXL) token) $(HIXL) vm hosts --cpus 1 --memory 1536M --timeout 900 \
 		--host '$(PY) -m pytest -p no:cacheprovider tests/fleet -v -rA --durations=0' \
 		--host '$(PY) tests/fleet/agent.py' --host '$(PY) tests/fleet/agent.py' \
