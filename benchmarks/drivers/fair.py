@@ -619,8 +619,7 @@ def report_markdown(data: dict[str, Any], targets: bool = True) -> str:
     lines.append("")
     for c in chunks:
         cut = (
-            "; cut short by a time cap, its finished rounds read from its output "
-            "with `--from-log`"
+            "; cut short by a time cap, its finished rounds read from its output with `--from-log`"
             if c.get("from_log")
             else ""
         )
