@@ -13,32 +13,28 @@ and delegates each public call.  The threading and locking rules are in
 from __future__ import annotations
 
 import logging
-import secrets
-import socket
 import sys
 import warnings
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from hixl.core import notify
 from hixl.core.descriptors import Descriptor
 from hixl.core.notify import Notification
-from hixl.core.plan import DeviceLimits, Op
-from hixl.core.window import MAX_BATCHES, Chunk
+from hixl.core.plan import Op
+from hixl.core.window import Chunk
 from hixl.core.wire import RemoteRegion
 from hixl.engine.channel import Channel, hold_direct_lane
 from hixl.engine.config import EngineConfig, is_loopback
-from hixl.engine.connection import RECV_SLOTS, Connection, Lane
+from hixl.engine.connection import Connection, Lane
 from hixl.engine.datapath import (
     Built,
-    NotifySlots,
     Planner,
-    ranges_key,
     resolve_remote,
-    signal_interval,
 )
+from hixl.engine.device import open_engine_device
+from hixl.engine.diagnostics import Diagnostics
 from hixl.engine.handles import TransferHandle, TransferRequest
 from hixl.engine.handshake import Listener
 from hixl.engine.inbox import Inbox
@@ -52,7 +48,7 @@ from hixl.engine.queueing import Queuer
 from hixl.engine.reaping import SendReaper
 from hixl.engine.regions import Access, Region, RegionTable
 from hixl.engine.single import LentLane, SinglePaths
-from hixl.errors import ArgumentError, HixlError, RegistrationError, StateError
+from hixl.errors import HixlError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
 from hixl.verbs.adapter import gid_to_str
 from hixl.verbs.chain import SendChain
@@ -63,52 +59,6 @@ if TYPE_CHECKING:
 __all__ = ["Diagnostics", "Engine"]
 
 log = logging.getLogger("hixl.engine")
-
-SEND_NOTIFY_SLOTS = 256  # notifications in flight per engine
-
-
-@dataclass(frozen=True, slots=True)
-class Diagnostics:
-    """A snapshot of an engine's internals, for monitoring and tests.
-
-    ``progress_thread_id`` is the native id of the progress thread and
-    ``progress_alive`` whether it runs; ``completion_events`` tells whether it sleeps
-    on completion channels (True) or polls the CQs; ``pending_transfers`` counts
-    transfers not finished yet; ``handshakes`` counts incoming handshakes under way and
-    ``refused_busy`` the sockets answered ERROR(BUSY) so far; ``notifications`` counts
-    notifications received and not taken yet.  ``send_posts`` counts the
-    ``post_send`` calls made for transfers and notifications so far and
-    ``posted_wrs`` the work requests they carried: many ``put_async`` calls issued
-    while earlier ones are out go in one post (see :meth:`Engine.transfer_async`).
-    ``direct_posts`` counts the blocking single requests among them that were posted
-    and completed on the caller's thread (see :meth:`Engine.put`), and ``lane_posts``
-    those of them that ran on a connection's direct lane.  ``slot_messages`` counts the
-    asynchronous single requests written into a lane's ring of slots (see
-    :meth:`Engine.put_async`); the messages queued together in one ring count as one
-    pending transfer until they complete.  ``chains_built`` counts the work-request
-    chains allocated for a transfer's plan (not a single message's) and
-    ``chains_refilled`` the transfers of a new layout that took an idle chain of the
-    same size from an earlier transfer and filled it anew instead (a repeated layout
-    reuses its own chain and counts in neither).
-    """
-
-    progress_thread_id: int | None
-    progress_alive: bool
-    completion_events: bool
-    pending_transfers: int
-    peers: int
-    regions: int
-    handshakes: int = 0
-    refused_busy: int = 0
-    notifications: int = 0
-    notifications_dropped: int = 0
-    send_posts: int = 0
-    posted_wrs: int = 0
-    direct_posts: int = 0
-    lane_posts: int = 0
-    slot_messages: int = 0
-    chains_built: int = 0
-    chains_refilled: int = 0
 
 
 class Engine:
@@ -213,7 +163,7 @@ class Engine:
             has_registry=registry is not None,
             insecure=insecure,
         )
-        host, tcp_port = cfg.host, cfg.tcp_port
+
         self._direct_lane = cfg.direct_lane
         if gil_switch_interval is not None and sys.getswitchinterval() > gil_switch_interval:
             sys.setswitchinterval(gil_switch_interval)  # asked for by name (see above)
@@ -224,43 +174,19 @@ class Engine:
         self.qp_timeout = qp_timeout
         self._lock = lock = engine_lock()
         try:
-            self._dev = verbs.open_device(device, port, gid_index)
+            opened = open_engine_device(
+                cfg, engine_id, device, port, gid_index,
+                send_queue_depth=send_queue_depth, completion_events=completion_events,
+            )  # fmt: skip
         except BaseException:
             if self._names is not None:
                 self._names.close()
             raise
-        try:
-            caps = self._dev.caps
-            self.sq_depth = max(32, min(send_queue_depth, caps.max_qp_wr))
-            every = signal_interval(self.sq_depth)
-            self.limits = DeviceLimits(
-                max_sge=caps.max_sge,
-                max_sge_rd=caps.max_sge_rd,
-                max_msg_sz=min(caps.max_msg_sz, 0xFFFF_FFFF),
-            )
-            # Signaled WRs of every lane of every peer (group ends, and batch ends, of
-            # which a window lets at most MAX_BATCHES be out), plus room for one
-            # connection's flushed WRs (a failed queue pair completes every outstanding
-            # WR, signaled or not).
-            per_lane = self.sq_depth // every + MAX_BATCHES
-            cq_depth = (max_peers * per_lane + self.sq_depth) * lanes
-            self.send_cq = self._dev.create_cq(cq_depth, events=completion_events)
-            self.recv_cq = self._dev.create_cq(
-                max_peers * RECV_SLOTS + 16, events=completion_events
-            )
-            self._notify_slots = NotifySlots(self._dev, SEND_NOTIFY_SLOTS)
-            listener: socket.socket | None = None
-            if tcp_port:
-                listener = socket.create_server((host, tcp_port), backlog=1024)
-                listener.setblocking(False)
-                self.id = engine_id
-            else:
-                self.id = f"{host}:0~{secrets.token_hex(4)}"
-        except BaseException:
-            self._dev.close()
-            if self._names is not None:
-                self._names.close()
-            raise
+        self._dev, self.id, self.sq_depth, self.limits = (
+            opened.dev, opened.id, opened.sq_depth, opened.limits,
+        )  # fmt: skip
+        self.send_cq, self.recv_cq = opened.send_cq, opened.recv_cq
+        self._notify_slots, listener, every = opened.notify_slots, opened.listener, opened.every
         self._listener = listener
         self._planner = planner = Planner(self.limits, alignment or None)
         # register_kv, put_blocks, get_blocks.  A weak host: the parts hold no strong reference
@@ -307,7 +233,7 @@ class Engine:
         peers.attach(self._progress, self._incoming)
         self._closed = False
         self._progress.start()
-        if listener is not None and cfg.token is None and not is_loopback(host):
+        if listener is not None and cfg.token is None and not is_loopback(cfg.host):
             log.warning(
                 "engine %s listens on a non-loopback address without a token: any client "
                 "that reaches the port gets the rkeys of every remotely accessible region; "
@@ -767,9 +693,10 @@ class Engine:
         :class:`DescriptorError` (a mismatch of the caches, a bad or repeated destination
         block id), :class:`RegistrationError`; after: as :meth:`put`, naming the request
         and the blocks not known to have landed.  See docs/api.md."""
-        self._blocks(
-            Op.WRITE, True, peer, kv, remote_name, local_blocks, remote_blocks, tensors, heads,
-            remote_heads, remote_tensors, notify, notify_message, timeout,
+        self._kv.transfer(
+            Op.WRITE, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
+            heads=heads, remote_heads=remote_heads, remote_tensors=remote_tensors,
+            notify=notify, notify_message=notify_message, timeout=timeout, now=True,
         ).wait()  # fmt: skip
 
     def get_blocks(
@@ -790,9 +717,10 @@ class Engine:
     ) -> None:
         """RDMA READ the peer's blocks ``remote_blocks[i]`` into ``local_blocks[i]`` of
         ``kv``; as :meth:`put_blocks` otherwise (the notification follows the reads)."""
-        self._blocks(
-            Op.READ, True, peer, kv, remote_name, local_blocks, remote_blocks, tensors, heads,
-            remote_heads, remote_tensors, notify, notify_message, timeout,
+        self._kv.transfer(
+            Op.READ, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
+            heads=heads, remote_heads=remote_heads, remote_tensors=remote_tensors,
+            notify=notify, notify_message=notify_message, timeout=timeout, now=True,
         ).wait()  # fmt: skip
 
     def put_blocks_async(
@@ -812,9 +740,10 @@ class Engine:
         timeout: float = 30.0,
     ) -> TransferHandle:
         """Start a :meth:`put_blocks`; return its handle."""
-        return self._blocks(
-            Op.WRITE, False, peer, kv, remote_name, local_blocks, remote_blocks, tensors, heads,
-            remote_heads, remote_tensors, notify, notify_message, timeout,
+        return self._kv.transfer(
+            Op.WRITE, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
+            heads=heads, remote_heads=remote_heads, remote_tensors=remote_tensors,
+            notify=notify, notify_message=notify_message, timeout=timeout, now=False,
         )  # fmt: skip
 
     def get_blocks_async(
@@ -834,34 +763,10 @@ class Engine:
         timeout: float = 30.0,
     ) -> TransferHandle:
         """Start a :meth:`get_blocks`; return its handle."""
-        return self._blocks(
-            Op.READ, False, peer, kv, remote_name, local_blocks, remote_blocks, tensors, heads,
-            remote_heads, remote_tensors, notify, notify_message, timeout,
-        )  # fmt: skip
-
-    def _blocks(
-        self,
-        op: Op,
-        now: bool,
-        peer: str,
-        kv: KVCache,
-        remote_name: str,
-        local_blocks: object,
-        remote_blocks: object,
-        tensors: Sequence[int] | range | None,
-        heads: tuple[int, int] | None,
-        remote_heads: tuple[int, int] | None,
-        remote_tensors: Sequence[int] | range | None,
-        notify: str | None,
-        notify_message: bytes,
-        timeout: float,
-    ) -> TransferHandle:
-        """The one path of the four block calls: the KV part checks and plans, the
-        engine queues (``now``: a blocking call, posted on this thread when it can)."""
         return self._kv.transfer(
-            op, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
+            Op.READ, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
             heads=heads, remote_heads=remote_heads, remote_tensors=remote_tensors,
-            notify=notify, notify_message=notify_message, timeout=timeout, now=now,
+            notify=notify, notify_message=notify_message, timeout=timeout, now=False,
         )  # fmt: skip
 
     def _queue_chain(
@@ -899,32 +804,11 @@ class Engine:
         now: bool,
         tkey: tuple[Any, ...] | None = None,
     ) -> TransferHandle:
-        """Check, plan, build and queue a transfer; ``now``: post it on this thread when
-        the queue pair is idle (a blocking call, which waits anyway).  ``tkey``: keep the
-        single request's template under that key."""
-        if timeout <= 0:
-            raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
-        if not requests and notify is None:
-            raise ArgumentError("empty transfer: no requests and no notification")
-        payload = _notify.encode(notify, notify_message) if notify is not None else None
-        self._check_open()
-        conn = self.connection(peer)
-        conn.check_ready()
-        # Validation, planning and building read only immutable values (regions' keys,
-        # the peer's announced region tuple), so they run without the engine lock; the
-        # progress thread keeps reaping completions meanwhile.
-        built = [self._planner.build(self, conn, req, i) for i, req in enumerate(requests)]
-        if tkey is not None:
-            t = self._planner.template(conn, requests[0], built[0])
-            if t is not None:
-                req = requests[0]
-                # Also under the key of the same sizes at other offsets (see SinglePaths.one).
-                rkey = ranges_key(
-                    peer, req.op, req.local, req.remote, req.local_desc, req.remote_desc
-                )
-                self._singles.keep(tkey, rkey, t)
-        reads = any(r.op == "read" for r in requests)
-        return self._queuer.queue(conn, built, payload, reads, timeout, now)
+        """The general path: see :meth:`SinglePaths.submit`."""
+        return self._singles.submit(
+            self, self.connection, peer, requests, notify, notify_message, timeout, now=now,
+            tkey=tkey,
+        )  # fmt: skip
 
     def channel(self, peer: str, local: Region, remote: RemoteRegion | str) -> Channel:
         """A :class:`~hixl.engine.channel.Channel` to ``peer``: blocking puts and gets of
