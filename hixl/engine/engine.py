@@ -28,11 +28,7 @@ from hixl.core.wire import RemoteRegion
 from hixl.engine.channel import Channel, hold_direct_lane
 from hixl.engine.config import EngineConfig, is_loopback
 from hixl.engine.connection import Connection, Lane
-from hixl.engine.datapath import (
-    Built,
-    Planner,
-    resolve_remote,
-)
+from hixl.engine.datapath import Built, Planner, resolve_remote
 from hixl.engine.device import open_engine_device
 from hixl.engine.diagnostics import Diagnostics
 from hixl.engine.handles import TransferHandle, TransferRequest
@@ -64,52 +60,32 @@ log = logging.getLogger("hixl.engine")
 class Engine:
     """A hixl transfer engine, named ``"ip:port"``.
 
-    ``Engine("10.0.0.1:5000")`` listens on that address for peers; port 0
-    means the engine only makes outgoing connections (its id then gets a
-    random ``~suffix`` to stay unique).  ``device``/``port``/``gid_index``
-    default to what ``hixl devices`` marks.  ``token`` (optional shared
-    secret) makes both ends prove they know it before any region key is
-    sent.  ``alignment`` is the policy for offsets inside regions (bytes, 0 to
-    turn it off).  ``qp_timeout`` is the verbs ACK-timeout exponent, which
-    bounds how long a silent peer takes to fail a transfer.  ``max_peers``
-    caps connections, checked before a queue pair is made or any key sent.
-    ``max_handshakes`` and ``max_handshakes_per_source`` cap incoming
-    handshakes under way, in all and from one source (an IPv4 address, all of
-    127.0.0.0/8 as one, or an IPv6 /64; over either, a
-    client is answered ERROR(BUSY) and asks again); ``handshake_timeout``
-    bounds a whole handshake, each of its steps has a shorter deadline.
-    ``max_notifications_per_peer`` and ``max_notifications`` bound
-    notifications received and not yet taken, from one peer and in all: each
-    connection is granted ``min(max_notifications_per_peer, max_notifications //
-    max_peers)`` credits, a sender out of credits waits for the application here
-    to take some (its call fails with TransferTimeout at its deadline; nothing
-    else fails), and at the total the departed peer holding the most loses its oldest
+    ``Engine("10.0.0.1:5000")`` listens on that address for peers; port 0 means the engine
+    only makes outgoing connections (its id then gets a random ``~suffix`` to stay unique).
+    Every option, its default and what it bounds: docs/api.md ("Engine").  In short:
+    ``device``/``port``/``gid_index`` pick the device (default: what ``hixl devices``
+    marks).  ``token`` is a shared secret both ends prove before any region key is sent;
+    without one any client that reaches the port learns the rkeys of every remotely
+    accessible region, so an engine listening beyond loopback (``0.0.0.0`` included) needs
+    a token, or ``insecure=True`` to run open on purpose (it then logs a WARNING once).
+    ``alignment`` is the offset policy in bytes (0: off); ``qp_timeout`` the verbs
+    ACK-timeout exponent, which bounds how long a silent peer takes to fail a transfer;
+    ``lanes`` the queue pairs a connection sends over, and ``direct_lane`` one more, with a
+    completion queue of its own, for a :meth:`channel`.  ``max_peers``,
+    ``max_handshakes``, ``max_handshakes_per_source`` (an IPv4 address, all of 127.0.0.0/8,
+    or an IPv6 /64) and ``handshake_timeout`` bound connections and incoming handshakes
+    (over a limit a client is answered ERROR(BUSY) and asks again);
+    ``max_notifications_per_peer`` and ``max_notifications`` bound notifications received
+    and not taken: a sender out of credits waits for the application here to take some
     (see :mod:`hixl.engine.inbox`).  ``completion_events=False`` makes the progress thread
-    poll the CQs instead of sleeping on completion channels (a test hook).
-    ``lanes`` is how many queue pairs a connection sends its work over (as many as both
-    ends allow); ``direct_lane`` makes each connection one more, with a completion queue of
-    its own, for a :meth:`channel` (connected when the peer made as many queue pairs).
-    ``gil_switch_interval`` (seconds) is for an application that asks for it: it lowers
-    the interpreter's GIL switch interval (:func:`sys.setswitchinterval`, 5 ms by
-    default) for the whole process when that is longer, so the thread that posts and
-    reaps gets the GIL back sooner while the application thread runs Python.  The
-    default, None, leaves the process's interval alone.
-
-    A client whose id names a listening ``ip:port`` must connect from that ip, so that
-    nobody takes the id of an engine not connected yet (the client side binds its socket
-    to its id's address); ``trust_peer_hosts=True`` lifts that for peers behind NAT or a
-    proxy, whose connections come from another address than their id names.
-
-    Without a token any client that reaches the port learns the rkeys of
-    every remotely accessible region, so an engine that listens on an address
-    other than loopback (``0.0.0.0`` included) needs a token, or
-    ``insecure=True`` to run open on purpose (it then logs a WARNING once).
-
-    ``registry`` (a URL such as ``"etcd://10.0.0.1:2379"`` or ``"memory://NAME"``, or a
-    :class:`hixl.registry.Registry` the caller shares) lets :meth:`connect` take peer
-    names; with ``name`` the engine also announces itself there (``role``, its id, the
-    device's GID and MTU, ``capacity``) under a lease that ends with the engine. Without a
-    registry nothing is needed: peers are ``"ip:port"`` as always.
+    poll the CQs (a test hook).  ``gil_switch_interval`` (seconds), for an application that
+    asks for it, lowers the process's GIL switch interval when that is longer; the
+    default, None, leaves it alone.  A client whose id names a listening ``ip:port`` must
+    connect from that ip; ``trust_peer_hosts=True`` lifts that for peers behind NAT or a
+    proxy.  ``registry`` (``"etcd://10.0.0.1:2379"``, ``"memory://NAME"`` or a shared
+    :class:`hixl.registry.Registry`) lets :meth:`connect` take names; with ``name`` the
+    engine announces itself there (``role``, its id, GID and MTU, ``capacity``) under a
+    lease that ends with it.
 
     Raises :class:`ArgumentError` for a bad id, an empty token, a limit below 1
     or a non-loopback listening address with neither a token nor ``insecure=True``,
@@ -487,12 +463,9 @@ class Engine:
         :class:`CompletionError`, :class:`ConnectionFailed` or
         :class:`TransferTimeout` (after ``timeout`` seconds) after it.
 
-        A repeated put of one work request (a contiguous range, say) is posted by this
-        thread, which then polls for its completion itself: no hand-over to the progress
-        thread, no handle (``Diagnostics.direct_posts`` counts them).  It goes on the
-        connection's direct lane as a :class:`Channel` call would, while no channel is
-        open and no other call is on that lane, else on an idle queue pair.  Otherwise
-        it is queued like :meth:`put_async` and waited for.
+        A repeated put of one work request is posted and polled by this thread (on the
+        direct lane while no channel holds it, else on an idle queue pair;
+        ``Diagnostics.direct_posts``); otherwise it is queued like :meth:`put_async`.
         """
         again = self._singles.repeat_put  # the same call as the last one on the lane: no lookup
         if (
@@ -559,13 +532,10 @@ class Engine:
     ) -> TransferHandle:
         """Start a put (see :meth:`put`); return its :class:`TransferHandle`.
 
-        A put of one work request of one SGE (a contiguous range of up to one message,
-        after its first call has checked and planned it) is written straight into a
-        slot of a ring of work requests kept per queue pair, and joins the messages
-        queued there before it and not posted yet: the poster sends them as one range
-        with one completion (``Diagnostics.slot_messages`` counts them).  The returned
-        handle is done when that group is; when one of the group's requests fails, the
-        ones before it are done, it fails with its own status and the later ones with
+        A put of one contiguous range, once checked, goes into its queue pair's ring of
+        slots with the puts queued before it, posted as one range with one completion
+        (``Diagnostics.slot_messages``): its handle is done when that group is; if one
+        fails, those before it are done, it fails with its status, the later ones with
         the connection.
         """
         again = self._singles.ring_put  # the last ring template's call: no lookup if it matches
@@ -642,10 +612,8 @@ class Engine:
         the transfer fails with :class:`TransferTimeout` and the connection is
         marked failed (its requests cannot be recalled otherwise).
 
-        The work requests are posted by the progress thread, together with whatever
-        else was queued meanwhile (one ``post_send`` for many calls), so this returns
-        without waiting for the provider; the blocking calls post an idle queue pair
-        themselves.
+        The progress thread posts the work requests with whatever else was queued
+        meanwhile (one ``post_send`` for many calls); this returns without waiting.
         """
         return self._submit(peer, requests, notify, notify_message, timeout, now=False)
 
