@@ -194,6 +194,21 @@ def run_c(perftest: Perftest, cfg: CConfig, size: int, iters: int) -> tuple[floa
     return sum_bw([r.output for r in pr.runs]), pr.command
 
 
+def out_of_budget(args: argparse.Namespace, t0: float, rnd: int, log: Any) -> bool:
+    """Whether round ``rnd`` (from 0) would end past ``--budget`` seconds from ``t0``,
+    judged by the rounds so far (the first round always runs): a run that must end in
+    a time slot stops between rounds and keeps what it measured, instead of being
+    killed in the middle of one."""
+    budget = args.budget
+    if not rnd or budget is None:
+        return False
+    spent = time.monotonic() - t0
+    if spent + spent / rnd <= budget:
+        return False
+    log(f"  (stopped after {rnd} rounds: another would end past the {budget:.0f} s budget)")
+    return True
+
+
 def bw_case(
     op: str, sizes: list[int], args: argparse.Namespace, perftest: Perftest, log: Any
 ) -> list[dict[str, Any]]:
@@ -239,7 +254,10 @@ def bw_case(
             single_rounds: list[dict[str, float]] = []
             h_rounds: dict[str, list[float | None]] = {k: [] for k in hixl_rows}
             commands: dict[str, str] = {}
+            t0 = time.monotonic()
             for rnd in range(args.repeat):
+                if out_of_budget(args, t0, rnd, log):
+                    break
                 items: list[tuple[str, Any]] = [("c", c) for c in configs]
                 items += [("c1", single)] if single.args != configs[1].args else []
                 items += [("h", k) for k in hixl_rows]
@@ -353,7 +371,10 @@ def layer_case(args: argparse.Namespace, perftest: Perftest, log: Any) -> list[d
     second: list[float | None] = []
     c_rounds: list[dict[str, float]] = []
     commands: dict[str, str] = {}
+    t0 = time.monotonic()
     for rnd in range(args.repeat):
+        if out_of_budget(args, t0, rnd, log):
+            break
         items: list[CConfig | None] = [*configs, None]
         if rnd % 2:
             items.reverse()
@@ -514,7 +535,10 @@ def lat_case(
         raise BenchError("no single cpu MHz in /proc/cpuinfo to convert perftest's cycles")
     h: list[float | None] = []
     c_rounds: list[dict[str, float]] = []
+    t0 = time.monotonic()
     for rnd in range(args.repeat):
+        if out_of_budget(args, t0, rnd, log):
+            break
         cr: dict[str, float] = {}
         for turn in (0, 1) if rnd % 2 == 0 else (1, 0):
             if turn == 0:
@@ -694,6 +718,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lanes", type=int, default=2, help="hixl lanes = concurrent C pairs")
     ap.add_argument("--lat-iters", type=int, default=200, help="round trips per latency run")
     ap.add_argument("--perftest-timeout", type=float, default=60.0, help="seconds per try")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds per case and size: no round starts that would end past it",
+    )
     ap.add_argument("--json", default=None, help="write results here ('-' = stdout line)")
     ap.add_argument("--quick", action="store_true", help="one round, 64 KiB, 1 MiB streams")
     ap.add_argument(

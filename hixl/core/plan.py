@@ -69,6 +69,7 @@ from hixl.core.descriptors import (
     StridedDesc,
     as_segments,
     normalize_alignment,
+    sort_offsets,
 )
 from hixl.errors import AlignmentError, BoundsError, DescriptorError
 
@@ -319,9 +320,7 @@ def _merge_sorted(a: I64Array, b: I64Array) -> tuple[I64Array, BoolArray, BoolAr
         both = np.insert(a, pos, b)
         from_a = np.insert(np.ones(a.size, dtype=bool), pos, np.zeros(b.size, dtype=bool))
     else:
-        cat = np.concatenate((b, a))
-        order = np.argsort(cat, kind="stable")
-        both = cat[order]
+        order, both = sort_offsets(np.concatenate((b, a)))
         from_a = order >= b.size
     # Equal values come in (b, a) pairs: keep the a copy and remember its twin.
     twin = both[1:] == both[:-1]
@@ -490,16 +489,23 @@ def _plan_separate_blocks(
         return None
     lo, ro = loc.offsets, rem.offsets
     if not bool((ro[1:] > ro[:-1]).all()):
-        order = np.argsort(ro, kind="stable")
-        lo, ro, ln = lo[order], ro[order], ln[order]
-    if not bool((ro[1:] > ro[:-1] + ln[:-1]).all()):
-        return None  # remote blocks touch (one WR may take both) or overlap
+        order, ro = sort_offsets(ro)
+        lo, ln = lo[order], ln[order]
+    gap = ro[1:] - ro[:-1]
+    gap -= ln[:-1]
+    if bool((gap < 0).any()):
+        return None  # remote blocks overlap: the general path says so (or keeps order)
     if op is Op.READ:
-        by_local = np.argsort(lo, kind="stable")
-        ls, ll = lo[by_local], ln[by_local]
+        by_local, ls = sort_offsets(lo)
+        ll = ln[by_local]
         if not bool((ls[1:] >= ls[:-1] + ll[:-1]).all()):
             return None  # the READ destination overlaps itself: the general path says so
-    return Plan(op, limits, ro, ln, np.arange(n + 1, dtype=np.int64), lo, ln)
+    if bool((gap == 0).any()):
+        # Remote blocks touch: one WR may take several.  These pieces, in remote order,
+        # are what the general path's steps 1-3 make of such blocks (a pair of blocks
+        # it merges on both sides is one it fuses again here in step 4).
+        return _plan_pieces(lo, ro, ln, gap, None, op, limits)
+    return Plan._fresh(op, limits, ro, ln, _counting(n), lo, ln, loc.nbytes)
 
 
 @functools.lru_cache(maxsize=16)
@@ -634,8 +640,8 @@ def plan_transfer(
     l_off, r_off, length, r_idx = _pieces(loc, rem, want_index=not merge)
     gap = r_off[1:] - (r_off[:-1] + length[:-1])
     if length.size > 1 and not bool((r_off[1:] >= r_off[:-1]).all()):
-        order = np.argsort(r_off, kind="stable")
-        s_l, s_r, s_len = l_off[order], r_off[order], length[order]
+        order, s_r = sort_offsets(r_off)
+        s_l, s_len = l_off[order], length[order]
         # Sorted by start, a range overlaps an earlier one iff it starts before its
         # predecessor ends.
         s_gap = s_r[1:] - (s_r[:-1] + s_len[:-1])
@@ -648,7 +654,22 @@ def plan_transfer(
         # the module docstring), where a remote segment's pieces follow each other.
     elif op is Op.WRITE and bool((gap < 0).any()):
         rem0.check_disjoint("remote (the WRITE destination)")
+    return _plan_pieces(l_off, r_off, length, gap, r_idx, op, limits)
 
+
+def _plan_pieces(
+    l_off: I64Array,
+    r_off: I64Array,
+    length: I64Array,
+    gap: I64Array,
+    r_idx: I64Array | None,
+    op: Op,
+    limits: DeviceLimits,
+) -> Plan:
+    """Steps 4 and 5 of :func:`plan_transfer`: the plan of the pieces ``l_off``,
+    ``r_off``, ``length`` in the order they are planned in (``gap[k]``: remote bytes
+    between the end of piece ``k`` and the start of piece ``k + 1``; ``r_idx``: each
+    piece's remote segment, when runs must not cross segments, else None)."""
     # Fuse pieces that continue each other on both sides; mark where remote runs start.
     cont_r = gap == 0
     if r_idx is not None:
@@ -664,8 +685,20 @@ def plan_transfer(
         g_len = np.add.reduceat(length, first)
         g_l, g_r = l_off[first], r_off[first]
         run_first = np.flatnonzero(np.concatenate(([True], ~cont_r))[first])
-    q = np.zeros(g_len.size + 1, dtype=np.int64)
+    k = g_len.size
+    q = np.zeros(k + 1, dtype=np.int64)
     np.cumsum(g_len, out=q[1:])
+    bounds = np.empty(run_first.size + 1, dtype=np.int64)
+    bounds[:-1] = run_first
+    bounds[-1] = k
+    run_bytes = np.diff(q[bounds])
+    if (
+        int(np.diff(bounds).max()) <= limits.sge_limit(op)
+        and int(run_bytes.max()) <= limits.max_msg_sz
+    ):
+        # Every run fits one WR (blocks and the blocks that touch them, short of the
+        # limits): what step 5 makes of it, without the cutting.
+        return Plan._fresh(op, limits, g_r[run_first], run_bytes, bounds, g_l, g_len, int(q[-1]))
 
     wr_start = _pack(q, run_first, limits.sge_limit(op), limits.max_msg_sz)
     wr_length = np.diff(np.append(wr_start, q[-1]))

@@ -56,6 +56,7 @@ __all__ = [
     "PLAN_CACHE",
     "Planner",
     "Template",
+    "chain_capacity",
     "ranges_key",
     "resolve_remote",
     "signal_interval",
@@ -71,6 +72,13 @@ SIZED_KEYS = 64  # layouts remembered per chain size for refilling (older ones a
 SIZED_SIZES = 256  # chain sizes indexed for refilling (the index starts over past this)
 CHAIN_RESERVE = 2 << 20  # bytes of chain memory touched when the engine is made
 CHAIN_BLANK = 8192  # WRs (and SGEs) of the chain formatted in that memory when the engine is made
+
+
+def chain_capacity(count: int) -> int:
+    """The WRs (or SGEs) of a chain pooled by its size alone for ``count`` of them: the
+    next power of two (a chain's arrays take blocks of power-of-two sizes anyway, see
+    :class:`ChainMemory`)."""
+    return 1 << (count - 1).bit_length()
 
 
 def signal_interval(sq_depth: int) -> int:
@@ -314,7 +322,7 @@ class Planner:
                 idle.chain.shift(local_addr - la, remote_addr - ra)
                 return Built(idle.chain, plan.nbytes, key, (local_addr, remote_addr))
         chain = self._chain_for(
-            plan, opcode, local_addr, local.lkey, remote_addr, remote.rkey, local
+            plan, opcode, local_addr, local.lkey, remote_addr, remote.rkey, local, key is None
         )
         return Built(chain, plan.nbytes, key, (local_addr, remote_addr))
 
@@ -327,12 +335,20 @@ class Planner:
         remote_addr: int,
         rkey: int,
         local: Region,
+        by_size: bool = False,
     ) -> SendChain:
         """``plan``'s chain when no idle chain of its layout is pooled: an idle chain of
         another layout with as many WRs and SGEs, filled anew (no allocation: a fill into
         memory in use costs well under half of a new chain's, see ``bench_build.py``),
         else the blank chain formatted when the engine was made, if it is still unused
         and the plan's chain would be of its size class, else a new chain.
+
+        ``by_size``: the chain is pooled by its capacity alone when it comes back (a
+        block list's, planned every time), so its capacity is rounded up to powers of
+        two (:func:`chain_capacity`, the size class its memory takes anyway): block
+        lists of one size merge a varying number of neighbours into their WRs, and a
+        chain sized to one list's plan would rarely fit the next.  Such a chain holds
+        more WRs and SGEs than a fill uses; a fill writes and links only its own.
 
         A refilled chain keeps its old ``wr_id``s and flags: every chain built here is
         signaled over its whole length (``set_signals``) before it is posted, which
@@ -345,26 +361,30 @@ class Planner:
             "rkey": rkey,
             "regions": (local,),
         }
-        if plan.num_wrs > 1:
-            idle = self._take_sized((plan.num_wrs, plan.num_sges))
+        wrs, sges = plan.num_wrs, plan.num_sges
+        if wrs > 1:
+            if by_size:
+                wrs, sges = chain_capacity(wrs), chain_capacity(sges)
+            idle = self._take_sized((wrs, sges))
             if idle is not None:
                 idle.chain.fill_plan(plan, keep_ids=True, **kw)
                 self.chains_refilled += 1
                 return idle.chain
-            if (
-                self._blank
-                and CHAIN_BLANK // 2 < plan.num_wrs <= CHAIN_BLANK
-                and plan.num_sges <= CHAIN_BLANK
-            ):
+            if self._blank and CHAIN_BLANK // 2 < wrs <= CHAIN_BLANK and sges <= CHAIN_BLANK:
                 try:
                     chain = self._blank.pop()
                 except IndexError:  # another thread took it
                     pass
                 else:
-                    chain.shrink(plan.num_wrs, plan.num_sges)
+                    chain.shrink(wrs, sges)
                     chain.fill_plan(plan, keep_ids=True, **kw)
                     self.chains_built += 1
                     return chain
+            if by_size:
+                chain = SendChain.blank(wrs, sges, opcode, self.memory)
+                chain.fill_plan(plan, **kw)
+                self.chains_built += 1
+                return chain
         self.chains_built += 1
         return SendChain.for_plan(plan, memory=self.memory, **kw)
 

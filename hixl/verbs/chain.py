@@ -460,6 +460,8 @@ class SendChain:
                 f"{self.capacity} and {self.sge_capacity} not filled yet can shrink to "
                 "1 or more of each, at most its own"
             )
+        if capacity == self.capacity and sge_capacity == self.sge_capacity:
+            return  # its own size: nothing to cut
         self.capacity, self.sge_capacity = capacity, sge_capacity
         self._one_each = min(self._one_each, capacity)
         self._rkey_n = min(self._rkey_n, capacity)

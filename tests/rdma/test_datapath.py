@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hixl.core.descriptors import ContiguousDesc, StridedDesc
+from hixl.core.descriptors import BlockListDesc, ContiguousDesc, StridedDesc
 from hixl.core.states import ConnState
 from hixl.engine import Access, Connection, Engine, Region, TransferHandle
 from hixl.errors import (
@@ -290,6 +290,43 @@ def test_a_new_layout_of_a_known_size_refills_an_idle_chain_and_moves_its_bytes(
             else:
                 expect[la : la + 48] = src[ra : ra + 48]
         assert np.array_equal(dst, expect), f"layout {k} (stride {stride})"
+    after = client.diagnostics()
+    assert after.chains_built - before.chains_built == 1
+    assert after.chains_refilled - before.chains_refilled == 2
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_block_lists_of_one_size_refill_one_chain_and_move_their_bytes(
+    loose: tuple[Engine, Engine], op: str
+) -> None:
+    """Block lists of 600 blocks in random order whose remote blocks touch in one run of
+    a different length each time, so their plans differ in WRs (504, 358 and 426 on a
+    device of 32 SGEs per WR): the first builds a chain, the next two refill it
+    (``Diagnostics.chains_refilled``), and each lands exactly its own bytes."""
+    client, server = loose
+    n = 1 << 16
+    r, move, local_mem, remote_mem = _regions_for(op, client, server, n, seed=13)
+    src, dst = (local_mem, remote_mem) if op == "write" else (remote_mem, local_mem)
+    rng = np.random.default_rng(17)
+    blocks, size = 600, 8
+    before = client.diagnostics()
+    for k, touching in enumerate([100, 250, 180]):
+        apart = touching * size + 8 + 2 * size * np.arange(blocks - touching)
+        ro = np.concatenate([size * np.arange(touching), apart])
+        lo = 16 * rng.permutation(4 * blocks)[:blocks]  # never touching
+        order = rng.permutation(blocks)
+        ro, lo = ro[order], lo[order]
+        lengths = np.full(blocks, size)
+        ldesc = BlockListDesc(offsets=lo, lengths=lengths, alignment=None)
+        rdesc = BlockListDesc(offsets=ro, lengths=lengths, alignment=None)
+        dst[:] = 0
+        move(server.id, r, "mem", local_desc=ldesc, remote_desc=rdesc, timeout=30)
+        byte = np.arange(size)
+        at_l, at_r = lo[:, None] + byte, ro[:, None] + byte
+        s_at, d_at = (at_l, at_r) if op == "write" else (at_r, at_l)
+        expect = np.zeros_like(dst)
+        expect[d_at] = src[s_at]
+        assert np.array_equal(dst, expect), f"list {k} ({touching} blocks touching)"
     after = client.diagnostics()
     assert after.chains_built - before.chains_built == 1
     assert after.chains_refilled - before.chains_refilled == 2

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import time
+
 import pytest
 
 from benchmarks.backends import perftest
 from benchmarks.common import BenchError
 from benchmarks.common.yardstick import CConfig, against_best, bw_configs, pick_best
+from benchmarks.drivers.fair import out_of_budget
 
 ROW = """\
  #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]
@@ -109,3 +113,16 @@ def test_a_run_cut_short_keeps_its_finished_cases_paired_by_round() -> None:
     # 2 MiB in 1 s and in 2 s against 6 and 4 MB/s of the winning -l 64
     assert first["ratio"] == pytest.approx((2097152 / 6e6 + 1048576 / 4e6) / 2)
     assert first["rounds"] == 2
+
+
+def test_a_budget_stops_between_rounds_when_the_next_would_end_past_it() -> None:
+    """The first round always runs; later ones only when the mean round so far still
+    fits; no budget, no limit."""
+    said: list[str] = []
+    now = time.monotonic()
+    budget = argparse.Namespace(budget=25.0)
+    assert not out_of_budget(budget, now - 100.0, 0, said.append)
+    assert not out_of_budget(budget, now - 10.0, 2, said.append)  # 10 + 5 <= 25
+    assert out_of_budget(budget, now - 20.0, 2, said.append)  # 20 + 10 > 25
+    assert said == ["  (stopped after 2 rounds: another would end past the 25 s budget)"]
+    assert not out_of_budget(argparse.Namespace(budget=None), now - 1e6, 9, said.append)

@@ -22,6 +22,7 @@ from hixl.core.descriptors import (
     as_segments,
     desc_from_view,
     normalize_alignment,
+    sort_offsets,
 )
 from hixl.errors import AlignmentError, DescriptorError, HixlError
 
@@ -361,3 +362,30 @@ def test_view_errors() -> None:
     with pytest.raises(AlignmentError, match="element 0 starts at offset 8"):
         desc_from_view(base[8:72], base)
     assert desc_from_view(base[8:72], base, alignment=8).offset == 8
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 40), min_size=1, max_size=400),
+    st.sampled_from([1, 4096, 1 << 40, 1 << 52, 1 << 56]),
+)
+def test_sort_offsets_is_the_stable_argsort(values: list[int], scale: int) -> None:
+    """Offsets with repeats (ties keep their index order), short and long lists (a
+    stable argsort below 64, packed keys above), and offsets too large to pack."""
+    off = np.array(values, dtype=np.int64) * np.int64(scale)
+    order, ordered = sort_offsets(off)
+    want = np.argsort(off, kind="stable")
+    assert np.array_equal(order, want)
+    assert np.array_equal(ordered, off[want])
+
+
+@pytest.mark.parametrize("alignment", [1, 8, 64, 4096, 48, 1 << 30])
+@pytest.mark.parametrize("base", [0, 8, 64, 4096 + 24, (1 << 47) + 64])
+def test_first_misaligned_finds_the_first_bad_start(alignment: int, base: int) -> None:
+    """Powers of two (checked with a mask) and other alignments give the same answer
+    as the arithmetic on Python ints."""
+    off = np.array([0, 64, 128, 8, 4096, 4104, 192, 1 << 40], dtype=np.int64)
+    seg = Segments(off, np.ones(off.size, dtype=np.int64))
+    bad = [i for i, o in enumerate(off.tolist()) if (base + o) % alignment]
+    want = None if not bad else (bad[0], base + int(off[bad[0]]))
+    assert seg.first_misaligned(base, alignment) == want

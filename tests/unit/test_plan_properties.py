@@ -492,6 +492,41 @@ def test_block_batches_plan_as_the_reference_does(
         assert plan.num_wrs == local.count
 
 
+@st.composite
+def long_block_batches(draw: st.DrawFn) -> tuple[Segments, Segments, Op]:
+    """A batch of 64 to 300 messages (long enough for the planner's packed sort): blocks
+    of a few sizes on a grid of slots, so that remote blocks often touch, and sometimes
+    overlap or repeat."""
+    n = draw(st.integers(64, 300))
+    rnd = random.Random(draw(st.integers(0, 2**32)))
+    sizes = [rnd.choice((8, 16, 24)) for _ in range(n)]
+    slots = 2 * n if draw(st.booleans()) else n + n // 4
+    local = [8 * s for s in rnd.sample(range(4 * slots), n)]
+    remote = [8 * rnd.randrange(slots) for _ in range(n)]
+    if draw(st.booleans()):  # remote slots apart from each other, some still touching
+        remote = [8 * s for s in rnd.sample(range(slots), n)]
+    op = draw(st.sampled_from([Op.WRITE, Op.READ]))
+    return Segments(local, sizes), Segments(remote, sizes), op
+
+
+@settings(PROPS, max_examples=120)
+@given(long_block_batches(), limits_st)
+def test_long_block_batches_plan_as_the_reference_does(
+    t: tuple[Segments, Segments, Op], limits: DeviceLimits
+) -> None:
+    """The same as for short batches, with as many blocks as sort by packed keys: the
+    plan (or the error) is the reference planner's."""
+    local, remote, op = t
+    try:
+        want = reference_plan(local, remote, op, limits)
+    except DescriptorError as exc:
+        with pytest.raises(DescriptorError) as got:
+            plan_transfer(local, remote, op, limits)
+        assert type(got.value) is type(exc)
+        return
+    assert plan_transfer(local, remote, op, limits) == want
+
+
 def test_a_read_of_an_overlapping_source_keeps_each_remote_run_whole() -> None:
     """Found by test_merging_never_increases_wrs: remote segments (0, 4) and (1, 7)
     overlap, and sorting the pieces by remote offset put the second segment's piece
