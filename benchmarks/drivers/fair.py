@@ -63,6 +63,7 @@ from ..common import (
     gather_setup,
     markdown_table,
     median,
+    parse_size,
     parse_sizes,
     print_header,
     quiet_logs,
@@ -79,6 +80,13 @@ MARK = "FAIR-JSON "
 DEFAULT_ROW = "hixl (GIL interval as the process has it)"
 FIRST_LAYER = "hixl layer put, first in a fresh process (plan + build included)"
 LAT_ROW = "hixl put ping-pong, a new offset every call"
+#: The hixl rows of a stream case, each measured once per round.
+STREAM_ROWS = (
+    DEFAULT_ROW,
+    "hixl, GIL switch interval 0.5 ms",
+    "hixl, the same arguments repeated",
+    "hixl lanes=1",
+)
 #: The targets: (case, size, row, yardstick or None for the best, bound, higher is better).
 TARGETS = (
     ("write", 64 * 1024, DEFAULT_ROW, None, 0.95, True),
@@ -244,12 +252,9 @@ def bw_case(
             def h_lanes1(s: int = size, d: int = depth) -> float:
                 return stream(pair1, op, s, d, rng)
 
-            hixl_rows = {
-                DEFAULT_ROW: h_default,
-                "hixl, GIL switch interval 0.5 ms": h_switch,
-                "hixl, the same arguments repeated": h_repeat,
-                "hixl lanes=1": h_lanes1,
-            }
+            hixl_rows = dict(
+                zip(STREAM_ROWS, (h_default, h_switch, h_repeat, h_lanes1), strict=True)
+            )
             c_rounds: list[dict[str, float]] = []
             single_rounds: list[dict[str, float]] = []
             h_rounds: dict[str, list[float | None]] = {k: [] for k in hixl_rows}
@@ -614,8 +619,7 @@ def report_markdown(data: dict[str, Any], targets: bool = True) -> str:
     lines.append("")
     for c in chunks:
         cut = (
-            "; cut short by the VM's timeout, its finished cases read from its output "
-            "with `--from-log`"
+            "; cut short by a time cap, its finished rounds read from its output with `--from-log`"
             if c.get("from_log")
             else ""
         )
@@ -632,19 +636,86 @@ _LOG_LAYER = re.compile(
 )
 
 
+_LOG_BW = re.compile(r"^  (?P<name>.+) (?P<size>\d+ (?:B|KiB|MiB)): (?P<value>[\d.]+) MB/s$")
+_LOG_PARAMS = re.compile(
+    r"depth (?P<depth>\d+); lanes (?P<lanes>\d+); (?P<bytes>\d+ \w+) per stream"
+)
+
+
+def _bw_rows_from_log(case: str, lines: list[str], params: str) -> list[dict[str, Any]]:
+    """The rows of a ``put`` or ``get`` section from its progress lines (one line per
+    row and round, every round the same rows in either order; ``params``: the header
+    line with depth, lanes and bytes per stream).  Complete rounds only."""
+    m = _LOG_PARAMS.search(params)
+    if m is None:
+        raise BenchError(f"no depth, lanes and stream size in {params!r}")
+    depth, lanes, nbytes = int(m["depth"]), int(m["lanes"]), parse_size(m["bytes"].replace(" ", ""))
+    op = "write" if case == "put" else "read"
+    tool = "ib_write_bw" if op == "write" else "ib_read_bw"
+    by_size: dict[int, list[tuple[str, float | None]]] = {}
+    for line in lines:
+        if line.startswith("  (stopped after"):
+            continue
+        got = _LOG_BW.match(line)
+        if got is not None:
+            size = parse_size(got["size"].replace(" ", ""))
+            by_size.setdefault(size, []).append((got["name"], float(got["value"]) * 1e6))
+            continue
+        # A C configuration that failed: "  NAME SIZE: the error" (still one of the round's)
+        failed = re.match(r"^  (?P<name>.+) (?P<size>\d+ (?:KiB|MiB|B)): ", line)
+        if failed is None:
+            raise BenchError(f"not a {case} line: {line!r}")
+        size = parse_size(failed["size"].replace(" ", ""))
+        by_size.setdefault(size, []).append((failed["name"], None))
+    rows: list[dict[str, Any]] = []
+    for size, items in by_size.items():
+        iters = nbytes // size
+        out = RD_PER_QP * lanes if op == "read" else None
+        one_out = RD_PER_QP if op == "read" else None
+        configs = bw_configs(tool, size, iters, min(depth, iters), lanes, out)
+        single = bw_configs(tool, size, iters, min(depth, iters), 1, one_out)[1]
+        best = {c.name for c in configs}
+        k = len(best | {single.name}) + len(STREAM_ROWS)  # lines per round
+        c_rounds: list[dict[str, float]] = []
+        single_rounds: list[dict[str, float]] = []
+        h_rounds: dict[str, list[float | None]] = {}
+        for i in range(0, len(items) - k + 1, k):
+            part = items[i : i + k]
+            cr = {n: v for n, v in part if n in best and v is not None}
+            sr = {n: v for n, v in part if n == single.name and v is not None}
+            for n, v in part:
+                if n in STREAM_ROWS:
+                    h_rounds.setdefault(n, []).append(v)
+            c_rounds.append(cr)
+            single_rounds.append(sr)
+        for name, vals in h_rounds.items():
+            ys = [against_best(vals, c_rounds)]
+            if name == "hixl lanes=1":
+                ys.append(against_best(vals, single_rounds))
+            rows += [_row(op, size, name, vals, y, {}) for y in ys]
+    return rows
+
+
 def rows_from_log(text: str) -> list[dict[str, Any]]:
-    """The ``lat`` and ``layer`` rows of a run from its progress lines, for a run that was
-    cut short before it printed its JSON.  Each round printed one line per row (2 for
-    ``lat``, 3 for ``layer``, in either order); an incomplete last round is left out."""
+    """The rows of a run from its progress lines, for a run that was cut short before it
+    printed its JSON.  Each round printed one line per row (2 for ``lat``, 3 for
+    ``layer``, one per C configuration and hixl row for ``put``/``get``, in either
+    order); an incomplete last round is left out."""
     sections: dict[str, list[str]] = {}
     current = None
+    params = ""
     for line in text.splitlines():
+        if line.startswith("# cases "):
+            params = line
         if re.fullmatch(r"\[\w+\]", line.strip()):
             current = line.strip()[1:-1]
             sections[current] = []
         elif current is not None and line.startswith("  "):
             sections[current].append(line.rstrip())
     rows: list[dict[str, Any]] = []
+    for case in ("put", "get"):
+        if sections.get(case):
+            rows += _bw_rows_from_log(case, sections[case], params)
     lat = sections.get("lat", [])
     if lat:
         h: list[float | None] = []
@@ -696,9 +767,11 @@ def merge(paths: list[Path]) -> dict[str, Any]:
     chunks = [json.loads(p.read_text()) for p in paths]
     if not chunks:
         raise BenchError("nothing to merge")
+    # A chunk read back from a log knows only its date: the setup is a measured one's.
+    setups = [c["setup"] for c in chunks if len(c["setup"]) > 1] or [chunks[0]["setup"]]
     return {
         "benchmark": "fair",
-        "setup": chunks[0]["setup"],
+        "setup": setups[0],
         "command": "; ".join(str(c["command"]) for c in chunks),
         "rows": [r for c in chunks for r in c["rows"]],
         "chunks": [{k: v for k, v in c.items() if k != "rows"} for c in chunks],
@@ -733,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         "--from-log",
         type=Path,
         default=None,
-        help="the lat and layer rows of a run cut short, from its output, into --json",
+        help="the rows of a run cut short, from its output, into --json",
     )
     ap.add_argument("--layer-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--pong-child", action="store_true", help=argparse.SUPPRESS)

@@ -26,7 +26,10 @@ With ``--device`` (in the VM: ``hixl run -- ... --device``), the same shape scal
 on one device, alternating round by round with ``ib_write_bw`` moving the same bytes in
 the same number of work requests of the same size, in every configuration of the C
 yardstick (``benchmarks/common/yardstick.py``: plain, a post list ``-l``, one process
-pair per lane); the ratio against the best configuration, paired by round.
+pair per lane) and ``ib_write_bw -q <lanes>`` (one process, the engine's queue pairs);
+the ratio against the best configuration, paired by round.  Beside each request, the
+engine's own path for the same shape (checks, plan, chain: no device) is timed in the
+same process, which says how much of a request's time is software.
 
     python benchmarks/bench_kv.py                      # native: cold and warm, both forms
     python benchmarks/bench_kv.py --json results/kv.json --repeat 50

@@ -7,11 +7,25 @@ from typing import Any
 
 import numpy as np
 
-from ..common import BenchError, fmt_ratio, gather_setup, median, quiet_logs
+from ..common import BenchError, fmt_ratio, gather_setup, median, median_of, quiet_logs
 
 TOKENS, HEADS, HEAD_DIM = 16, 8, 128
 DEPTH = 128  # WRs in flight of the C configurations (perftest -t, and -l for the post list)
 LANES = 2  # the engine's queue pairs per connection (Engine(lanes=2), the default)
+
+
+def one_process_lanes(size: int, wrs: int, lanes: int) -> Any:
+    """``ib_write_bw -q lanes``: one process moving the same bytes in the same WRs over
+    ``lanes`` queue pairs (``-n`` counts per queue pair), timed by one clock from the
+    first post to the last completion -- the engine's own shape (one process, a chain
+    spread over its lanes), where the summed pairs of separate processes each time only
+    their own share."""
+    from ..common.yardstick import CConfig
+
+    per = max(1, wrs // lanes)
+    depth = min(DEPTH, per)
+    args = ("-s", str(size), "-n", str(per), "-t", str(depth), "-q", str(lanes))
+    return CConfig(name=f"ib_write_bw -q {lanes} -t {depth}", tool="ib_write_bw", args=args)
 
 
 def device_section(layers: int, blocks: int, repeat: int) -> list[dict[str, Any]]:
@@ -19,12 +33,16 @@ def device_section(layers: int, blocks: int, repeat: int) -> list[dict[str, Any]
     ``put_blocks`` with a new scattered block list per request, alternating round by
     round with ``ib_write_bw`` moving the same bytes in as many WRs of the same size, in
     every configuration of :func:`~benchmarks.common.yardstick.bw_configs` (plain, a post
-    list, one pair per lane); the ratio against the best, paired by round."""
+    list, one pair per lane) and :func:`one_process_lanes`; the ratio against the best,
+    paired by round.  Each round also times the engine's own path (checks, plan, chain)
+    for a request of the same shape."""
     from hixl.engine import Engine
     from hixl.testbed.net import free_tcp_port
 
     from ..backends.perftest import Perftest, bw_wall_check, sum_bw
     from ..common.yardstick import CConfig, against_best, bw_configs
+    from .kv import form as kvform
+    from .kv import one_request, planner
 
     quiet_logs()
     setup = gather_setup(need_device=True)
@@ -70,8 +88,12 @@ def device_section(layers: int, blocks: int, repeat: int) -> list[dict[str, Any]
 
             put()  # the first request's geometry read
             configs = bw_configs("ib_write_bw", wr_bytes, wrs, min(DEPTH, wrs), LANES)
+            configs.append(one_process_lanes(wr_bytes, wrs, LANES))
             hixl_bps: list[float | None] = []
+            builds: list[float] = []
             c_rounds: list[dict[str, float]] = []
+            f = kvform(name, layers, num_blocks)
+            plan = planner()
             for i in range(repeat):
                 items: list[CConfig | None] = [None, *configs]
                 if i % 2:
@@ -80,6 +102,8 @@ def device_section(layers: int, blocks: int, repeat: int) -> list[dict[str, Any]
                 for cfg in items:
                     if cfg is None:
                         hixl_bps.append(nbytes / put())
+                        # the engine's own path alone (checks, plan, chain), same shape
+                        builds.append(one_request(f, rng, blocks, num_blocks, plan)[0] / 1e6)
                         continue
                     pr = perftest.run_pairs(
                         cfg.tool, cfg.args, cfg.pairs, check=bw_wall_check(wr_bytes, wrs)
@@ -105,14 +129,18 @@ def device_section(layers: int, blocks: int, repeat: int) -> list[dict[str, Any]
                 "yardstick": best.winner,
                 "ratio": best.ratio,
                 "rounds": best.rounds,
+                "build_s": median_of(builds),
             }
             out.append(row)
             others = ", ".join(f"{k}: {v / 1e6:.1f} MB/s" for k, v in best.medians.items())
             print(
                 f"{name}: put_blocks of {layers} layers x (K,V) x {blocks} scattered blocks = "
-                f"{nbytes} B in {wrs} WRs of {wr_bytes} B: {h / 1e6:.1f} MB/s; C ({others}); "
+                f"{nbytes} B in {wrs} WRs of {wr_bytes} B: {h / 1e6:.1f} MB/s "
+                f"({nbytes / h * 1e3 if h else 0:.1f} ms per request, of which the engine's "
+                f"own path (checks, plan, chain) {median_of(builds) * 1e3:.1f} ms); C ({others}); "
                 f"against the best ({best.winner}, same bytes and WR count): "
-                f"{fmt_ratio(best.ratio)} (median of {best.rounds} paired rounds)"
+                f"{fmt_ratio(best.ratio)} (median of {best.rounds} paired rounds)",
+                flush=True,
             )
     finally:
         client.close()

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn, Protocol, runtime_checkable
 
 import numpy as np
@@ -238,6 +238,8 @@ class Segments:
     offsets: I64Array
     lengths: I64Array
     nbytes: int
+    # The highest end, once found (-1 before): see max_end.
+    _end: int = field(init=False, repr=False, compare=False)
 
     def __init__(self, offsets: npt.ArrayLike, lengths: npt.ArrayLike) -> None:
         off = _to_i64("offsets", offsets)
@@ -253,6 +255,7 @@ class Segments:
         object.__setattr__(self, "offsets", off)
         object.__setattr__(self, "lengths", ln)
         object.__setattr__(self, "nbytes", _checked_total(ln))
+        object.__setattr__(self, "_end", -1)
 
     @classmethod
     def _trusted(cls, offsets: I64Array, lengths: I64Array, nbytes: int) -> Segments:
@@ -261,7 +264,17 @@ class Segments:
         object.__setattr__(seg, "offsets", _readonly(offsets))
         object.__setattr__(seg, "lengths", _readonly(lengths))
         object.__setattr__(seg, "nbytes", nbytes)
+        object.__setattr__(seg, "_end", -1)
         return seg
+
+    def max_end(self) -> int:
+        """The highest ``offsets[i] + lengths[i]`` in bytes: found once and kept (the
+        arrays are read-only), so checking a list against a region again is O(1)."""
+        end = self._end
+        if end < 0:
+            end = int(np.add(self.offsets, self.lengths).max())
+            object.__setattr__(self, "_end", end)
+        return end
 
     @classmethod
     def from_pairs(cls, pairs: Iterable[tuple[int, int]]) -> Segments:
@@ -762,7 +775,8 @@ class BlockListDesc:
     ) -> None:
         object.__setattr__(self, "segments", Segments(offsets, lengths))
         object.__setattr__(self, "alignment", normalize_alignment(alignment))
-        _policy_check(self, self.alignment, "BlockListDesc")
+        # The blocks themselves: first_misaligned below trusts this check.
+        _policy_check(self.segments, self.alignment, "BlockListDesc")
 
     @classmethod
     def from_pairs(
@@ -798,6 +812,11 @@ class BlockListDesc:
 
     def first_misaligned(self, base_address: int, alignment: int) -> tuple[int, int] | None:
         """First block whose start is misaligned, as ``(index, address)``, or None."""
+        own = self.alignment
+        if own and own % alignment == 0 and base_address % alignment == 0:
+            # Every offset is a multiple of ``own`` (checked when made; the offsets are
+            # read-only), so of ``alignment``, and so is the base.
+            return None
         return self.segments.first_misaligned(base_address, alignment)
 
 

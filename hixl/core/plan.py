@@ -858,6 +858,8 @@ def check_bounds(segments: Descriptor, region_length: int, what: str = "remote")
     if limit < 0:
         raise DescriptorError(f"region_length must be >= 0, got {limit}")
     seg = as_segments(segments)
+    if seg.max_end() <= limit:
+        return
     bad = np.flatnonzero(seg.offsets > limit - seg.lengths)
     if bad.size:
         i = int(bad[0])

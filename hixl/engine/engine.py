@@ -637,6 +637,10 @@ class Engine:
             name, tensors, block_axis=block_axis, heads_axis=heads_axis, access=access
         )
 
+    def remote_kv_caches(self, peer: str) -> tuple[str, ...]:
+        """Names of the KV caches ``peer`` announces now, sorted (see docs/api.md)."""
+        return self._kv.announced(peer)
+
     def put_blocks(
         self,
         peer: str,

@@ -21,8 +21,12 @@ bytes, never a thread or a slot others wait for. Each step has its own short dea
 ERROR(TIMEOUT) and closed. There are at most ``max_handshakes`` at once and
 ``max_handshakes_per_source`` from one source, and the bytes they buffer before the client
 has proved itself are bounded, :data:`MAX_PENDING_BYTES` in all and
-:data:`MAX_PENDING_BYTES_PER_SOURCE` from one source; a socket over a limit is answered
-ERROR(BUSY) and closed at once, so a client always hears why. A source is an IPv4 address,
+:data:`MAX_PENDING_BYTES_PER_SOURCE` from one source.  A connection over a limit waits,
+unread, for a slot of its own (up to ``max_handshakes`` of them wait, each at most
+:data:`WAIT_S`), and is answered ERROR(BUSY) and closed if none frees in time or the
+waiting room is full, so a client always hears why.  Waiting rather than an instant
+refusal keeps a client that dials again at once from making the listener accept and
+refuse in a loop ahead of everyone else in the listen queue. A source is an IPv4 address,
 except that all of 127.0.0.0/8 is one, or an IPv6 /64
 (:func:`hixl.core.handshake.source_key`): one host can take many addresses.
 
@@ -97,6 +101,8 @@ STEP_S = 3.0  # each later step (INFO after CHALLENGE, READY after ACCEPT), seco
 PROBE_S = 2.0  # a live connection must answer a PING this soon to keep its id, seconds
 BUSY_RETRY_S = 0.05  # first pause before a client asks a BUSY server again, seconds
 ACCEPTS_PER_ROUND = 64  # connections taken from the listen queue per progress round
+#: Longest a connection over a handshake limit waits for a slot before ERROR(BUSY), seconds.
+WAIT_S = 2.0
 MAX_PENDING_BYTES = 32 << 20  # bytes buffered by all unfinished handshakes together
 # ... and by those from one source (see source_key): a quarter, so that one source's
 # sockets cannot hold the whole budget; 8 INFO frames of the largest size.
@@ -449,11 +455,19 @@ class Listener:
         self._buffered = 0
         self._buffered_by: dict[str, int] = {}  # source key -> bytes its handshakes hold
         self.refused_busy = 0  # sockets answered ERROR(BUSY), for diagnostics
+        # Accepted connections over a limit, oldest first, waiting for a slot (not read):
+        # (socket, source, source key, give up at).  At most max_handshakes of them.
+        self._waiting: deque[tuple[socket.socket, str, str, float]] = deque()
 
     @property
     def pending(self) -> int:
         """Handshakes in progress."""
         return len(self._pending)
+
+    @property
+    def waiting(self) -> int:
+        """Connections over a limit waiting for a handshake slot."""
+        return len(self._waiting)
 
     def claims(self) -> set[str]:
         """Ids of peers admitted and not yet READY (their ids are taken).
@@ -480,25 +494,45 @@ class Listener:
         if self._engine.closed:
             _close(sock)
             return
-        busy = None
         key = source_key(source)
+        if self._room(key):
+            self._start(sock, source, key)
+        elif len(self._waiting) < self.max_handshakes:
+            # Held, not refused at once: a refused client that dials again at once would
+            # have the listener accept and refuse in a loop, ahead of everyone in the
+            # listen queue.  Held, it waits for a slot of its own source.
+            self._waiting.append((sock, source, key, time.monotonic() + WAIT_S))
+        else:
+            self.refused_busy += 1
+            _refuse_now(
+                sock, wire.ErrorCode.BUSY, f"engine {self._engine.id} is busy: {self._busy(key)}"
+            )
+
+    def _room(self, key: str) -> bool:
+        """Whether a handshake from source ``key`` may start now."""
+        return (
+            len(self._pending) < self.max_handshakes
+            and self._per_source.get(key, 0) < self.max_per_source
+            and self._buffered <= MAX_PENDING_BYTES
+            and self._buffered_by.get(key, 0) <= MAX_PENDING_BYTES_PER_SOURCE
+        )
+
+    def _busy(self, key: str) -> str:
+        """Which limit keeps a handshake from source ``key`` from starting."""
         if len(self._pending) >= self.max_handshakes:
-            busy = (
+            return (
                 f"{len(self._pending)} handshakes under way (max_handshakes={self.max_handshakes})"
             )
-        elif self._per_source.get(key, 0) >= self.max_per_source:
-            busy = (
+        if self._per_source.get(key, 0) >= self.max_per_source:
+            return (
                 f"{self._per_source[key]} handshakes from {_named(key)} under way "
                 f"(max_handshakes_per_source={self.max_per_source})"
             )
-        elif self._buffered > MAX_PENDING_BYTES:
-            busy = f"handshakes hold {self._buffered} bytes (at most {MAX_PENDING_BYTES})"
-        elif self._buffered_by.get(key, 0) > MAX_PENDING_BYTES_PER_SOURCE:
-            busy = self._over_source(key)
-        if busy is not None:
-            self.refused_busy += 1
-            _refuse_now(sock, wire.ErrorCode.BUSY, f"engine {self._engine.id} is busy: {busy}")
-            return
+        if self._buffered > MAX_PENDING_BYTES:
+            return f"handshakes hold {self._buffered} bytes (at most {MAX_PENDING_BYTES})"
+        return self._over_source(key)
+
+    def _start(self, sock: socket.socket, source: str, key: str) -> None:
         with contextlib.suppress(OSError):  # only for the sockets kept: refusals are cheap
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         now = time.monotonic()
@@ -507,6 +541,27 @@ class Listener:
         self._pending[sock] = inc
         self._per_source[key] = self._per_source.get(key, 0) + 1
         self._register(sock, inc, selectors.EVENT_READ)
+
+    def _promote(self, now: float) -> None:
+        """Start the waiting connections that have a slot now, oldest first; refuse those
+        that waited :data:`WAIT_S`."""
+        while self._waiting and self._waiting[0][3] <= now:
+            sock, _, key, _ = self._waiting.popleft()
+            self.refused_busy += 1
+            _refuse_now(
+                sock,
+                wire.ErrorCode.BUSY,
+                f"engine {self._engine.id} is busy: {self._busy(key)}; waited {WAIT_S} s",
+            )
+        if not self._waiting or len(self._pending) >= self.max_handshakes:
+            return
+        left: deque[tuple[socket.socket, str, str, float]] = deque()
+        for entry in self._waiting:
+            if self._room(entry[2]):
+                self._start(entry[0], entry[1], entry[2])
+            else:
+                left.append(entry)
+        self._waiting = left
 
     # -- events ----------------------------------------------------------------------------
     def on_event(self, inc: Incoming, mask: int) -> None:
@@ -629,7 +684,8 @@ class Listener:
 
     # -- deadlines and probes ----------------------------------------------------------------
     def sweep(self, now: float) -> None:
-        """Refuse late handshakes; settle liveness probes.  Called every progress round."""
+        """Refuse late handshakes; settle liveness probes; start or refuse the waiting
+        connections.  Called every progress round."""
         for inc in list(self._pending.values()):
             if inc.probe is not None:
                 self._settle_probe(inc, now)
@@ -642,6 +698,7 @@ class Listener:
                     f"first frame within {FIRST_FRAME_S} s, each step within {STEP_S} s, "
                     f"all within handshake_timeout={self._timeout} s)",
                 )
+        self._promote(now)
 
     def _settle_probe(self, inc: Incoming, now: float) -> None:
         assert inc.probe is not None
@@ -712,6 +769,8 @@ class Listener:
         else:
             self._per_source.pop(inc.key, None)
         self._unregister(inc.sock)
+        if self._waiting:
+            self._promote(time.monotonic())
 
     def _hold(self, inc: Incoming, change: int) -> None:
         """Count ``change`` more bytes buffered by ``inc``'s handshake."""
@@ -731,7 +790,10 @@ class Listener:
         )
 
     def close(self) -> None:
-        """Close every unfinished handshake (the engine is closing)."""
+        """Close every unfinished handshake and waiting connection (the engine is closing)."""
+        waiting, self._waiting = self._waiting, deque()
+        for sock, *_ in waiting:
+            _close(sock)
         for inc in list(self._pending.values()):
             self._finish(inc, None)
 

@@ -220,15 +220,15 @@ class KVCache:
         tensors: tuple[object, ...],
         geometry: KVGeometry,
         regions: tuple[Region, ...],
-        meta: Region,
-        meta_buffer: np.ndarray[Any, Any],
+        meta: Region | None,
+        meta_buffer: np.ndarray[Any, Any] | None,
     ) -> None:
         self._owner = owner
         self.name = name
         self.tensors = tensors
         self.geometry = geometry
         self.regions = regions
-        self._meta = meta
+        self._meta = meta  # the geometry region; None for a cache peers cannot reach
         self._meta_buffer = meta_buffer  # the memory the meta region points at
         self._closed = False
 
@@ -528,13 +528,17 @@ class KVBlocks:
             self._caches[name] = None  # type: ignore[assignment]  # reserved
         host = self._host
         regions: list[Region] = []
+        meta: Region | None = None
+        meta_buffer: np.ndarray[Any, Any] | None = None
         try:
             for k, span in enumerate(spans):
                 regions.append(host.register(span, access=access, name=f"{KV_PREFIX}{name}/{k}"))
-            meta_buffer = np.zeros(-(-len(doc) // 64) * 64, dtype=np.uint8)
-            meta_buffer[: len(doc)] = np.frombuffer(doc, dtype=np.uint8)
-            meta_buffer.setflags(write=False)
-            meta = host.register(meta_buffer, access=Access.REMOTE_READ, name=KV_PREFIX + name)
+            # Only a cache peers can reach announces its geometry (nothing to read otherwise).
+            if access & (Access.REMOTE_READ | Access.REMOTE_WRITE):
+                meta_buffer = np.zeros(-(-len(doc) // 64) * 64, dtype=np.uint8)
+                meta_buffer[: len(doc)] = np.frombuffer(doc, dtype=np.uint8)
+                meta_buffer.setflags(write=False)
+                meta = host.register(meta_buffer, access=Access.REMOTE_READ, name=KV_PREFIX + name)
         except BaseException:
             for r in regions:
                 host.deregister(r)
@@ -556,7 +560,16 @@ class KVBlocks:
             if self._caches.get(cache.name) is cache:
                 del self._caches[cache.name]
         for r in (cache._meta, *cache.regions):
-            self._host.deregister(r)
+            if r is not None:
+                self._host.deregister(r)
+
+    def announced(self, peer: str) -> tuple[str, ...]:
+        """The names of the KV caches ``peer`` announces now (sorted)."""
+        remotes = self._host.connection(peer).remote_regions
+        return tuple(sorted(
+            r.name[len(KV_PREFIX):] for r in remotes
+            if r.name.startswith(KV_PREFIX) and "/" not in r.name[len(KV_PREFIX):]
+        ))  # fmt: skip
 
     # -- peers' caches --------------------------------------------------------------------
     def _remote_cache(self, conn: Connection, peer: str, name: str, timeout: float) -> _RemoteKV:

@@ -253,7 +253,11 @@ class Progress:
             if poster.to_post and poster.post_pending():  # outside the lock
                 timeout = 0.0  # more was queued meanwhile: post it after the next reap
             incoming = engine.incoming
-            if incoming is not None and incoming.pending and now >= self._next_sweep:
+            if (
+                incoming is not None
+                and (incoming.pending or incoming.waiting)
+                and now >= self._next_sweep
+            ):
                 incoming.sweep(now)  # handshake deadlines and liveness probes
                 self._next_sweep = now + SWEEP_EVERY
             if self._paused:
@@ -280,6 +284,9 @@ class Progress:
                 events = self._selector.select(timeout=timeout)
             finally:
                 self.sleeping = False
+            # Handshakes and everything else first, peers' control messages last: a
+            # handshake step that became ready with a flood's read is not put behind it.
+            events.sort(key=_control_last)
             for key, mask in events:
                 data = key.data
                 if data is _LISTENER:
@@ -355,6 +362,13 @@ class Progress:
     def _reap_recv(self, engine: ProgressHost) -> int:
         with engine.lock:
             return 0 if engine.closed else engine.reap_recv(self.recv_cq.poll(POLL_BATCH))
+
+
+def _control_last(event: tuple[selectors.SelectorKey, int]) -> bool:
+    data = event[0].data
+    return not (
+        data is _LISTENER or data is _WAKE or isinstance(data, (Incoming, verbs.CompletionQueue))
+    )
 
 
 def _loop(

@@ -169,7 +169,14 @@ def test_mismatches_fail_before_posting(engines: tuple[Engine, Engine]) -> None:
     kv = prefill.register_kv("p", src, heads_axis=2)
     decode.register_kv("f32", [dst, dst], heads_axis=2)
     decode.register_kv("d", dst16, heads_axis=2)
+    private = np.zeros((NB, BS, H, D), np.float16)
+    decode.register_kv("private", [private], access=Access.LOCAL_WRITE)
     prefill.connect(decode.id, timeout=30)
+    # a cache peers cannot reach is not announced: neither listed nor found
+    assert prefill.remote_kv_caches(decode.id) == ("d", "f32")
+    assert not [r for r in prefill.connection(decode.id).remote_regions if "private" in r.name]
+    with pytest.raises(RegistrationError, match="no KV cache named 'private'"):
+        prefill.put_blocks(decode.id, kv, "private", [0], [0], timeout=0.2)
     with pytest.raises(DescriptorError, match="tensor 0: dtype float16 vs float32"):
         prefill.put_blocks(decode.id, kv, "f32", [0], [0])
     with pytest.raises(DescriptorError, match="repeats destination block 3"):

@@ -10,7 +10,7 @@ import pytest
 from benchmarks.backends import perftest
 from benchmarks.common import BenchError
 from benchmarks.common.yardstick import CConfig, against_best, bw_configs, pick_best
-from benchmarks.drivers.fair import out_of_budget
+from benchmarks.drivers.fair import out_of_budget, rows_from_log
 
 ROW = """\
  #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]
@@ -126,3 +126,62 @@ def test_a_budget_stops_between_rounds_when_the_next_would_end_past_it() -> None
     assert out_of_budget(budget, now - 20.0, 2, said.append)  # 20 + 10 > 25
     assert said == ["  (stopped after 2 rounds: another would end past the 25 s budget)"]
     assert not out_of_budget(argparse.Namespace(budget=None), now - 1e6, 9, said.append)
+
+
+PUT_LOG = """\
+# cases put; sizes 4K; 5 rounds; depth 32; lanes 2; 4 MiB per stream; load 1.25
+[put]
+  ib_write_bw -t 32 4 KiB: 10.0 MB/s
+  ib_write_bw -l 32 4 KiB: 12.0 MB/s
+  2 x ib_write_bw -t 32 4 KiB: 20.0 MB/s
+  hixl (GIL interval as the process has it) 4 KiB: 5.0 MB/s
+  hixl, GIL switch interval 0.5 ms 4 KiB: 4.0 MB/s
+  hixl, the same arguments repeated 4 KiB: 6.0 MB/s
+  hixl lanes=1 4 KiB: 6.0 MB/s
+  hixl lanes=1 4 KiB: 9.0 MB/s
+  hixl, the same arguments repeated 4 KiB: 7.0 MB/s
+  hixl, GIL switch interval 0.5 ms 4 KiB: 4.0 MB/s
+  hixl (GIL interval as the process has it) 4 KiB: 8.0 MB/s
+  2 x ib_write_bw -t 32 4 KiB: 16.0 MB/s
+  ib_write_bw -l 32 4 KiB: 18.0 MB/s
+  ib_write_bw -t 32 4 KiB: failed after 3 tries
+  (stopped after 2 rounds: another would end past the 80 s budget)
+  ib_write_bw -t 32 4 KiB: 99.0 MB/s
+"""
+
+
+def test_stream_rows_are_read_back_from_a_log_cut_short() -> None:
+    """Two whole rounds (in either order, one with a C configuration that failed) and
+    the start of a third, which is left out: the best C configuration by median,
+    per-round ratios, and lanes=1 against the post list alone."""
+    rows = rows_from_log(PUT_LOG)
+    by = {(r["row"], r["yardstick"]): r for r in rows}
+    main = by[("hixl (GIL interval as the process has it)", "2 x ib_write_bw -t 32")]
+    assert main["rounds"] == 2
+    assert main["ratio"] == pytest.approx((5 / 20 + 8 / 16) / 2)
+    assert main["hixl_median"] == pytest.approx(6.5e6)
+    one = by[("hixl lanes=1", "ib_write_bw -l 32")]
+    assert one["ratio"] == pytest.approx((6 / 12 + 9 / 18) / 2)
+    assert ("hixl lanes=1", "2 x ib_write_bw -t 32") in by
+    assert len(rows) == 5
+
+
+def test_a_get_log_keeps_the_one_queue_pair_post_list_apart() -> None:
+    """Reads have a fourth C line per round (``-l`` with one queue pair's reads in
+    flight), which only lanes=1 is set against."""
+    log = """\
+# cases get; sizes 64K; 5 rounds; depth 32; lanes 2; 4 MiB per stream; load 1.48
+[get]
+  ib_read_bw -t 32 -o 32 64 KiB: 16.0 MB/s
+  ib_read_bw -l 32 -o 32 64 KiB: 20.0 MB/s
+  2 x ib_read_bw -t 32 -o 16 64 KiB: 32.0 MB/s
+  ib_read_bw -l 32 -o 16 64 KiB: 40.0 MB/s
+  hixl (GIL interval as the process has it) 64 KiB: 16.0 MB/s
+  hixl, GIL switch interval 0.5 ms 64 KiB: 16.0 MB/s
+  hixl, the same arguments repeated 64 KiB: 16.0 MB/s
+  hixl lanes=1 64 KiB: 10.0 MB/s
+"""
+    by = {(r["row"], r["yardstick"]): r for r in rows_from_log(log)}
+    default = ("hixl (GIL interval as the process has it)", "2 x ib_read_bw -t 32 -o 16")
+    assert by[default]["ratio"] == pytest.approx(0.5)
+    assert by[("hixl lanes=1", "ib_read_bw -l 32 -o 16")]["ratio"] == pytest.approx(0.25)

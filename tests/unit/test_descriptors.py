@@ -24,7 +24,8 @@ from hixl.core.descriptors import (
     normalize_alignment,
     sort_offsets,
 )
-from hixl.errors import AlignmentError, DescriptorError, HixlError
+from hixl.core.plan import check_bounds
+from hixl.errors import AlignmentError, BoundsError, DescriptorError, HixlError
 
 PROPS = settings(max_examples=200, deadline=None)
 
@@ -389,3 +390,29 @@ def test_first_misaligned_finds_the_first_bad_start(alignment: int, base: int) -
     bad = [i for i, o in enumerate(off.tolist()) if (base + o) % alignment]
     want = None if not bad else (bad[0], base + int(off[bad[0]]))
     assert seg.first_misaligned(base, alignment) == want
+
+
+def test_a_block_list_is_checked_against_its_own_alignment_once_and_others_in_full() -> None:
+    """Blocks checked at 64 bytes when made need no second pass for 64 or 8 at an
+    aligned base; a coarser alignment or a misaligned base is checked block by block,
+    and a list that was never checked (alignment off) is checked in full."""
+    off = [0, 64, 192, 4096 + 64, 8192]
+    ln = [8] * len(off)
+    desc = BlockListDesc(offsets=off, lengths=ln, alignment=64)
+    assert desc.first_misaligned(0, 64) is None
+    assert desc.first_misaligned(4096, 8) is None
+    assert desc.first_misaligned(0, 4096) == (1, 64)
+    assert desc.first_misaligned(32, 64) == (0, 32)
+    loose = BlockListDesc(offsets=[0, 8, 64], lengths=[8, 8, 8], alignment=None)
+    assert loose.first_misaligned(0, 64) == (1, 8)
+    with pytest.raises(AlignmentError, match="element 1 starts at offset 8"):
+        BlockListDesc(offsets=[0, 8, 64], lengths=[8, 8, 8], alignment=64)
+
+
+def test_max_end_is_the_highest_end_and_bounds_name_the_first_block_past_it() -> None:
+    seg = Segments([100, 0, 40], [10, 200, 5])
+    assert seg.max_end() == 200
+    assert seg.max_end() == 200  # kept
+    check_bounds(seg, 200)
+    with pytest.raises(BoundsError, match="offset=0 nbytes=200 region_length=199"):
+        check_bounds(seg, 199)

@@ -47,7 +47,7 @@ from hixl.compat.llm_datadist._types import Cache, CacheDesc, Placement
 from hixl.core.states import ConnState
 from hixl.core.wire import RemoteRegion
 from hixl.engine import Access, Engine, Region
-from hixl.engine.kv import KV_PREFIX, KVCache
+from hixl.engine.kv import KVCache
 from hixl.errors import HixlError, TransferTimeout
 
 __all__ = ["CLIENT", "SERVER", "CacheEntry", "Node", "Route"]
@@ -390,9 +390,7 @@ class Node:
             seen = self._remote.get(key)
             if seen is not None and seen[0] is regions:
                 return seen[1]
-        table = index_remote(
-            r.name[len(KV_PREFIX) :] for r in regions if r.name.startswith(KV_PREFIX)
-        )
+        table = index_remote(route.engine.remote_kv_caches(route.peer))
         with self._lock:
             self._remote[key] = (regions, table)
         return table
