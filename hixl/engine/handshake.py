@@ -21,8 +21,12 @@ bytes, never a thread or a slot others wait for. Each step has its own short dea
 ERROR(TIMEOUT) and closed. There are at most ``max_handshakes`` at once and
 ``max_handshakes_per_source`` from one source, and the bytes they buffer before the client
 has proved itself are bounded, :data:`MAX_PENDING_BYTES` in all and
-:data:`MAX_PENDING_BYTES_PER_SOURCE` from one source; a socket over a limit is answered
-ERROR(BUSY) and closed at once, so a client always hears why. A source is an IPv4 address,
+:data:`MAX_PENDING_BYTES_PER_SOURCE` from one source.  A connection over a limit waits,
+unread, for a slot of its own (up to ``max_handshakes`` of them wait, each at most
+:data:`WAIT_S`), and is answered ERROR(BUSY) and closed if none frees in time or the
+waiting room is full, so a client always hears why.  Waiting rather than an instant
+refusal keeps a client that dials again at once from making the listener accept and
+refuse in a loop ahead of everyone else in the listen queue. A source is an IPv4 address,
 except that all of 127.0.0.0/8 is one, or an IPv6 /64
 (:func:`hixl.core.handshake.source_key`): one host can take many addresses.
 
@@ -52,7 +56,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hixl.core import wire
 from hixl.core.handshake import (
@@ -72,8 +76,9 @@ from hixl.errors import (
 )
 
 if TYPE_CHECKING:
+    from hixl.core.seal import Opener, Sealer
+    from hixl.core.wire import RemoteRegion
     from hixl.engine.connection import Connection
-    from hixl.engine.engine import Engine
 
 __all__ = [
     "FIRST_FRAME_S",
@@ -81,6 +86,7 @@ __all__ = [
     "STEP_S",
     "Admission",
     "Channel",
+    "HandshakeHost",
     "Incoming",
     "Listener",
     "client_handshake",
@@ -95,6 +101,8 @@ STEP_S = 3.0  # each later step (INFO after CHALLENGE, READY after ACCEPT), seco
 PROBE_S = 2.0  # a live connection must answer a PING this soon to keep its id, seconds
 BUSY_RETRY_S = 0.05  # first pause before a client asks a BUSY server again, seconds
 ACCEPTS_PER_ROUND = 64  # connections taken from the listen queue per progress round
+#: Longest a connection over a handshake limit waits for a slot before ERROR(BUSY), seconds.
+WAIT_S = 2.0
 MAX_PENDING_BYTES = 32 << 20  # bytes buffered by all unfinished handshakes together
 # ... and by those from one source (see source_key): a quarter, so that one source's
 # sockets cannot hold the whole budget; 8 INFO frames of the largest size.
@@ -192,12 +200,56 @@ def _check_abort(abort: Abort | None, peer: str) -> None:
         raise ConnectionFailed(f"connect to {peer} given up: {reason}")
 
 
+class HandshakeHost(Protocol):
+    """What both sides of a handshake need of their engine (its connection table)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def token(self) -> bytes | None: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def exposed(self) -> tuple[RemoteRegion, ...]:
+        """The regions a handshake tells the peer about."""
+        ...
+
+    def new_connection(self, peer: str, *, outbound: bool) -> Connection:
+        """A connection not connected yet, within ``max_peers``."""
+        ...
+
+    def admit(self, peer: str, info: wire.Info, claims: set[str]) -> Admission:
+        """Whether a proven client may connect as ``peer`` (progress thread)."""
+        ...
+
+    def adopt(
+        self,
+        conn: Connection,
+        sock: socket.socket,
+        decoder: wire.Decoder,
+        pending: list[wire.Message],
+        session: tuple[Sealer, Opener],
+    ) -> None:
+        """Make a handshaken connection live."""
+        ...
+
+    def discard(self, conn: Connection) -> None:
+        """Forget a connection whose handshake did not finish."""
+        ...
+
+    def probe_outcome(self, conn: Connection, expired: bool) -> str | None:
+        """``"alive"``, ``"dead"`` or None (no answer yet) for a probe of ``conn``."""
+        ...
+
+
 class _Busy(ConnectionFailed):
     """The server had too many handshakes at once; asking again later may work."""
 
 
 def client_handshake(
-    engine: Engine,
+    engine: HandshakeHost,
     peer: str,
     address: tuple[str, int],
     token: bytes | None,
@@ -276,7 +328,7 @@ def _dial(
 
 
 def _client_attempt(
-    engine: Engine,
+    engine: HandshakeHost,
     peer: str,
     address: tuple[str, int],
     token: bytes | None,
@@ -291,15 +343,15 @@ def _client_attempt(
         hs = ClientHandshake(engine.id, token, peer=peer, expect_id=peer)
         chan.send(hs.hello, deadline)
         hs.on_challenge(chan.expect(wire.Challenge, deadline))
-        conn = engine._new_connection(peer, outbound=True)
-        chan.send(hs.info(conn.local_info(wire.Info, b"", engine._exposed())), deadline)
+        conn = engine.new_connection(peer, outbound=True)
+        chan.send(hs.info(conn.local_info(wire.Info, b"", engine.exposed())), deadline)
         conn.establish(hs.on_accept(chan.expect(wire.Accept, deadline)))
         chan.send(hs.ready(), deadline)
-        engine._adopt(conn, chan.sock, chan.decoder, list(chan.pending), hs.session())
+        engine.adopt(conn, chan.sock, chan.decoder, list(chan.pending), hs.session())
         return conn
     except BaseException:
         if conn is not None:
-            engine._discard(conn)
+            engine.discard(conn)
         with contextlib.suppress(OSError):
             sock.close()
         raise
@@ -378,7 +430,7 @@ class Listener:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: HandshakeHost,
         sock: socket.socket,
         *,
         register: Callable[[socket.socket, object, int], None],
@@ -403,11 +455,19 @@ class Listener:
         self._buffered = 0
         self._buffered_by: dict[str, int] = {}  # source key -> bytes its handshakes hold
         self.refused_busy = 0  # sockets answered ERROR(BUSY), for diagnostics
+        # Accepted connections over a limit, oldest first, waiting for a slot (not read):
+        # (socket, source, source key, give up at).  At most max_handshakes of them.
+        self._waiting: deque[tuple[socket.socket, str, str, float]] = deque()
 
     @property
     def pending(self) -> int:
         """Handshakes in progress."""
         return len(self._pending)
+
+    @property
+    def waiting(self) -> int:
+        """Connections over a limit waiting for a handshake slot."""
+        return len(self._waiting)
 
     def claims(self) -> set[str]:
         """Ids of peers admitted and not yet READY (their ids are taken).
@@ -434,33 +494,74 @@ class Listener:
         if self._engine.closed:
             _close(sock)
             return
-        busy = None
         key = source_key(source)
+        if self._room(key):
+            self._start(sock, source, key)
+        elif len(self._waiting) < self.max_handshakes:
+            # Held, not refused at once: a refused client that dials again at once would
+            # have the listener accept and refuse in a loop, ahead of everyone in the
+            # listen queue.  Held, it waits for a slot of its own source.
+            self._waiting.append((sock, source, key, time.monotonic() + WAIT_S))
+        else:
+            self.refused_busy += 1
+            _refuse_now(
+                sock, wire.ErrorCode.BUSY, f"engine {self._engine.id} is busy: {self._busy(key)}"
+            )
+
+    def _room(self, key: str) -> bool:
+        """Whether a handshake from source ``key`` may start now."""
+        return (
+            len(self._pending) < self.max_handshakes
+            and self._per_source.get(key, 0) < self.max_per_source
+            and self._buffered <= MAX_PENDING_BYTES
+            and self._buffered_by.get(key, 0) <= MAX_PENDING_BYTES_PER_SOURCE
+        )
+
+    def _busy(self, key: str) -> str:
+        """Which limit keeps a handshake from source ``key`` from starting."""
         if len(self._pending) >= self.max_handshakes:
-            busy = (
+            return (
                 f"{len(self._pending)} handshakes under way (max_handshakes={self.max_handshakes})"
             )
-        elif self._per_source.get(key, 0) >= self.max_per_source:
-            busy = (
+        if self._per_source.get(key, 0) >= self.max_per_source:
+            return (
                 f"{self._per_source[key]} handshakes from {_named(key)} under way "
                 f"(max_handshakes_per_source={self.max_per_source})"
             )
-        elif self._buffered > MAX_PENDING_BYTES:
-            busy = f"handshakes hold {self._buffered} bytes (at most {MAX_PENDING_BYTES})"
-        elif self._buffered_by.get(key, 0) > MAX_PENDING_BYTES_PER_SOURCE:
-            busy = self._over_source(key)
-        if busy is not None:
-            self.refused_busy += 1
-            _refuse_now(sock, wire.ErrorCode.BUSY, f"engine {self._engine.id} is busy: {busy}")
-            return
+        if self._buffered > MAX_PENDING_BYTES:
+            return f"handshakes hold {self._buffered} bytes (at most {MAX_PENDING_BYTES})"
+        return self._over_source(key)
+
+    def _start(self, sock: socket.socket, source: str, key: str) -> None:
         with contextlib.suppress(OSError):  # only for the sockets kept: refusals are cheap
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         now = time.monotonic()
-        inc = Incoming(sock, source, ServerHandshake(self._engine.id, self._engine._token), now)
+        inc = Incoming(sock, source, ServerHandshake(self._engine.id, self._engine.token), now)
         inc.total_deadline = now + self._timeout
         self._pending[sock] = inc
         self._per_source[key] = self._per_source.get(key, 0) + 1
         self._register(sock, inc, selectors.EVENT_READ)
+
+    def _promote(self, now: float) -> None:
+        """Start the waiting connections that have a slot now, oldest first; refuse those
+        that waited :data:`WAIT_S`."""
+        while self._waiting and self._waiting[0][3] <= now:
+            sock, _, key, _ = self._waiting.popleft()
+            self.refused_busy += 1
+            _refuse_now(
+                sock,
+                wire.ErrorCode.BUSY,
+                f"engine {self._engine.id} is busy: {self._busy(key)}; waited {WAIT_S} s",
+            )
+        if not self._waiting or len(self._pending) >= self.max_handshakes:
+            return
+        left: deque[tuple[socket.socket, str, str, float]] = deque()
+        for entry in self._waiting:
+            if self._room(entry[2]):
+                self._start(entry[0], entry[1], entry[2])
+            else:
+                left.append(entry)
+        self._waiting = left
 
     # -- events ----------------------------------------------------------------------------
     def on_event(self, inc: Incoming, mask: int) -> None:
@@ -541,7 +642,7 @@ class Listener:
     def _admit(self, inc: Incoming) -> None:
         """The client proved itself: ask the engine whether it may connect, then ACCEPT."""
         assert inc.info is not None
-        verdict = self._engine._admit(inc.hs.peer or "", inc.info, self.claims())
+        verdict = self._engine.admit(inc.hs.peer or "", inc.info, self.claims())
         if verdict.probe is not None:
             inc.expect, inc.probe = "PROBE", (verdict.probe, time.monotonic() + PROBE_S)
             return
@@ -552,7 +653,7 @@ class Listener:
         inc.conn = verdict.conn
         self._claimed.add(inc.peer)
         try:
-            accept = inc.hs.accept(inc.conn.local_info(wire.Accept, b"", self._engine._exposed()))
+            accept = inc.hs.accept(inc.conn.local_info(wire.Accept, b"", self._engine.exposed()))
             frame = wire.encode(accept)
         except HixlError as exc:
             self._refuse(inc, wire.ErrorCode.INTERNAL, f"could not answer: {exc}")
@@ -573,17 +674,18 @@ class Listener:
         self._forget(inc)
         conn, inc.conn = inc.conn, None
         try:
-            self._engine._adopt(conn, inc.sock, inc.decoder, rest, inc.hs.session())
+            self._engine.adopt(conn, inc.sock, inc.decoder, rest, inc.hs.session())
         except HixlError as exc:
             log.info("handshake from %s: not adopted: %s", inc.peer, exc)
-            self._engine._discard(conn)
+            self._engine.discard(conn)
             _close(inc.sock)
             return
         log.debug("accepted %r from %s", conn, inc.source)
 
     # -- deadlines and probes ----------------------------------------------------------------
     def sweep(self, now: float) -> None:
-        """Refuse late handshakes; settle liveness probes.  Called every progress round."""
+        """Refuse late handshakes; settle liveness probes; start or refuse the waiting
+        connections.  Called every progress round."""
         for inc in list(self._pending.values()):
             if inc.probe is not None:
                 self._settle_probe(inc, now)
@@ -596,11 +698,12 @@ class Listener:
                     f"first frame within {FIRST_FRAME_S} s, each step within {STEP_S} s, "
                     f"all within handshake_timeout={self._timeout} s)",
                 )
+        self._promote(now)
 
     def _settle_probe(self, inc: Incoming, now: float) -> None:
         assert inc.probe is not None
         old, deadline = inc.probe
-        outcome = self._engine._probe_outcome(old, now >= deadline)
+        outcome = self._engine.probe_outcome(old, now >= deadline)
         if outcome is None:
             return  # no answer yet, and time is left
         inc.probe = None
@@ -650,7 +753,7 @@ class Listener:
             log.info("handshake from %s (%s) ended: %s", inc.peer, inc.source, why)
         self._forget(inc)
         if inc.conn is not None:
-            self._engine._discard(inc.conn)
+            self._engine.discard(inc.conn)
             inc.conn = None
         _close(inc.sock)
 
@@ -666,6 +769,8 @@ class Listener:
         else:
             self._per_source.pop(inc.key, None)
         self._unregister(inc.sock)
+        if self._waiting:
+            self._promote(time.monotonic())
 
     def _hold(self, inc: Incoming, change: int) -> None:
         """Count ``change`` more bytes buffered by ``inc``'s handshake."""
@@ -685,7 +790,10 @@ class Listener:
         )
 
     def close(self) -> None:
-        """Close every unfinished handshake (the engine is closing)."""
+        """Close every unfinished handshake and waiting connection (the engine is closing)."""
+        waiting, self._waiting = self._waiting, deque()
+        for sock, *_ in waiting:
+            _close(sock)
         for inc in list(self._pending.values()):
             self._finish(inc, None)
 
