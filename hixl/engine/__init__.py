@@ -2,8 +2,9 @@
 
 Modules
 -------
-``engine``      the :class:`Engine` facade and the tables that tie the parts together
-``regions``     :class:`Access`, :class:`Region`, what a buffer is
+``engine``      the :class:`Engine` facade: builds the parts, delegates each public call
+``peers``       the connection table: admission, adoption, failure, control messages, credits
+``regions``     :class:`Access`, :class:`Region`, the region table, what a buffer is
 ``connection``  one peer: queue pair, send window, receive slots, control channel
 ``handshake``   the connection handshake, client and server side
 ``datapath``    requests to work requests: checks, cached plans, notification buffers
@@ -42,9 +43,10 @@ Incoming handshakes need no thread: the progress thread drives each on a non-blo
 socket (:class:`~hixl.engine.handshake.Listener`); ``connect`` runs the client side in
 the calling thread.
 
-``Engine._lock`` (an RLock; ``Engine._notify_cv`` is a condition on it) guards the
-engine's tables and every connection's bookkeeping: the region table, the connection
-tables (by peer id and by QPN), the set of pending handles, the notification queue, the
+The engine lock (an RLock made by :func:`hixl.engine.locks.engine_lock`, shared by every
+part of one engine; ``Peers.notify_cv`` is a condition on it) guards the engine's tables
+and every connection's bookkeeping: the region table, the connection tables (by peer id
+and by QPN), the set of pending handles, the notification queue, the
 notification send slots and per-peer counts, the exposed-region index, each connection's
 state, send window (including its *poster* flag, which lets one thread at a time post
 a reserved batch, so chunks go out in order), control outbox and probe fields.  Held for
@@ -63,12 +65,12 @@ and take it only to admit (limits, probe, queue pair), index or adopt a connecti
 listener's own tables (handshakes under way, per-source counts) belong to the progress
 thread alone and need no lock.
 
-Handles are finished under ``Engine._lock``.  ``handles._handle_lock`` only lets two
+Handles are finished under the engine lock.  ``handles._handle_lock`` only lets two
 waiters of one handle make a single Event; it is taken alone, never with another lock
 held.  A waiter that makes the Event reads the status again afterwards: ``finish`` writes
 the status before it reads the Event, so one of the two sees the other.
 
-Lock order: ``hixl.compat`` locks, then ``Engine._lock``.  Nothing takes them in another
+Lock order: ``hixl.compat`` locks, then the engine lock.  Nothing takes them in another
 order.  The wake-up byte that hands a backlog to the progress thread is sent after the
 lock is let go (``Poster.wake_if_due``).
 

@@ -52,7 +52,10 @@ if TYPE_CHECKING:
     from hixl.engine.connection import Connection, Lane
     from hixl.engine.posting import Poster
 
-__all__ = ["Channel", "ChannelHost", "LaneBusy"]
+__all__ = ["CHANNEL_WAIT_S", "Channel", "ChannelHost", "LaneBusy", "hold_direct_lane"]
+
+#: Longest :meth:`Engine.channel` waits for a blocking put or get on the direct lane.
+CHANNEL_WAIT_S = 60.0
 
 _NAP_MAX = 0.001  # longest sleep between polls once the spin is over (seconds)
 #: Bare polls right after the post, before the timed wait (about 0.1 ms natively, a few
@@ -68,6 +71,56 @@ class ChannelHost(Protocol):
 
     def fail(self, conn: Connection, reason: str, error: HixlError | None = None) -> None:
         """Fail ``conn`` (engine lock held): flush it and fail its pending transfers."""
+
+
+def hold_direct_lane(
+    peer: str,
+    conn: Connection,
+    lock: threading.RLock,
+    check_open: Callable[[], None],
+    make: Callable[[], Channel],
+    *,
+    direct_lane: bool,
+) -> Channel:
+    """A user's channel on ``conn``'s direct lane, made by ``make`` under the engine
+    ``lock`` once the lane is free (see :meth:`Engine.channel`); ``direct_lane`` is this
+    engine's option of that name, for the message when the connection has no such lane."""
+    with lock:
+        check_open()
+        conn.check_ready()
+        if conn.direct is None:
+            raise StateError(
+                f"connection to {peer} has no direct lane for a channel: "
+                + (
+                    "this engine was made with direct_lane=False"
+                    if not direct_lane
+                    else "the peer made fewer queue pairs (a smaller lanes= or direct_lane=False)"
+                )
+            )
+        if conn.channel is not None:
+            raise StateError(
+                f"connection to {peer} already has an open channel {conn.channel!r}; "
+                "close it first (one channel per connection)"
+            )
+        ch = make()
+        conn.channel = ch
+    # A blocking put or get of this engine's may be finishing on the lane (see
+    # SinglePaths._on_lane); from here on none starts there.  Wait for it, without the lock.
+    deadline = time.monotonic() + CHANNEL_WAIT_S
+    nap = 0.00005
+    while not conn.direct_token:
+        if time.monotonic() >= deadline or conn.state is not ConnState.READY:
+            with lock:
+                if conn.channel is ch:
+                    conn.channel = None
+            conn.check_ready()
+            raise StateError(
+                f"the direct lane to {peer} stayed busy for {CHANNEL_WAIT_S} s "
+                "(a blocking put or get on it did not end)"
+            )
+        time.sleep(nap)
+        nap = min(nap * 2, 0.001)
+    return ch
 
 
 class LaneBusy(StateError):

@@ -56,7 +56,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hixl.core import wire
 from hixl.core.handshake import (
@@ -76,8 +76,9 @@ from hixl.errors import (
 )
 
 if TYPE_CHECKING:
+    from hixl.core.seal import Opener, Sealer
+    from hixl.core.wire import RemoteRegion
     from hixl.engine.connection import Connection
-    from hixl.engine.engine import Engine
 
 __all__ = [
     "FIRST_FRAME_S",
@@ -85,6 +86,7 @@ __all__ = [
     "STEP_S",
     "Admission",
     "Channel",
+    "HandshakeHost",
     "Incoming",
     "Listener",
     "client_handshake",
@@ -198,12 +200,56 @@ def _check_abort(abort: Abort | None, peer: str) -> None:
         raise ConnectionFailed(f"connect to {peer} given up: {reason}")
 
 
+class HandshakeHost(Protocol):
+    """What both sides of a handshake need of their engine (its connection table)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def token(self) -> bytes | None: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def exposed(self) -> tuple[RemoteRegion, ...]:
+        """The regions a handshake tells the peer about."""
+        ...
+
+    def new_connection(self, peer: str, *, outbound: bool) -> Connection:
+        """A connection not connected yet, within ``max_peers``."""
+        ...
+
+    def admit(self, peer: str, info: wire.Info, claims: set[str]) -> Admission:
+        """Whether a proven client may connect as ``peer`` (progress thread)."""
+        ...
+
+    def adopt(
+        self,
+        conn: Connection,
+        sock: socket.socket,
+        decoder: wire.Decoder,
+        pending: list[wire.Message],
+        session: tuple[Sealer, Opener],
+    ) -> None:
+        """Make a handshaken connection live."""
+        ...
+
+    def discard(self, conn: Connection) -> None:
+        """Forget a connection whose handshake did not finish."""
+        ...
+
+    def probe_outcome(self, conn: Connection, expired: bool) -> str | None:
+        """``"alive"``, ``"dead"`` or None (no answer yet) for a probe of ``conn``."""
+        ...
+
+
 class _Busy(ConnectionFailed):
     """The server had too many handshakes at once; asking again later may work."""
 
 
 def client_handshake(
-    engine: Engine,
+    engine: HandshakeHost,
     peer: str,
     address: tuple[str, int],
     token: bytes | None,
@@ -282,7 +328,7 @@ def _dial(
 
 
 def _client_attempt(
-    engine: Engine,
+    engine: HandshakeHost,
     peer: str,
     address: tuple[str, int],
     token: bytes | None,
@@ -297,15 +343,15 @@ def _client_attempt(
         hs = ClientHandshake(engine.id, token, peer=peer, expect_id=peer)
         chan.send(hs.hello, deadline)
         hs.on_challenge(chan.expect(wire.Challenge, deadline))
-        conn = engine._new_connection(peer, outbound=True)
-        chan.send(hs.info(conn.local_info(wire.Info, b"", engine._exposed())), deadline)
+        conn = engine.new_connection(peer, outbound=True)
+        chan.send(hs.info(conn.local_info(wire.Info, b"", engine.exposed())), deadline)
         conn.establish(hs.on_accept(chan.expect(wire.Accept, deadline)))
         chan.send(hs.ready(), deadline)
-        engine._adopt(conn, chan.sock, chan.decoder, list(chan.pending), hs.session())
+        engine.adopt(conn, chan.sock, chan.decoder, list(chan.pending), hs.session())
         return conn
     except BaseException:
         if conn is not None:
-            engine._discard(conn)
+            engine.discard(conn)
         with contextlib.suppress(OSError):
             sock.close()
         raise
@@ -384,7 +430,7 @@ class Listener:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: HandshakeHost,
         sock: socket.socket,
         *,
         register: Callable[[socket.socket, object, int], None],
@@ -490,7 +536,7 @@ class Listener:
         with contextlib.suppress(OSError):  # only for the sockets kept: refusals are cheap
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         now = time.monotonic()
-        inc = Incoming(sock, source, ServerHandshake(self._engine.id, self._engine._token), now)
+        inc = Incoming(sock, source, ServerHandshake(self._engine.id, self._engine.token), now)
         inc.total_deadline = now + self._timeout
         self._pending[sock] = inc
         self._per_source[key] = self._per_source.get(key, 0) + 1
@@ -596,7 +642,7 @@ class Listener:
     def _admit(self, inc: Incoming) -> None:
         """The client proved itself: ask the engine whether it may connect, then ACCEPT."""
         assert inc.info is not None
-        verdict = self._engine._admit(inc.hs.peer or "", inc.info, self.claims())
+        verdict = self._engine.admit(inc.hs.peer or "", inc.info, self.claims())
         if verdict.probe is not None:
             inc.expect, inc.probe = "PROBE", (verdict.probe, time.monotonic() + PROBE_S)
             return
@@ -607,7 +653,7 @@ class Listener:
         inc.conn = verdict.conn
         self._claimed.add(inc.peer)
         try:
-            accept = inc.hs.accept(inc.conn.local_info(wire.Accept, b"", self._engine._exposed()))
+            accept = inc.hs.accept(inc.conn.local_info(wire.Accept, b"", self._engine.exposed()))
             frame = wire.encode(accept)
         except HixlError as exc:
             self._refuse(inc, wire.ErrorCode.INTERNAL, f"could not answer: {exc}")
@@ -628,10 +674,10 @@ class Listener:
         self._forget(inc)
         conn, inc.conn = inc.conn, None
         try:
-            self._engine._adopt(conn, inc.sock, inc.decoder, rest, inc.hs.session())
+            self._engine.adopt(conn, inc.sock, inc.decoder, rest, inc.hs.session())
         except HixlError as exc:
             log.info("handshake from %s: not adopted: %s", inc.peer, exc)
-            self._engine._discard(conn)
+            self._engine.discard(conn)
             _close(inc.sock)
             return
         log.debug("accepted %r from %s", conn, inc.source)
@@ -657,7 +703,7 @@ class Listener:
     def _settle_probe(self, inc: Incoming, now: float) -> None:
         assert inc.probe is not None
         old, deadline = inc.probe
-        outcome = self._engine._probe_outcome(old, now >= deadline)
+        outcome = self._engine.probe_outcome(old, now >= deadline)
         if outcome is None:
             return  # no answer yet, and time is left
         inc.probe = None
@@ -707,7 +753,7 @@ class Listener:
             log.info("handshake from %s (%s) ended: %s", inc.peer, inc.source, why)
         self._forget(inc)
         if inc.conn is not None:
-            self._engine._discard(inc.conn)
+            self._engine.discard(inc.conn)
             inc.conn = None
         _close(inc.sock)
 

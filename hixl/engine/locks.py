@@ -1,9 +1,13 @@
 """The engine lock, and a debug switch that checks what runs outside it.
 
-Every engine has one reentrant lock (:func:`engine_lock`).  It guards bookkeeping: the
-region table, the connection tables (by id, by QPN), pending handles, the notification
-queue, and each connection's state, send windows and control outbox.  Order: a
-``hixl.compat`` lock, then the engine lock; ``handles._handle_lock`` is taken alone.
+Every engine has one reentrant lock (:func:`engine_lock`), made by the engine and given
+to each of its parts.  It guards bookkeeping: the region table
+(:class:`~hixl.engine.regions.RegionTable`), the connection tables by id and by QPN, the
+notification queue and credits (:class:`~hixl.engine.peers.Peers`), pending handles, the
+posting state (:class:`~hixl.engine.posting.Poster`), kept templates
+(:class:`~hixl.engine.single.SinglePaths`), and each connection's state, send windows
+and control outbox.  Order: a ``hixl.compat`` lock, then the engine lock;
+``handles._handle_lock`` is taken alone.
 
 Never under it: a socket send or receive (control messages are queued in an outbox and
 sent by the progress thread), the progress thread's wake-up byte (marked due under the
@@ -14,26 +18,23 @@ thread (a condition's ``wait`` releases it).
 
 The system calls that do run under it, each for a reason:
 
-=====================================  ==============================================
-call                                   why it stays under the lock
-=====================================  ==============================================
-``ibv_reg_mr`` (``register``)          the same memory registered twice at once must
-                                       give one region: the table is checked and filled
-                                       in one step with the key it holds
-``ibv_dereg_mr`` (``deregister``)      the key leaves the region table and the exposed
-                                       set in the same step as it stops working, so no
-                                       lookup under the lock finds a dead key
-``ibv_modify_qp`` to ERR (a failed or  the state moves to FAILED/CLOSED and the queue
-dropped connection)                    pair stops in one step: a batch reserved under
-                                       the lock before it is flushed, none after it
-``ibv_post_recv`` (a notification      the slot is decoded and handed back in the same
-slot re-posted after its completion)   step as its completion is reaped, in order
-``ibv_poll_cq`` of the shared CQs      completions are matched to windows and handles
-                                       in queue order (rxe polls in user space)
-``epoll_ctl`` (``Progress.watch`` /    a connection's socket leaves the selector in the
-``unwatch``)                           same step as the connection closes, so the
-                                       progress thread never selects on a closed one
-=====================================  ==============================================
+- ``ibv_reg_mr`` (``RegionTable.add``): the same memory registered twice at once must
+  give one region, so the table is checked and filled in one step with the key it holds.
+- ``ibv_dereg_mr`` (``RegionTable.remove``): the key leaves the region table and the
+  exposed set in the same step as it stops working, so no lookup under the lock finds a
+  dead key.
+- ``ibv_modify_qp`` to ERR (``Peers.fail``, ``Peers.drop``): the state moves to
+  FAILED/CLOSED and the queue pair stops in one step, so a batch reserved under the lock
+  before it is flushed and none is reserved after it.
+- ``ibv_post_recv`` (``Peers.reap_recv``, a notification slot re-posted after its
+  completion): the slot is decoded and handed back in the same step as its completion
+  is reaped, in order.
+- ``ibv_poll_cq`` of the shared CQs (progress rounds, ``Poster.reap_inline``, ``Peers``
+  on a peer's BYE): completions are matched to windows and handles in queue order (rxe
+  polls in user space).
+- ``epoll_ctl`` (``Progress.watch``/``unwatch``/``pause``, called by ``Peers``): a
+  connection's socket leaves the selector in the same step as the connection closes, so
+  the progress thread never selects on a closed one.
 
 ``HIXL_DEBUG_LOCKS=1`` in the environment (read once, at import) makes every engine
 lock a :class:`CheckedRLock`, which counts per thread how many engine locks it holds,

@@ -176,12 +176,13 @@ class Poster:
             self.wake_due = True
 
     def post_or_wake(self, lane: Lane, batch: Batch | None) -> None:
-        """After queueing (lock let go): post the batch this thread reserved, or send the
-        wake-up the hand-over asked for."""
+        """After queueing (lock let go): send the wake-up the hand-over asked for, then
+        post the batch this thread reserved.  Waking first lets the progress thread post
+        the other lanes while this thread posts its own (on rxe a post does the sending)."""
+        if self.wake_due:
+            self.wake()
         if batch is not None:
             self.post(lane, batch)
-        elif self.wake_due:
-            self.wake()
 
     def wake(self) -> None:
         """Send the wake-up :meth:`want_post` asked for (lock not held)."""
@@ -296,6 +297,10 @@ class Poster:
             # that thread posts (on rxe the post does the sending, and two threads on
             # two lanes send twice as much).
             _, lane = self.to_post.popitem()
+            if not self.to_post:
+                # The wake-up sent for it (if any) finds nothing now: the next hand-over
+                # must send its own, or the progress thread sleeps through it.
+                self.post_wake = False
             batch = self.start_post(lane, defer=False)
         except HixlError:
             return False

@@ -28,10 +28,11 @@ import socket
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol
 
 from hixl.core.states import ConnState
-from hixl.engine.handshake import Incoming
+from hixl.engine.handshake import Incoming, Listener
 from hixl.engine.locks import assert_unlocked
 from hixl.engine.posting import POLL_BATCH
 from hixl.errors import HixlError
@@ -39,11 +40,10 @@ from hixl.verbs import adapter as verbs
 
 if TYPE_CHECKING:
     from hixl.engine.connection import Connection
-    from hixl.engine.engine import Engine
     from hixl.engine.posting import Poster
     from hixl.engine.reaping import SendReaper
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "ProgressHost"]
 
 log = logging.getLogger("hixl.engine")
 
@@ -59,12 +59,44 @@ _WAKE = object()  # selector key data of the socket that wakes the thread
 _LISTENER = object()
 
 
+class ProgressHost(Protocol):
+    """What the progress thread calls on its engine's side (the connection table).
+
+    The thread holds it only weakly between rounds, so an engine the application forgets
+    to close is still collected (and warns, and closes).
+    """
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def lock(self) -> AbstractContextManager[bool]: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def incoming(self) -> Listener | None: ...
+
+    def has_pending(self) -> bool: ...
+
+    def reap_recv(self, wcs: list[verbs.Completion]) -> int: ...
+
+    def flush_outboxes(self) -> None: ...
+
+    def flush_control(self, conn: Connection) -> None: ...
+
+    def read_control(self, conn: Connection) -> None: ...
+
+    def died(self, exc: BaseException) -> None: ...
+
+
 class Progress:
     """The selector, wake-up pair and thread of one engine."""
 
     def __init__(
         self,
-        engine: Engine,
+        engine: ProgressHost,
         listener: socket.socket | None,
         cqs: tuple[verbs.CompletionQueue, verbs.CompletionQueue],
         events: bool,
@@ -97,11 +129,10 @@ class Progress:
         self.sleeping = False  # in select(), or about to be
         self._next_expiry_check = 0.0
         self._next_sweep = 0.0
-        # The thread holds the engine only weakly between rounds, so an engine the
-        # application forgets to close is still collected (and warns, and closes).
+        # The thread holds this and the host only weakly between rounds (see ProgressHost).
         self.thread = threading.Thread(
             target=_loop,
-            args=(weakref.ref(engine), self._stop),
+            args=(weakref.ref(self), weakref.ref(engine), self._stop),
             name=f"hixl-progress-{engine.id}",
             daemon=True,
         )
@@ -148,7 +179,7 @@ class Progress:
         if conn.sock is not None:
             self.watch(conn)
 
-    def _resume(self, engine: Engine, now: float) -> float | None:
+    def _resume(self, engine: ProgressHost, now: float) -> float | None:
         """Read again the sockets whose pause is over; the next pause's end, if any."""
         later = None
         for conn, until in list(self._paused.items()):
@@ -156,7 +187,7 @@ class Progress:
                 later = until if later is None else min(later, until)
                 continue
             del self._paused[conn]
-            with engine._lock:
+            with engine.lock:
                 if conn.sock is not None and conn.state is not ConnState.CLOSED:
                     self.watch(conn)
         return later
@@ -185,7 +216,7 @@ class Progress:
         self._wake_w.close()
 
     # -- one round -------------------------------------------------------------------------
-    def step(self, engine: Engine, idle: float) -> bool:
+    def step(self, engine: ProgressHost, idle: float) -> bool:
         """One round; True when there was work to do.
 
         With completion events the thread sleeps in the selector until a completion,
@@ -201,12 +232,12 @@ class Progress:
                 if engine.closed:
                     return False
                 busy = self._poll_events(engine, now)  # takes the lock to reap, not to arm
-            with engine._lock:
+            with engine.lock:
                 if engine.closed:
                     return False
                 if not self.events:
                     busy |= self._reaper.reap_send(self.send_cq.poll_rows(POLL_BATCH)) == POLL_BATCH
-                    busy |= engine._reap_recv(self.recv_cq.poll(POLL_BATCH)) == POLL_BATCH
+                    busy |= engine.reap_recv(self.recv_cq.poll(POLL_BATCH)) == POLL_BATCH
                 if now >= self._next_expiry_check:
                     self._reaper.expire(now)
                     self._next_expiry_check = now + 0.01
@@ -215,13 +246,13 @@ class Progress:
                 elif self._left_to_callers:
                     timeout = DRIVEN_S
                 elif self.events:
-                    timeout = SLEEP_PENDING if engine._has_pending() else SLEEP_IDLE
+                    timeout = SLEEP_PENDING if engine.has_pending() else SLEEP_IDLE
                 else:
                     timeout = idle
             poster = self._poster
             if poster.to_post and poster.post_pending():  # outside the lock
                 timeout = 0.0  # more was queued meanwhile: post it after the next reap
-            incoming = engine._incoming
+            incoming = engine.incoming
             if (
                 incoming is not None
                 and (incoming.pending or incoming.waiting)
@@ -244,7 +275,7 @@ class Progress:
                 self.events
                 and not poster.driven_at
                 and self.send_cq not in self._armed
-                and engine._handles
+                and engine.has_pending()
             ):
                 # A waiter went to sleep since the poll above left the send CQ unarmed;
                 # it did not wake this thread (Poster.reap_inline): arm the CQ now.
@@ -267,7 +298,7 @@ class Progress:
                 elif data is _WAKE:
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(4096)
-                    engine._flush_outboxes()
+                    engine.flush_outboxes()
                 elif isinstance(data, verbs.CompletionQueue):
                     # The channel is this thread's alone: no engine lock for the read
                     # and the acknowledgement (two system calls).
@@ -276,9 +307,9 @@ class Progress:
                     busy = True
                 else:
                     if mask & selectors.EVENT_WRITE:
-                        engine._flush_control(data)
+                        engine.flush_control(data)
                     if mask & selectors.EVENT_READ:
-                        engine._read_control(data)
+                        engine.read_control(data)
                     busy = True
         except HixlError as exc:
             log.warning("progress loop: %s", exc)
@@ -287,7 +318,7 @@ class Progress:
                 log.warning("progress loop: unexpected %s: %s", type(exc).__name__, exc)
         return busy
 
-    def _poll_events(self, engine: Engine, now: float) -> bool:
+    def _poll_events(self, engine: ProgressHost, now: float) -> bool:
         """Poll the CQs that may hold something, arm the drained ones.  True if more is queued.
 
         An armed CQ whose event has not fired holds nothing new, so it is skipped.  A CQ
@@ -304,7 +335,7 @@ class Progress:
             if reap(engine) == POLL_BATCH:
                 busy = True  # maybe more queued: poll again before arming
                 continue
-            if cq is send and not engine._handles:
+            if cq is send and not engine.has_pending():
                 # Nothing pending: no event wanted.  A transfer started from now on either
                 # wakes this thread (posting is handed over) or is waited on by a caller
                 # that reaps its own completion and wakes this thread before it sleeps.
@@ -322,15 +353,15 @@ class Progress:
                 busy = True
         return busy
 
-    def _reap_send(self, engine: Engine) -> int:
-        with engine._lock:
+    def _reap_send(self, engine: ProgressHost) -> int:
+        with engine.lock:
             return (
                 0 if engine.closed else self._reaper.reap_send(self.send_cq.poll_rows(POLL_BATCH))
             )
 
-    def _reap_recv(self, engine: Engine) -> int:
-        with engine._lock:
-            return 0 if engine.closed else engine._reap_recv(self.recv_cq.poll(POLL_BATCH))
+    def _reap_recv(self, engine: ProgressHost) -> int:
+        with engine.lock:
+            return 0 if engine.closed else engine.reap_recv(self.recv_cq.poll(POLL_BATCH))
 
 
 def _control_last(event: tuple[selectors.SelectorKey, int]) -> bool:
@@ -340,7 +371,11 @@ def _control_last(event: tuple[selectors.SelectorKey, int]) -> bool:
     )
 
 
-def _loop(engine_ref: weakref.ref[Engine], stop: threading.Event) -> None:
+def _loop(
+    progress_ref: weakref.ref[Progress],
+    engine_ref: weakref.ref[ProgressHost],
+    stop: threading.Event,
+) -> None:
     """Body of an engine's progress thread: rounds with an idle back-off of up to 2 ms.
 
     An exception that escapes a round kills the loop: every pending transfer then fails
@@ -348,14 +383,14 @@ def _loop(engine_ref: weakref.ref[Engine], stop: threading.Event) -> None:
     """
     idle = 0.0
     while not stop.is_set():
-        engine = engine_ref()
-        if engine is None:
+        progress, engine = progress_ref(), engine_ref()
+        if progress is None or engine is None:
             return
         try:
-            busy = engine._progress.step(engine, idle)
+            busy = progress.step(engine, idle)
         except BaseException as exc:
             log.exception("progress thread of %s died", engine.id)
-            engine._progress_died(exc)
+            engine.died(exc)
             return
-        del engine
+        del progress, engine
         idle = 0.0 if busy else min(IDLE_MAX, idle * 2 + 0.00005)

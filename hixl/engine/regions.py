@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import enum
+import threading
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
 from hixl.core import wire
 from hixl.core.wire import RemoteRegion
-from hixl.errors import RegistrationError
+from hixl.errors import ArgumentError, RegistrationError
 from hixl.verbs import adapter as verbs
 
-__all__ = ["Access", "Region", "RegionOwner", "buffer_span"]
+__all__ = ["Access", "Region", "RegionOwner", "RegionTable", "buffer_span"]
+
+# Room left in a handshake message for everything but the exposed regions, bytes.
+_REGION_BYTES = wire.MAX_PAYLOAD - 4096
 
 
 class Access(enum.IntFlag):
@@ -87,6 +92,111 @@ class Region:
         state = " closed" if self.closed else ""
         return (
             f"<Region addr={self.addr:#x} length={self.length} access={self.access!r}{name}{state}>"
+        )
+
+
+#: ``announce(add=..., remove=...)``: tell live peers of a change of the exposed regions.
+Announce = Callable[..., None]
+
+
+class RegionTable:
+    """An engine's registered regions by span, and what peers see of them: every remotely
+    accessible region by ``(rkey, addr)`` in registration order, and the bytes they take
+    in a handshake message (at most :data:`_REGION_BYTES`).  Engine lock for every change."""
+
+    def __init__(self, lock: threading.RLock, device: verbs.Device, engine_id: str) -> None:
+        self._lock = lock
+        self._dev = device
+        self._id = engine_id
+        self.by_span: dict[tuple[int, int], Region] = {}
+        self.exposed_map: dict[tuple[int, int], RemoteRegion] = {}
+        self._exposed_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.by_span)
+
+    def exposed(self) -> tuple[RemoteRegion, ...]:
+        """What a handshake tells a peer (lock held)."""
+        return tuple(self.exposed_map.values())
+
+    def add(
+        self, owner: RegionOwner, buffer: object, access: Access, name: str, announce: Announce
+    ) -> Region:
+        """Register ``buffer`` (see :meth:`Engine.register`); a new exposed region is
+        announced to live peers under the same hold of the lock."""
+        access = Access(access)
+        if access & Access.REMOTE_WRITE:
+            access |= Access.LOCAL_WRITE
+        addr, length, keep, readonly = buffer_span(buffer)
+        if length <= 0:
+            raise RegistrationError(f"cannot register an empty buffer (nbytes={length})")
+        if readonly and access & (Access.LOCAL_WRITE | Access.REMOTE_WRITE):
+            raise RegistrationError(
+                f"buffer at {addr:#x} (nbytes={length}) is read-only; "
+                f"register it with access=Access.NONE or REMOTE_READ, "
+                f"not {access!r}"
+            )
+        if len(name) > 128 or not all(c.isprintable() for c in name):
+            raise ArgumentError(f"region name must be <= 128 printable characters: {name!r}")
+        with self._lock:
+            existing = self.by_span.get((addr, length))
+            if existing is not None:
+                if existing.access != access or existing.name != name:
+                    raise RegistrationError(
+                        f"memory addr={addr:#x} nbytes={length} is already registered with "
+                        f"access={existing.access!r} name={existing.name!r}; deregister first"
+                    )
+                return existing
+            exposing = bool(access & (Access.REMOTE_READ | Access.REMOTE_WRITE))
+            if exposing and len(self.exposed_map) >= wire.MAX_REGIONS:
+                raise RegistrationError(
+                    f"engine {self._id} already exposes {len(self.exposed_map)} regions to "
+                    f"peers, the most a handshake carries (MAX_REGIONS={wire.MAX_REGIONS}); "
+                    "deregister one, or register this one without remote access"
+                )
+            mr = self._dev.register(addr, length, int(access), keep)
+            region = Region(owner, mr, access, name)
+            remote = region.remote
+            if remote is not None:
+                size = wire.region_size(remote)
+                if self._exposed_bytes + size > _REGION_BYTES:
+                    mr.close()
+                    raise RegistrationError(
+                        f"engine {self._id} exposes regions taking {self._exposed_bytes} bytes "
+                        f"in a handshake message; this one ({size} bytes, name of "
+                        f"{len(name)} characters) would pass the {_REGION_BYTES}-byte limit: "
+                        "use shorter names or fewer regions"
+                    )
+                self.exposed_map[(remote.rkey, remote.addr)] = remote
+                self._exposed_bytes += size
+                announce(add=(remote,))
+            self.by_span[(addr, length)] = region
+        return region
+
+    def remove(self, region: Region, announce: Announce | None) -> None:
+        """Release ``region`` if it is registered here; peers are told unless ``announce``
+        is None (the engine is closed)."""
+        with self._lock:
+            if self.by_span.get((region.addr, region.length)) is not region:
+                return
+            del self.by_span[(region.addr, region.length)]
+            remote = region.remote
+            region.mr.close()
+            if remote is not None:
+                del self.exposed_map[(remote.rkey, remote.addr)]
+                self._exposed_bytes -= wire.region_size(remote)
+                if announce is not None:
+                    announce(remove=(remote,))
+
+    def find(self, addr: int, nbytes: int) -> Region:
+        """The region holding ``[addr, addr + nbytes)`` (see :meth:`Engine.find_region`)."""
+        with self._lock:
+            for r in self.by_span.values():
+                if r.addr <= addr and addr + nbytes <= r.addr + r.length:
+                    return r
+        raise RegistrationError(
+            f"local memory not registered: addr={addr:#x} "
+            f"nbytes={nbytes} is in no registered region"
         )
 
 

@@ -49,7 +49,7 @@ from hixl.engine.posting import POLL_BATCH, Poster, SendQueue
 from hixl.engine.queueing import Queuer
 from hixl.engine.reaping import SendReaper, deadline_error
 from hixl.engine.regions import Region
-from hixl.errors import HixlError, StateError
+from hixl.errors import ArgumentError, HixlError, StateError
 from hixl.verbs import adapter as verbs
 from hixl.verbs.chain import WR_BYTES, WR_SLOT
 
@@ -182,6 +182,47 @@ class SinglePaths:
         self._last_template = None
         self.repeat_put = self.repeat_get = None
         self.ring_put = self.ring_get = None
+
+    def submit(
+        self,
+        owner: object,
+        connection: Callable[[str], Connection],
+        peer: str,
+        requests: Sequence[TransferRequest],
+        notify: str | None,
+        notify_message: bytes,
+        timeout: float,
+        *,
+        now: bool,
+        tkey: tuple[Any, ...] | None = None,
+    ) -> TransferHandle:
+        """The general path: check, plan, build and queue a transfer of the engine
+        ``owner`` (its regions are the local ones allowed); ``now``: post it on this thread
+        when the queue pair is idle (a blocking call, which waits anyway).  ``tkey``: keep
+        the single request's template under that key."""
+        if timeout <= 0:
+            raise ArgumentError(f"timeout must be > 0 seconds, got {timeout}")
+        if not requests and notify is None:
+            raise ArgumentError("empty transfer: no requests and no notification")
+        payload = _notify.encode(notify, notify_message) if notify is not None else None
+        self._host.check_open()
+        conn = connection(peer)
+        conn.check_ready()
+        # Validation, planning and building read only immutable values (regions' keys,
+        # the peer's announced region tuple), so they run without the engine lock; the
+        # progress thread keeps reaping completions meanwhile.
+        built = [self._planner.build(owner, conn, req, i) for i, req in enumerate(requests)]
+        if tkey is not None:
+            t = self._planner.template(conn, requests[0], built[0])
+            if t is not None:
+                req = requests[0]
+                # Also under the key of the same sizes at other offsets (see one).
+                rkey = ranges_key(
+                    peer, req.op, req.local, req.remote, req.local_desc, req.remote_desc
+                )
+                self.keep(tkey, rkey, t)
+        reads = any(r.op == "read" for r in requests)
+        return self._queuer.queue(conn, built, payload, reads, timeout, now)
 
     def one(
         self,
