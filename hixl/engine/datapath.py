@@ -352,7 +352,7 @@ class Planner:
 
         A refilled chain keeps its old ``wr_id``s and flags: every chain built here is
         signaled over its whole length (``set_signals``) before it is posted, which
-        rewrites them (:meth:`Engine._queue`)."""
+        rewrites them (:meth:`hixl.engine.queueing.Queuer.queue`)."""
         kw: dict[str, Any] = {
             "opcode": opcode,
             "local_addr": local_addr,
