@@ -36,7 +36,7 @@ test-rdma: pyc
 
 ## wheel-check: the wheel in a fresh venv with hixl[vm] (no system packages, so no pyverbs):
 ## `hixl doctor` must find a path to run on, and the README's first example runs there
-## (through the VM on a kernel without rxe). About a minute and a half under emulation.
+## (through the VM on a kernel without rxe). About a minute and a quarter under emulation.
 wheel-check:
 	bash scripts/wheel-check.sh
 
@@ -51,13 +51,13 @@ soak:
 
 ## test-hosts: two VMs, each with its own kernel and rxe, on one virtual wire (MTU 1500 and
 ## 9000): strided put/get, notifications, MTU negotiation, link flap, a peer host killed.
-## host0 runs tests/hosts, host1 the agent they drive. About 2-3 min under emulation.
+## host0 runs tests/hosts, host1 the agent they drive. About 2 min under emulation.
 test-hosts: pyc
 	$(HIXL) vm hosts --mtu 1500 --mtu 9000 --cpus 1 --memory 2G --timeout 900 \
 		--host '$(PY) -m pytest -p no:cacheprovider tests/hosts -v -rA --durations=0' \
 		--host '$(PY) tests/hosts/agent.py'
 
-## test-fleet: four VMs on one wire, booted twice (about 7 min under emulation: 406 s on 2026-11-30):
+## test-fleet: four VMs on one wire, booted twice (about 10 min under emulation on 2 cores):
 ## test-fleet-demo: the demo: etcd on host0, a 1x1 fleet, then 2 prefill x 2 decode routing
 ##   by announced capacity, with a decode host cut off mid-stream, a worker restarted under the
 ##   same name and etcd stopped for 5 s; every request exactly once, bit-exact; the throughput
