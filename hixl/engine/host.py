@@ -66,7 +66,7 @@ class Parts:
         "_engine", "_lock", "_planner", "limits", "_poster", "_queuer", "_peers", "_singles",
     )  # fmt: skip
 
-    _poster: Poster
+    _poster: Callable[[], Poster | None]
     _queuer: Queuer
     _peers: Peers
     _singles: SinglePaths
@@ -80,8 +80,15 @@ class Parts:
         self.limits = limits
 
     def attach(self, poster: Poster, queuer: Queuer, peers: Peers, singles: SinglePaths) -> None:
-        """Give the parts made after this object (they took it as their host)."""
-        self._poster, self._queuer, self._peers, self._singles = poster, queuer, peers, singles
+        """Give the parts made after this object (they took it as their host).
+
+        Held weakly: each holds this object in turn, and a cycle would keep a closed
+        engine's connections and buffers until the cyclic collector runs.  The engine
+        holds them (``queuer`` through ``singles``)."""
+        self._poster = weakref.ref(poster)  # a channel is given the poster itself
+        self._queuer, self._peers, self._singles = (
+            weakref.proxy(queuer), weakref.proxy(peers), weakref.proxy(singles),
+        )  # fmt: skip
 
     def _owner(self) -> PublicEngine:
         engine = self._engine()
@@ -136,8 +143,11 @@ class Parts:
         self, conn: Connection, local: Region, remote: RemoteRegion, *, lent: bool
     ) -> Channel:
         """A channel on ``conn``'s direct lane; ``lent``: one a single call borrows."""
+        poster = self._poster()
+        if poster is None:
+            raise StateError("the engine was collected")
         return Channel(
-            self, conn, local, remote, self._poster, lock=self._lock, conns=self._peers.conns,
+            self, conn, local, remote, poster, lock=self._lock, conns=self._peers.conns,
             max_msg_sz=self.limits.max_msg_sz, alignment=self._planner.alignment, lent=lent,
         )  # fmt: skip
 
