@@ -304,11 +304,7 @@ class Segments:
         known = self._lengths
         if known is None:
             ln = self.lengths
-            first = int(ln[0])
-            if bool((ln == first).all()):
-                known = (first, first)
-            else:
-                known = (int(ln.min()), int(ln.max()))
+            known = (int(ln.min()), int(ln.max()))
             object.__setattr__(self, "_lengths", known)
         return known
 

@@ -543,7 +543,8 @@ def equal_block_batches(draw: st.DrawFn) -> tuple[Segments, Segments, Op]:
         remote.sort()
     mode = draw(st.sampled_from(["runs", "shuffled", "apart", "overlapping"]))
     if mode == "runs":  # runs of local blocks that continue each other
-        local, at = [], 0
+        local: list[int] = []
+        at = 0
         while len(local) < n:
             run = rnd.randint(1, 40)
             local.extend(at + size * i for i in range(min(run, n - len(local))))
