@@ -759,7 +759,7 @@ class SendChain:
         # written): words 2-3 (sg_list; num_sge | opcode << 32) and words 5-6
         # (wr.rdma.remote_addr; wr.rdma.rkey and the union's padding after it), each pair
         # stored as one 16-byte element from a contiguous (n, 2) array worked out first.
-        # That array is the chain's own SGE memory (at least n SGEs of 16 bytes, written
+        # That array is the chain's own SGE memory (room for n SGEs of 16 bytes, written
         # with the SGEs right after): touched already, so no fresh temporary and no page
         # faults.  Words 0 (wr_id) and 4 (send_flags | imm_data) only when a signal was
         # set since the last fill (word 4 only at the signaled WRs when the flags are a
@@ -770,7 +770,8 @@ class SendChain:
         # same sums modulo 2**64): no cast, so no casting buffers.  The word offsets are
         # checked at import.
         sg_words, rdma_words = self._pairs()
-        pair = sq[:n]
+        # (A chain with WRs of no SGE may have fewer SGEs than WRs: then a temporary.)
+        pair = sq[:n] if n <= self.sge_capacity else np.empty((n, 2), np.uint64)
         op_word = (opcode & 0xFFFF_FFFF) << 32
         if not one_each:
             ustart = _as_u64(start)
