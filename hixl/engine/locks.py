@@ -42,9 +42,9 @@ made from then on in a table of weak references, and makes :func:`assert_unlocke
 when the calling thread owns one of them.  The locks stay plain
 :class:`threading.RLock` objects: taking and releasing one costs the same either way,
 and the check itself is one ``_is_owned()`` per live engine, paid only at a send or a
-wake-up.  Off, :func:`assert_unlocked` costs one global read.  ``make test-rdma
-DEBUG_LOCKS=1`` runs the RDMA tier with it on; the default tier turns it on for the
-engines of ``tests/rdma/test_locking.py`` only.
+wake-up.  Off, :func:`assert_unlocked` costs one global read.  ``make test-rdma`` (and
+so CI) runs the RDMA tier with it on; ``tests/rdma/test_locking.py`` turns it on for its
+own engines whatever the environment says.
 """
 
 from __future__ import annotations
