@@ -226,7 +226,9 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
+    p.add_argument(
+        "--forms", nargs="+", choices=FORMS, default=list(FORMS), help="forms, in this order"
+    )
     p.add_argument("--layers", type=int, default=32, help="layers (one (2, ...) tensor each)")
     p.add_argument("--blocks", type=int, default=64, help="blocks per request")
     p.add_argument("--num-blocks", type=int, default=4096, help="blocks per cache")
@@ -288,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device:
         from .kv_device import device_section
 
-        wire = device_section(args.device_layers, args.device_blocks, args.device_repeat)
+        wire = device_section(
+            args.device_layers, args.device_blocks, args.device_repeat, args.forms
+        )
     if args.json is not None:
         write_json(
             args.json,

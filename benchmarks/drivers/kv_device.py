@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -28,14 +29,16 @@ def one_process_lanes(size: int, wrs: int, lanes: int) -> Any:
     return CConfig(name=f"ib_write_bw -q {lanes} -t {depth}", tool="ib_write_bw", args=args)
 
 
-def device_section(layers: int, blocks: int, repeat: int) -> list[dict[str, Any]]:
+def device_section(
+    layers: int, blocks: int, repeat: int, names: Sequence[str] = ("full", "tp4")
+) -> list[dict[str, Any]]:
     """Both forms (all heads; a quarter of them into a 2-head cache) moved by
     ``put_blocks`` with a new scattered block list per request, alternating round by
     round with ``ib_write_bw`` moving the same bytes in as many WRs of the same size, in
     every configuration of :func:`~benchmarks.common.yardstick.bw_configs` (plain, a post
     list, one pair per lane) and :func:`one_process_lanes`; the ratio against the best,
-    paired by round.  Each round also times the engine's own path (checks, plan, chain)
-    for a request of the same shape."""
+    paired by round; ``names`` picks the forms and their order.  Each round also times
+    the engine's own path (checks, plan, chain) for a request of the same shape."""
     from hixl.engine import Engine
     from hixl.testbed.net import free_tcp_port
 
@@ -71,7 +74,9 @@ def device_section(layers: int, blocks: int, repeat: int) -> list[dict[str, Any]
             ("full", "full", None, full, TOKENS * HEADS * HEAD_DIM * 2),
             ("tp4", "quarter", (2, 4), quarter, TOKENS * 2 * HEAD_DIM * 2),
         ]
-        for name, remote, heads, dst, wr_bytes in forms:
+        for name, remote, heads, dst, wr_bytes in sorted(
+            (f for f in forms if f[0] in names), key=lambda f: list(names).index(f[0])
+        ):
             wrs = layers * 2 * blocks
             nbytes = wrs * wr_bytes
             last: tuple[Any, Any] = (None, None)

@@ -165,11 +165,12 @@ def _to_i64(name: str, values: object) -> I64Array:
     return _readonly(np.array(arr, dtype=np.int64, copy=True))
 
 
-def _checked_total(lengths: I64Array) -> int:
-    """Sum of positive int64 ``lengths``; raises if it exceeds ``INT64_MAX``."""
+def _checked_total(lengths: I64Array, shortest: int, longest: int) -> int:
+    """Sum of positive int64 ``lengths``, ``shortest`` to ``longest`` each; raises if it
+    exceeds ``INT64_MAX``."""
     n = int(lengths.size)
-    if n * int(lengths.max()) <= INT64_MAX:
-        return int(lengths.sum())
+    if n * longest <= INT64_MAX:
+        return n * longest if shortest == longest else int(lengths.sum())
     # Partial sums of positive values only decrease where int64 wrapped around.
     csum = np.cumsum(lengths)
     wrapped = np.flatnonzero(csum[1:] <= csum[:-1])
@@ -201,9 +202,10 @@ def _refuse_segments(off: I64Array, ln: I64Array) -> NoReturn:
 # --------------------------------------------------------------------------- Segments
 
 
-def sort_offsets(offsets: I64Array) -> tuple[I64Array, I64Array]:
+def sort_offsets(offsets: I64Array, below: int | None = None) -> tuple[I64Array, I64Array]:
     """``(order, offsets[order])`` for ``order`` the stable argsort of ``offsets``
-    (int64, all ``>= 0``).
+    (int64, all ``>= 0``; all ``< below`` when that is given, which spares finding the
+    highest).
 
     When the offsets leave room for it, each is shifted left by the bits of its index
     and the index put in those bits: one plain sort of those numbers gives the stable
@@ -211,7 +213,7 @@ def sort_offsets(offsets: I64Array) -> tuple[I64Array, I64Array]:
     stable argsort's cost (timsort, for int64)."""
     n = offsets.size
     bits = max(n - 1, 1).bit_length()
-    if n < 64 or int(offsets.max()) >= 1 << (62 - bits):
+    if n < 64 or (int(offsets.max()) + 1 if below is None else below) > 1 << (62 - bits):
         order = np.argsort(offsets, kind="stable")
         return order, offsets[order]
     packed = np.left_shift(offsets, bits)
@@ -240,6 +242,8 @@ class Segments:
     nbytes: int
     # The highest end, once found (-1 before): see max_end.
     _end: int = field(init=False, repr=False, compare=False)
+    # The shortest and longest length, once found (None before): see length_range.
+    _lengths: tuple[int, int] | None = field(init=False, repr=False, compare=False)
 
     def __init__(self, offsets: npt.ArrayLike, lengths: npt.ArrayLike) -> None:
         off = _to_i64("offsets", offsets)
@@ -250,12 +254,24 @@ class Segments:
             )
         if off.size > MAX_SEGMENTS:
             raise DescriptorError(f"{off.size} segments exceed the limit of {MAX_SEGMENTS}")
-        if (ln <= 0).any() or (off < 0).any() or (off > INT64_MAX - ln).any():
+        # Four reductions check the values and say what the planner asks later: the
+        # shortest and longest length and, for blocks of one size, the highest end.
+        shortest, longest = int(ln.min()), int(ln.max())
+        if shortest <= 0 or int(off.min()) < 0:
+            _refuse_segments(off, ln)
+        end = -1
+        if shortest == longest:
+            highest = int(off.max())
+            if highest > INT64_MAX - longest:
+                _refuse_segments(off, ln)
+            end = highest + longest
+        elif (off > INT64_MAX - ln).any():
             _refuse_segments(off, ln)
         object.__setattr__(self, "offsets", off)
         object.__setattr__(self, "lengths", ln)
-        object.__setattr__(self, "nbytes", _checked_total(ln))
-        object.__setattr__(self, "_end", -1)
+        object.__setattr__(self, "nbytes", _checked_total(ln, shortest, longest))
+        object.__setattr__(self, "_end", end)
+        object.__setattr__(self, "_lengths", (shortest, longest))
 
     @classmethod
     def _trusted(cls, offsets: I64Array, lengths: I64Array, nbytes: int) -> Segments:
@@ -265,6 +281,7 @@ class Segments:
         object.__setattr__(seg, "lengths", _readonly(lengths))
         object.__setattr__(seg, "nbytes", nbytes)
         object.__setattr__(seg, "_end", -1)
+        object.__setattr__(seg, "_lengths", None)
         return seg
 
     def max_end(self) -> int:
@@ -272,9 +289,24 @@ class Segments:
         arrays are read-only), so checking a list against a region again is O(1)."""
         end = self._end
         if end < 0:
-            end = int(np.add(self.offsets, self.lengths).max())
+            shortest, longest = self.length_range()
+            if shortest == longest:  # one length: the highest offset ends highest
+                end = int(self.offsets.max()) + longest
+            else:
+                end = int(np.add(self.offsets, self.lengths).max())
             object.__setattr__(self, "_end", end)
         return end
+
+    def length_range(self) -> tuple[int, int]:
+        """The shortest and the longest segment, in bytes: found once and kept (the
+        arrays are read-only).  Equal for blocks of one size, which the planner and a
+        chain's fill then treat as one number."""
+        known = self._lengths
+        if known is None:
+            ln = self.lengths
+            known = (int(ln.min()), int(ln.max()))
+            object.__setattr__(self, "_lengths", known)
+        return known
 
     @classmethod
     def from_pairs(cls, pairs: Iterable[tuple[int, int]]) -> Segments:

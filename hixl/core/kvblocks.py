@@ -409,9 +409,8 @@ def block_ids(where: str, ids: object, num_blocks: int) -> I64Array:
             f"{where} must be a non-empty 1-D list of integers, got shape {arr.shape} "
             f"dtype {arr.dtype}"
         )
-    bad = np.flatnonzero((arr < 0) | (arr >= num_blocks))
-    if bad.size:
-        i = int(bad[0])
+    if arr.min() < 0 or arr.max() >= num_blocks:
+        i = int(((arr < 0) | (arr >= num_blocks)).nonzero()[0][0])
         raise DescriptorError(f"{where}[{i}]={int(arr[i])} is outside [0, {num_blocks}) blocks")
     return arr.astype(np.int64, copy=False)
 
@@ -420,9 +419,9 @@ def check_unique(where: str, ids: I64Array) -> None:
     """Raise :class:`DescriptorError` when a destination block id repeats."""
     if ids.size < 2:
         return
-    order = np.argsort(ids, kind="stable")
+    order = ids.argsort(kind="stable")
     s = ids[order]
-    dup = np.flatnonzero(s[1:] == s[:-1])
+    dup = (s[1:] == s[:-1]).nonzero()[0]
     if dup.size:
         k = int(dup[0])
         i, j = sorted((int(order[k]), int(order[k + 1])))
@@ -460,11 +459,16 @@ def plan_blocks(
 def runs(local_ids: I64Array, remote_ids: I64Array) -> tuple[I64Array, I64Array]:
     """``(start, length)`` of the maximal runs of pairs whose ids both go up by one."""
     n = local_ids.size
-    if n == 1:
-        return np.zeros(1, np.int64), np.ones(1, np.int64)
-    breaks = (np.diff(local_ids) != 1) | (np.diff(remote_ids) != 1)
-    start = np.flatnonzero(np.concatenate(([True], breaks)))
-    length = np.diff(np.append(start, n))
+    # Plain array methods and operators: a request calls this once, and numpy's
+    # function wrappers (diff, append, flatnonzero) cost more than the work at this size.
+    breaks = np.empty(n, np.bool_)
+    breaks[0] = True
+    np.not_equal(local_ids[1:] - local_ids[:-1], 1, out=breaks[1:])
+    breaks[1:] |= (remote_ids[1:] - remote_ids[:-1]) != 1
+    start = breaks.nonzero()[0].astype(np.int64, copy=False)
+    length = np.empty_like(start)
+    length[:-1] = start[1:] - start[:-1]
+    length[-1] = n - start[-1]
     return start, length
 
 
@@ -564,8 +568,11 @@ def plan_request(
     start, length = runs(local_ids, remote_ids)
     lstart, rstart = local_ids[start], remote_ids[start]
     by_length: dict[int, I64Array] = {}
-    for L in sorted(set(length.tolist())):  # few distinct lengths (np.unique imports numpy.ma)
-        by_length[L] = np.flatnonzero(length == L)
+    if start.size == local_ids.size:  # no two pairs in a run: all of length 1
+        by_length[1] = np.arange(start.size, dtype=np.int64)
+    else:
+        for L in sorted(set(length.tolist())):  # few lengths (np.unique imports numpy.ma)
+            by_length[L] = (length == L).nonzero()[0]
     groups: dict[tuple[int, int], list[int]] = {}
     for k, (lp, rp, *_) in enumerate(items):
         groups.setdefault((id(lp), id(rp)), []).append(k)
@@ -588,8 +595,8 @@ def plan_request(
                     p,
                     (lo[:, None] + lb[None, :]).ravel(),
                     (ro[:, None] + rb[None, :]).ravel(),
-                    np.tile(lk, m),
-                    np.tile(rk, m),
+                    lk[None, :].repeat(m, axis=0).ravel(),
+                    rk[None, :].repeat(m, axis=0).ravel(),
                     start[which],
                     L,
                     rp,

@@ -3,6 +3,8 @@
 Modules
 -------
 ``engine``      the :class:`Engine` facade: builds the parts, delegates each public call
+``transfers``   the engine's data calls (put, get, batches, KV blocks, notifications)
+``host``        :class:`~hixl.engine.host.Parts`: the host protocol of every part, in one
 ``peers``       the connection table: admission, adoption, failure, control messages, credits
 ``regions``     :class:`Access`, :class:`Region`, the region table, what a buffer is
 ``connection``  one peer: queue pair, send window, receive slots, control channel

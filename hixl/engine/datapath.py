@@ -35,8 +35,8 @@ from hixl.core.plan import (
     check_alignment,
     check_bounds,
     place,
+    plan_shapes,
     plan_transfer,
-    shape_desc,
     shift_plan,
 )
 from hixl.core.wire import RemoteRegion
@@ -197,6 +197,10 @@ class Planner:
         first calls), and the engine pays that here rather than in its first transfer."""
         desc = StridedDesc(offset=0, count=64, size=256, stride=320, alignment=None)
         plan = plan_transfer(desc, desc, Op.WRITE, self.limits)
+        # A layer's plan of the blank chain's size: what it shares with every plan of
+        # that many rows (their SGE starts, 0 .. n) is made now, not by the first layer.
+        rows = StridedDesc(offset=0, count=CHAIN_BLANK, size=256, stride=320, alignment=None)
+        plan_transfer(rows, rows, Op.WRITE, self.limits)
         kw: dict[str, Any] = {"opcode": verbs.WR_RDMA_WRITE, "local_addr": 0, "lkey": 0}
         chain = SendChain.for_plan(
             shift_plan(plan, 0, 0), remote_addr=0, rkey=0, memory=self.memory, **kw
@@ -464,7 +468,7 @@ class Planner:
             if fits:
                 # Bounds and alignment hold (above, in O(1)): plan the shapes at offset 0
                 # (translation invariant, see place), without the checks per segment.
-                plan = plan_transfer(shape_desc(lp.shape), shape_desc(rp.shape), op, self.limits)
+                plan = plan_shapes(lp.shape, rp.shape, op, self.limits)
             else:
                 real = self._plan(ldesc, rdesc, op, llen, rlen, where)  # raises what is wrong
                 plan = shift_plan(real, -lp.base, -rp.base)

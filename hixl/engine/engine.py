@@ -5,8 +5,10 @@ the connection table, admission, control messages and notification credits
 (:mod:`~hixl.engine.peers`), registered regions (:mod:`~hixl.engine.regions`), the
 single-request paths (:mod:`~hixl.engine.single`), queueing (:mod:`~hixl.engine.queueing`),
 posting (:mod:`~hixl.engine.posting`), send completions (:mod:`~hixl.engine.reaping`), the
-progress thread and the handshake.  This class builds them, holds the one lock they share
-and delegates each public call.  The threading and locking rules are in
+progress thread and the handshake; :class:`~hixl.engine.host.Parts` answers those
+protocols.  This class builds the parts, holds the one lock they share and delegates each
+public call; the data calls (put, get, batches, KV blocks, notifications) come from
+:class:`~hixl.engine.transfers.TransferCalls`.  The threading and locking rules are in
 :mod:`hixl.engine.locks`.
 """
 
@@ -15,26 +17,20 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
-from hixl.core import notify
-from hixl.core.descriptors import Descriptor
-from hixl.core.notify import Notification
-from hixl.core.plan import Op
-from hixl.core.window import Chunk
 from hixl.core.wire import RemoteRegion
 from hixl.engine.channel import Channel, hold_direct_lane
 from hixl.engine.config import EngineConfig, is_loopback
 from hixl.engine.connection import Connection, Lane
-from hixl.engine.datapath import Built, Planner, resolve_remote
+from hixl.engine.datapath import Planner, resolve_remote
 from hixl.engine.device import open_engine_device
 from hixl.engine.diagnostics import Diagnostics
-from hixl.engine.handles import TransferHandle, TransferRequest
+from hixl.engine.handles import TransferHandle
 from hixl.engine.handshake import Listener
+from hixl.engine.host import Parts
 from hixl.engine.inbox import Inbox
-from hixl.engine.kv import KVBlocks, KVCache
+from hixl.engine.kv import KVBlocks
 from hixl.engine.locks import engine_lock
 from hixl.engine.names import Names
 from hixl.engine.peers import Peers
@@ -43,11 +39,11 @@ from hixl.engine.progress import Progress
 from hixl.engine.queueing import Queuer
 from hixl.engine.reaping import SendReaper
 from hixl.engine.regions import Access, Region, RegionTable
-from hixl.engine.single import LentLane, SinglePaths
-from hixl.errors import HixlError, RegistrationError, StateError
+from hixl.engine.single import SinglePaths
+from hixl.engine.transfers import TransferCalls
+from hixl.errors import RegistrationError, StateError
 from hixl.verbs import adapter as verbs
 from hixl.verbs.adapter import gid_to_str
-from hixl.verbs.chain import SendChain
 
 if TYPE_CHECKING:
     from hixl.registry import Registry, Watch
@@ -57,7 +53,7 @@ __all__ = ["Diagnostics", "Engine"]
 log = logging.getLogger("hixl.engine")
 
 
-class Engine:
+class Engine(TransferCalls):
     """A hixl transfer engine, named ``"ip:port"``.
 
     ``Engine("10.0.0.1:5000")`` listens on that address for peers; port 0 means the engine
@@ -165,21 +161,21 @@ class Engine:
         self._notify_slots, listener, every = opened.notify_slots, opened.listener, opened.every
         self._listener = listener
         self._planner = planner = Planner(self.limits, alignment or None)
-        # register_kv, put_blocks, get_blocks.  A weak host: the parts hold no strong reference
-        # back, so an engine dropped without close() is still collected (and warns).
-        self._kv = KVBlocks(weakref.proxy(self), planner.memory)
+        # Every part's host; it holds the engine weakly, so an engine dropped without close()
+        # is still collected (and warns).
+        self._parts = parts = Parts(self, lock, planner, self.limits)
+        self._kv = KVBlocks(parts, planner.memory)  # register_kv, put_blocks, get_blocks
         self._regions = RegionTable(lock, self._dev, self.id)
         conns: dict[str, Connection] = {}
         by_qpn: dict[int, Lane] = {}  # every lane made, connected or not
         self._handles = handles = set[TransferHandle]()
         # Unread notifications and the credits that bound them (see hixl.engine.inbox).
         self._inbox = Inbox(max_notifications_per_peer, max_notifications, max_peers)
-        self._parts = parts = _Host(self)
         self._poster = poster = Poster(lock, self.sq_depth, planner, parts)
         self._reaper = reaper = SendReaper(by_qpn, handles, poster, parts)
-        self._queuer = Queuer(lock, poster, planner, handles, self._notify_slots, every, parts)
+        queuer = Queuer(lock, poster, planner, handles, self._notify_slots, every, parts)
         self._singles = SinglePaths(
-            lock, planner, poster, reaper, self._queuer, self.send_cq, self.sq_depth, conns,
+            lock, planner, poster, reaper, queuer, self.send_cq, self.sq_depth, conns,
             handles, self.id, parts,
         )  # fmt: skip
         self._peers = peers = Peers(
@@ -190,6 +186,7 @@ class Engine:
             notify_slots=self._notify_slots, poster=poster, reaper=reaper,
             forget=self._singles.forget,
         )  # fmt: skip
+        parts.attach(poster, queuer, peers, self._singles)
         self._progress = Progress(
             peers, listener, (self.send_cq, self.recv_cq), completion_events, poster, reaper
         )
@@ -442,346 +439,6 @@ class Engine:
         with self._lock:
             return list(self._peers.conns)
 
-    # -- transfers -----------------------------------------------------------------------
-    def put(
-        self,
-        peer: str,
-        local: Region,
-        remote: RemoteRegion | str,
-        *,
-        local_desc: Descriptor | None = None,
-        remote_desc: Descriptor | None = None,
-        notify: str | None = None,
-        notify_message: bytes = b"",
-        timeout: float = 30.0,
-    ) -> None:
-        """RDMA WRITE ``local_desc`` of ``local`` into ``remote_desc`` of the peer's ``remote``.
-
-        Blocks until the data has landed (and the notification, if any, was
-        delivered), or raises: :class:`BoundsError`, :class:`RegistrationError`,
-        :class:`AlignmentError`, :class:`DescriptorError` before posting;
-        :class:`CompletionError`, :class:`ConnectionFailed` or
-        :class:`TransferTimeout` (after ``timeout`` seconds) after it.
-
-        A repeated put of one work request is posted and polled by this thread (on the
-        direct lane while no channel holds it, else on an idle queue pair;
-        ``Diagnostics.direct_posts``); otherwise it is queued like :meth:`put_async`.
-        """
-        again = self._singles.repeat_put  # the same call as the last one on the lane: no lookup
-        if (
-            again is not None
-            and notify is None
-            and again[0] == (peer, local, remote, local_desc, remote_desc)
-            and again[1](timeout)
-        ):
-            return
-        handle = self._singles.one(
-            "write",
-            peer,
-            local,
-            remote,
-            local_desc,
-            remote_desc,
-            notify,
-            notify_message,
-            timeout,
-            now=True,
-        )
-        if handle is not None:  # None: posted and completed on this thread (see SinglePaths._solo)
-            handle.wait()
-
-    def get(
-        self,
-        peer: str,
-        local: Region,
-        remote: RemoteRegion | str,
-        *,
-        local_desc: Descriptor | None = None,
-        remote_desc: Descriptor | None = None,
-        timeout: float = 30.0,
-    ) -> None:
-        """RDMA READ the peer's ``remote_desc`` of ``remote`` into ``local_desc`` of ``local``.
-
-        Errors, and the direct post of a repeated single work request, as for
-        :meth:`put`.  ``local`` needs ``Access.LOCAL_WRITE``.
-        """
-        again = self._singles.repeat_get
-        if (
-            again is not None
-            and again[0] == (peer, local, remote, local_desc, remote_desc)
-            and again[1](timeout)
-        ):
-            return
-        handle = self._singles.one(
-            "read", peer, local, remote, local_desc, remote_desc, None, b"", timeout, now=True
-        )
-        if handle is not None:
-            handle.wait()
-
-    def put_async(
-        self,
-        peer: str,
-        local: Region,
-        remote: RemoteRegion | str,
-        *,
-        local_desc: Descriptor | None = None,
-        remote_desc: Descriptor | None = None,
-        notify: str | None = None,
-        notify_message: bytes = b"",
-        timeout: float = 30.0,
-    ) -> TransferHandle:
-        """Start a put (see :meth:`put`); return its :class:`TransferHandle`.
-
-        A put of one contiguous range, once checked, goes into its queue pair's ring of
-        slots with the puts queued before it, posted as one range with one completion
-        (``Diagnostics.slot_messages``): its handle is done when that group is; if one
-        fails, those before it are done, it fails with its status, the later ones with
-        the connection.
-        """
-        again = self._singles.ring_put  # the last ring template's call: no lookup if it matches
-        if again is not None and notify is None:
-            fast = again(peer, local, remote, local_desc, remote_desc, timeout)
-            if fast is not None:
-                return fast
-        handle = self._singles.one(
-            "write",
-            peer,
-            local,
-            remote,
-            local_desc,
-            remote_desc,
-            notify,
-            notify_message,
-            timeout,
-            now=False,
-        )
-        assert handle is not None  # only a blocking call finishes on its own thread
-        return handle
-
-    def get_async(
-        self,
-        peer: str,
-        local: Region,
-        remote: RemoteRegion | str,
-        *,
-        local_desc: Descriptor | None = None,
-        remote_desc: Descriptor | None = None,
-        timeout: float = 30.0,
-    ) -> TransferHandle:
-        """Start a get (see :meth:`get`); return its :class:`TransferHandle`.
-
-        A get of one work request of one SGE goes through a ring of slots as a put does
-        (see :meth:`put_async`)."""
-        again = self._singles.ring_get
-        if again is not None:
-            fast = again(peer, local, remote, local_desc, remote_desc, timeout)
-            if fast is not None:
-                return fast
-        handle = self._singles.one(
-            "read", peer, local, remote, local_desc, remote_desc, None, b"", timeout, now=False
-        )
-        assert handle is not None
-        return handle
-
-    def transfer(
-        self,
-        peer: str,
-        requests: Sequence[TransferRequest],
-        *,
-        notify: str | None = None,
-        notify_message: bytes = b"",
-        timeout: float = 30.0,
-    ) -> None:
-        """Run a batch of requests to one peer as one transfer; block until done."""
-        self._submit(peer, requests, notify, notify_message, timeout, now=True).wait()
-
-    def transfer_async(
-        self,
-        peer: str,
-        requests: Sequence[TransferRequest],
-        *,
-        notify: str | None = None,
-        notify_message: bytes = b"",
-        timeout: float = 30.0,
-    ) -> TransferHandle:
-        """Validate and plan every request, then post them all; return one handle.
-
-        Nothing is posted unless every request is valid.  With ``notify``,
-        the peer receives a :class:`Notification` once all the data has
-        landed.  ``timeout`` (seconds) is the transfer's deadline: after it,
-        the transfer fails with :class:`TransferTimeout` and the connection is
-        marked failed (its requests cannot be recalled otherwise).
-
-        The progress thread posts the work requests with whatever else was queued
-        meanwhile (one ``post_send`` for many calls); this returns without waiting.
-        """
-        return self._submit(peer, requests, notify, notify_message, timeout, now=False)
-
-    # -- KV caches (hixl.engine.kv) ------------------------------------------------------
-    def register_kv(
-        self,
-        name: str,
-        tensors: object,
-        *,
-        block_axis: int = 0,
-        heads_axis: int | None = None,
-        access: Access = Access.REMOTE_READ | Access.REMOTE_WRITE,
-    ) -> KVCache:
-        """Register a KV cache: ``tensors`` (numpy arrays or CPU torch tensors, one or more
-        per layer) whose ``block_axis`` indexes blocks; ``heads_axis`` names the KV-heads
-        axis where head ranges are wanted.  Each storage span is registered once; peers
-        find the cache by ``name`` and learn its geometry.  Raises
-        :class:`RegistrationError` (also for a name in use) or :class:`ArgumentError`."""
-        self._check_open()
-        return self._kv.register(
-            name, tensors, block_axis=block_axis, heads_axis=heads_axis, access=access
-        )
-
-    def remote_kv_caches(self, peer: str) -> tuple[str, ...]:
-        """Names of the KV caches ``peer`` announces now, sorted (see docs/api.md)."""
-        return self._kv.announced(peer)
-
-    def put_blocks(
-        self,
-        peer: str,
-        kv: KVCache,
-        remote_name: str,
-        local_blocks: object,
-        remote_blocks: object,
-        *,
-        tensors: Sequence[int] | range | None = None,
-        heads: tuple[int, int] | None = None,
-        remote_heads: tuple[int, int] | None = None,
-        remote_tensors: Sequence[int] | range | None = None,
-        notify: str | None = None,
-        notify_message: bytes = b"",
-        timeout: float = 30.0,
-    ) -> None:
-        """RDMA WRITE blocks ``local_blocks[i]`` of ``kv`` into blocks ``remote_blocks[i]``
-        of the peer's cache ``remote_name``, for every tensor (or the indices ``tensors``,
-        paired with the same indices there or with ``remote_tensors``), narrowed to head
-        ranges ``heads``/``remote_heads``; block until done.  The
-        notification, if any, arrives after all the data.  Errors before posting:
-        :class:`DescriptorError` (a mismatch of the caches, a bad or repeated destination
-        block id), :class:`RegistrationError`; after: as :meth:`put`, naming the request
-        and the blocks not known to have landed.  See docs/api.md."""
-        self._kv.transfer(
-            Op.WRITE, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
-            heads=heads, remote_heads=remote_heads, remote_tensors=remote_tensors,
-            notify=notify, notify_message=notify_message, timeout=timeout, now=True,
-        ).wait()  # fmt: skip
-
-    def get_blocks(
-        self,
-        peer: str,
-        kv: KVCache,
-        remote_name: str,
-        local_blocks: object,
-        remote_blocks: object,
-        *,
-        tensors: Sequence[int] | range | None = None,
-        heads: tuple[int, int] | None = None,
-        remote_heads: tuple[int, int] | None = None,
-        remote_tensors: Sequence[int] | range | None = None,
-        notify: str | None = None,
-        notify_message: bytes = b"",
-        timeout: float = 30.0,
-    ) -> None:
-        """RDMA READ the peer's blocks ``remote_blocks[i]`` into ``local_blocks[i]`` of
-        ``kv``; as :meth:`put_blocks` otherwise (the notification follows the reads)."""
-        self._kv.transfer(
-            Op.READ, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
-            heads=heads, remote_heads=remote_heads, remote_tensors=remote_tensors,
-            notify=notify, notify_message=notify_message, timeout=timeout, now=True,
-        ).wait()  # fmt: skip
-
-    def put_blocks_async(
-        self,
-        peer: str,
-        kv: KVCache,
-        remote_name: str,
-        local_blocks: object,
-        remote_blocks: object,
-        *,
-        tensors: Sequence[int] | range | None = None,
-        heads: tuple[int, int] | None = None,
-        remote_heads: tuple[int, int] | None = None,
-        remote_tensors: Sequence[int] | range | None = None,
-        notify: str | None = None,
-        notify_message: bytes = b"",
-        timeout: float = 30.0,
-    ) -> TransferHandle:
-        """Start a :meth:`put_blocks`; return its handle."""
-        return self._kv.transfer(
-            Op.WRITE, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
-            heads=heads, remote_heads=remote_heads, remote_tensors=remote_tensors,
-            notify=notify, notify_message=notify_message, timeout=timeout, now=False,
-        )  # fmt: skip
-
-    def get_blocks_async(
-        self,
-        peer: str,
-        kv: KVCache,
-        remote_name: str,
-        local_blocks: object,
-        remote_blocks: object,
-        *,
-        tensors: Sequence[int] | range | None = None,
-        heads: tuple[int, int] | None = None,
-        remote_heads: tuple[int, int] | None = None,
-        remote_tensors: Sequence[int] | range | None = None,
-        notify: str | None = None,
-        notify_message: bytes = b"",
-        timeout: float = 30.0,
-    ) -> TransferHandle:
-        """Start a :meth:`get_blocks`; return its handle."""
-        return self._kv.transfer(
-            Op.READ, peer, kv, remote_name, local_blocks, remote_blocks, tensors=tensors,
-            heads=heads, remote_heads=remote_heads, remote_tensors=remote_tensors,
-            notify=notify, notify_message=notify_message, timeout=timeout, now=False,
-        )  # fmt: skip
-
-    def _queue_chain(
-        self,
-        conn: Connection,
-        chain: SendChain,
-        nbytes: int,
-        key: tuple[Any, ...],
-        notify: str | None,
-        notify_message: bytes,
-        reads: bool,
-        timeout: float,
-        now: bool,
-    ) -> tuple[TransferHandle, list[Chunk]]:
-        """Queue a filled chain as one transfer (pooled under ``key`` once posted); return
-        its handle and the chunks its WRs went out in (their ``done`` counts what has
-        completed, see :class:`~hixl.core.window.Chunk`)."""
-        payload = _notify.encode(notify, notify_message) if notify is not None else None
-        built = Built(chain, nbytes, key, (0, 0))
-        parts: list[Chunk] = []
-        return self._queuer.queue(conn, [built], payload, reads, timeout, now, parts), parts
-
-    def _idle_chain(self, key: tuple[Any, ...]) -> SendChain | None:
-        idle = self._planner.take(key)
-        return None if idle is None else idle.chain
-
-    def _submit(
-        self,
-        peer: str,
-        requests: Sequence[TransferRequest],
-        notify: str | None,
-        notify_message: bytes,
-        timeout: float,
-        *,
-        now: bool,
-        tkey: tuple[Any, ...] | None = None,
-    ) -> TransferHandle:
-        """The general path: see :meth:`SinglePaths.submit`."""
-        return self._singles.submit(
-            self, self.connection, peer, requests, notify, notify_message, timeout, now=now,
-            tkey=tkey,
-        )  # fmt: skip
-
     def channel(self, peer: str, local: Region, remote: RemoteRegion | str) -> Channel:
         """A :class:`~hixl.engine.channel.Channel` to ``peer``: blocking puts and gets of
         one contiguous range per call between ``local`` and the peer's ``remote`` (a
@@ -808,93 +465,6 @@ class Engine:
         rem = resolve_remote(conn, remote, "channel")
         return hold_direct_lane(
             peer, conn, self._lock, self._check_open,
-            lambda: self._new_channel(conn, local, rem, lent=False),
+            lambda: self._parts.new_channel(conn, local, rem, lent=False),
             direct_lane=self._direct_lane,
         )  # fmt: skip
-
-    def _new_channel(
-        self, conn: Connection, local: Region, remote: RemoteRegion, *, lent: bool
-    ) -> Channel:
-        return Channel(
-            self._parts, conn, local, remote, self._poster, lock=self._lock,
-            conns=self._peers.conns, max_msg_sz=self.limits.max_msg_sz,
-            alignment=self.alignment, lent=lent,
-        )  # fmt: skip
-
-    # -- notifications -------------------------------------------------------------------
-    def notify(self, peer: str, name: str, message: bytes = b"", timeout: float = 10.0) -> None:
-        """Send a notification to ``peer`` alone (after everything posted before it)."""
-        self.transfer(peer, [], notify=name, notify_message=message, timeout=timeout)
-
-    def notifications(self) -> list[Notification]:
-        """Take every notification received so far (oldest first)."""
-        return self._peers.take_notes()
-
-    def wait_notification(self, name: str, timeout: float, peer: str | None = None) -> Notification:
-        """Wait up to ``timeout`` s for a notification called ``name`` (from ``peer``).
-
-        The matching notification is taken out of the queue; others stay.  ``peer`` is
-        matched against the id the sender's connection proved in its handshake.
-        Raises :class:`TransferTimeout` when none arrives in time, :class:`StateError`
-        when the engine is closed (or closes while waiting).
-        """
-        return self._peers.wait_note(name, timeout, peer)
-
-
-class _Host:
-    """The engine as its parts see it (:class:`~hixl.engine.posting.PostingHost`,
-    :class:`~hixl.engine.reaping.ReapingHost`, :class:`~hixl.engine.queueing.QueueHost`,
-    :class:`~hixl.engine.single.SingleHost`, :class:`~hixl.engine.channel.ChannelHost`).
-
-    It holds the engine by a weak proxy: the poster lives as long as the engine, and an
-    engine the application forgets to close must still be collected (and warn).
-    """
-
-    __slots__ = ("_engine",)
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine: Engine = cast("Engine", weakref.proxy(engine))
-
-    def fail(
-        self,
-        conn: object,
-        reason: str,
-        error: HixlError | None = None,
-        *,
-        culprit: TransferHandle | None = None,
-    ) -> None:
-        assert isinstance(conn, Connection)
-        self._engine._peers.fail(conn, reason, error, culprit=culprit)
-
-    def release_notify(self, chunk: Chunk) -> None:
-        self._engine._peers.release_notify(chunk)
-
-    def connection_of(self, peer: str) -> Connection | None:
-        return self._engine._peers.conns.get(peer)
-
-    def check_open(self) -> None:
-        self._engine._peers.check_open()
-
-    def take_credit(self, conn: Connection, deadline: float, timeout: float) -> None:
-        self._engine._peers.take_credit(conn, deadline, timeout)
-
-    def submit(
-        self,
-        peer: str,
-        requests: Sequence[TransferRequest],
-        notify: str | None,
-        notify_message: bytes,
-        timeout: float,
-        *,
-        now: bool,
-        tkey: tuple[Any, ...] | None = None,
-    ) -> TransferHandle:
-        return self._engine._submit(
-            peer, requests, notify, notify_message, timeout, now=now, tkey=tkey
-        )
-
-    def lent_channel(self, conn: Connection, local: Region, remote: RemoteRegion) -> LentLane:
-        return self._engine._new_channel(conn, local, remote, lent=True)
-
-
-_notify = notify  # the module, under a name the ``notify`` parameters do not shadow

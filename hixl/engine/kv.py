@@ -110,7 +110,7 @@ class KVHost(Protocol):
 
     def connection(self, peer: str) -> Connection: ...
 
-    def _queue_chain(
+    def queue_chain(
         self,
         conn: Connection,
         chain: SendChain,
@@ -123,7 +123,7 @@ class KVHost(Protocol):
         now: bool,
     ) -> tuple[TransferHandle, list[Chunk]]: ...
 
-    def _idle_chain(self, key: tuple[Any, ...]) -> SendChain | None: ...
+    def idle_chain(self, key: tuple[Any, ...]) -> SendChain | None: ...
 
 
 # --------------------------------------------------------------------------- tensors
@@ -685,11 +685,11 @@ class KVBlocks:
             remote_heads=remote_heads,
             limits=host.limits,
             remote_tensors=remote_tensors,
-            idle=host._idle_chain,
+            idle=host.idle_chain,
             regions=kv.regions,
             memory=self._memory,
         )
-        inner, parts = host._queue_chain(
+        inner, parts = host.queue_chain(
             conn,
             req.chain,
             req.nbytes,

@@ -36,100 +36,38 @@ The system calls that do run under it, each for a reason:
   connection's socket leaves the selector in the same step as the connection closes, so
   the progress thread never selects on a closed one.
 
-``HIXL_DEBUG_LOCKS=1`` in the environment (read once, at import) makes every engine
-lock a :class:`CheckedRLock`, which counts per thread how many engine locks it holds,
-and makes :func:`assert_unlocked` (called before every socket send and every wake-up
-byte) raise :class:`AssertionError` when the calling thread holds one.  Off, an engine
-lock is a plain :class:`threading.RLock` and :func:`assert_unlocked` costs one global
-read.  ``make test-rdma DEBUG_LOCKS=1`` runs the RDMA tier with it on; the default
-tier turns it on for the engines of ``tests/rdma/test_locking.py`` only.
+``HIXL_DEBUG_LOCKS=1`` in the environment (read once, at import) keeps every engine lock
+made from then on in a table of weak references, and makes :func:`assert_unlocked`
+(called before every socket send and every wake-up byte) raise :class:`AssertionError`
+when the calling thread owns one of them.  The locks stay plain
+:class:`threading.RLock` objects: taking and releasing one costs the same either way,
+and the check itself is one ``_is_owned()`` per live engine, paid only at a send or a
+wake-up.  Off, :func:`assert_unlocked` costs one global read.  ``make test-rdma
+DEBUG_LOCKS=1`` runs the RDMA tier with it on; the default tier turns it on for the
+engines of ``tests/rdma/test_locking.py`` only.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any, cast
+import weakref
 
-__all__ = ["DEBUG_LOCKS", "CheckedRLock", "assert_unlocked", "engine_lock"]
+__all__ = ["DEBUG_LOCKS", "assert_unlocked", "engine_lock"]
 
 DEBUG_LOCKS = os.environ.get("HIXL_DEBUG_LOCKS", "") == "1"
 
-_held = threading.local()  # .count: engine locks this thread holds (CheckedRLock only)
-
-
-def _count() -> int:
-    count: int = getattr(_held, "count", 0)
-    return count
-
-
-class CheckedRLock:
-    """A reentrant lock that knows its owner and tells :func:`assert_unlocked` about it.
-
-    It offers what :class:`threading.Condition` uses of a lock (``_is_owned``,
-    ``_release_save``, ``_acquire_restore``), so a condition built on it waits with the
-    lock fully released, as one on an ``RLock`` does.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-        self._depth = 0
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        me = threading.get_ident()
-        if self._owner == me:
-            self._depth += 1
-            return True
-        if not self._lock.acquire(blocking, timeout):
-            return False
-        self._owner, self._depth = me, 1
-        _held.count = _count() + 1
-        return True
-
-    def release(self) -> None:
-        if self._owner != threading.get_ident():
-            raise RuntimeError("cannot release an engine lock this thread does not hold")
-        self._depth -= 1
-        if not self._depth:
-            self._owner = None
-            _held.count = _count() - 1
-            self._lock.release()
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def held(self) -> bool:
-        """Whether the calling thread holds this lock."""
-        return self._owner == threading.get_ident()
-
-    # What threading.Condition calls on its lock.
-    def _is_owned(self) -> bool:
-        return self.held()
-
-    def _release_save(self) -> Any:
-        depth = self._depth
-        self._owner, self._depth = None, 0
-        _held.count = _count() - 1
-        self._lock.release()
-        return depth
-
-    def _acquire_restore(self, depth: Any) -> None:
-        self._lock.acquire()
-        self._owner, self._depth = threading.get_ident(), int(depth)
-        _held.count = _count() + 1
+# The engine locks made while DEBUG_LOCKS was on (weak: a closed engine's goes with it).
+_checked: set[weakref.ref[threading.RLock]] = set()
 
 
 def engine_lock() -> threading.RLock:
-    """A new engine lock: checked under ``HIXL_DEBUG_LOCKS=1``, else a plain RLock.
-
-    Typed as an RLock: a :class:`CheckedRLock` offers all of it that the engine and
-    :class:`threading.Condition` use.
-    """
-    return cast(threading.RLock, CheckedRLock()) if DEBUG_LOCKS else threading.RLock()
+    """A new engine lock (a reentrant :class:`threading.RLock`); under
+    ``HIXL_DEBUG_LOCKS=1`` also one that :func:`assert_unlocked` checks."""
+    lock = threading.RLock()
+    if DEBUG_LOCKS:
+        _checked.add(weakref.ref(lock, _checked.discard))
+    return lock
 
 
 def assert_unlocked(what: str) -> None:
@@ -138,5 +76,8 @@ def assert_unlocked(what: str) -> None:
     Called before each system call that must never run under the lock (socket sends,
     the progress thread's wake-up byte); ``what`` names it in the message.
     """
-    if DEBUG_LOCKS and _count():
-        raise AssertionError(f"{what} with an engine lock held (HIXL_DEBUG_LOCKS=1)")
+    if DEBUG_LOCKS:
+        for ref in tuple(_checked):  # a copy: other threads add and drop locks meanwhile
+            lock = ref()
+            if lock is not None and lock._is_owned():  # type: ignore[attr-defined]
+                raise AssertionError(f"{what} with an engine lock held (HIXL_DEBUG_LOCKS=1)")

@@ -145,6 +145,22 @@ _VOID_PTR = ffi.typeof("void *")
 _PAGE = 4096
 
 
+def _as_u64(arr: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
+    """``arr``'s int64 or uint64 values as uint64 (a view, the same bits), else cast."""
+    if arr.dtype == np.int64:
+        return arr.view(np.uint64)
+    if arr.dtype == np.uint64:
+        return arr
+    return arr.astype(np.uint64)
+
+
+def _add_u64(values: npt.NDArray[Any], base: np.uint64, out: npt.NDArray[np.uint64]) -> None:
+    """``out[:] = values + base`` modulo 2**64: int64 and uint64 values with no cast (an
+    int64 seen as uint64 has the same bits, and so has the sum), so that numpy needs no
+    casting buffer, which would be a fresh temporary for every call."""
+    np.add(_as_u64(values), base, out=out)
+
+
 class ChainMemory:
     """Memory for chains, allocated and touched once and kept for the next chain.
 
@@ -553,7 +569,8 @@ class SendChain:
         with ``lkey``.  All WRs start unsignaled with ``wr_id`` 0: see
         :meth:`set_signals`.  Raises :class:`ArgumentError` when the chain is too
         small and :class:`DescriptorError` when the arrays disagree or a value does
-        not fit its C field.
+        not fit its C field.  The arrays must not be views of this chain's own memory
+        (:attr:`wrs`, :attr:`sges`): the fill writes that memory as it goes.
         """
         start = np.asarray(sge_start, dtype=np.int64)
         raddr = np.asarray(remote_addr)
@@ -738,22 +755,29 @@ class SendChain:
         if not (0 <= rkey <= 0xFFFF_FFFF and 0 <= lkey <= 0xFFFF_FFFF):
             raise DescriptorError(f"keys must be 32-bit: rkey={rkey:#x} lkey={lkey:#x}")
         q, sq = self._begin(n, keep_ids)
-        # Two strided passes over the WRs (one cache line per WR each, whatever the width
-        # written), each storing two adjacent 64-bit words from a small contiguous array:
-        # words 2-3 (sg_list; num_sge | opcode << 32) and words 5-6 (wr.rdma.remote_addr;
-        # wr.rdma.rkey and the union's padding after it).  Words 0 (wr_id) and 4
-        # (send_flags | imm_data) only when a signal was set since the last fill (word 4
-        # only at the signaled WRs when the flags are a known pattern), words 2-3 not when
-        # they hold one SGE per WR for this opcode already, word 6 not when every WR
-        # holds the key already.  An SGE is two words: addr, length | lkey << 32.  The
-        # offsets are checked at import.
+        # Strided passes over the WRs (one cache line per WR each, whatever the width
+        # written): words 2-3 (sg_list; num_sge | opcode << 32) and words 5-6
+        # (wr.rdma.remote_addr; wr.rdma.rkey and the union's padding after it), each pair
+        # stored as one 16-byte element from a contiguous (n, 2) array worked out first.
+        # That array is the chain's own SGE memory (room for n SGEs of 16 bytes, written
+        # with the SGEs right after): touched already, so no fresh temporary and no page
+        # faults.  Words 0 (wr_id) and 4 (send_flags | imm_data) only when a signal was
+        # set since the last fill (word 4 only at the signaled WRs when the flags are a
+        # known pattern), words 2-3 not when they hold one SGE per WR for this opcode
+        # already, word 6 not when every WR holds the key already (then the remote
+        # addresses go straight into their column).  An SGE is two words: addr,
+        # length | lkey << 32.  int64 offsets are added as uint64 (the same bits, so the
+        # same sums modulo 2**64): no cast, so no casting buffers.  The word offsets are
+        # checked at import.
         sg_words, rdma_words = self._pairs()
-        pair = np.empty((n, 2), dtype=np.uint64)
+        # (A chain with WRs of no SGE may have fewer SGEs than WRs: then a temporary.)
+        pair = sq[:n] if n <= self.sge_capacity else np.empty((n, 2), np.uint64)
         op_word = (opcode & 0xFFFF_FFFF) << 32
         if not one_each:
-            np.multiply(start[:-1], _SGE_SIZE, out=pair[:, 0], casting="unsafe")
+            ustart = _as_u64(start)
+            np.multiply(ustart[:-1], np.uint64(_SGE_SIZE), out=pair[:, 0])
             pair[:, 0] += np.uint64(self.sge_base)
-            np.subtract(start[1:], start[:-1], out=pair[:, 1], casting="unsafe")
+            np.subtract(ustart[1:], ustart[:-1], out=pair[:, 1])
             if op_word:
                 pair[:, 1] |= np.uint64(op_word)
             sg_words[:n] = pair.view(_PAIR).reshape(n)
@@ -764,21 +788,21 @@ class SendChain:
             pair[:, 1] = op_word | 1
             sg_words[:n] = pair.view(_PAIR).reshape(n)
             self._one_each, self._one_each_op = n, op_word
+        rb = np.uint64(rbase & _U64)
         if self._rkey == rkey and self._rkey_n >= n:  # the keys are in place
-            np.add(raddr, rbase, out=q[:n, _RADDR_WORD], casting="unsafe")
+            _add_u64(raddr, rb, q[:n, _RADDR_WORD])
         else:
-            np.add(raddr, rbase, out=pair[:, 0], casting="unsafe")
+            _add_u64(raddr, rb, pair[:, 0])
             pair[:, 1] = rkey
             rdma_words[:n] = pair.view(_PAIR).reshape(n)
             self._rkey_n = max(self._rkey_n, n) if self._rkey == rkey else n
             self._rkey = rkey
         s = sq[:m]
-        np.add(saddr, sbase, out=s[:, 0], casting="unsafe")
+        _add_u64(saddr, np.uint64(sbase & _U64), s[:, 0])
         if shortest == longest:  # one length (a layer's rows): one store per SGE, no read
             s[:, 1] = shortest | lkey << 32
         else:
-            np.copyto(s[:, 1], slen, casting="unsafe")
-            s[:, 1] |= np.uint64(lkey << 32)
+            np.bitwise_or(_as_u64(slen), np.uint64(lkey << 32), out=s[:, 1])
         q[n - 1, 1] = 0
         self.num_wrs, self.num_sges = n, m
         self.regions = regions

@@ -18,6 +18,7 @@ from hixl.core.kvblocks import (
     landed_blocks,
     pair_tensors,
     plan_request,
+    runs,
 )
 from hixl.core.plan import DeviceLimits, Op
 from hixl.errors import AlignmentError, DescriptorError
@@ -235,6 +236,32 @@ def test_block_lists_are_checked() -> None:
         check_unique("remote_blocks", np.array([5, 1, 5]))
     with pytest.raises(DescriptorError, match="non-empty"):
         block_ids("local_blocks", [], 8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=24))
+def test_runs_are_the_maximal_stretches_where_both_ids_go_up_by_one(
+    pairs: list[tuple[int, int]],
+) -> None:
+    lids = np.array([a for a, _ in pairs], np.int64)
+    rids = np.array([b for _, b in pairs], np.int64)
+    want: list[tuple[int, int]] = []
+    for i in range(len(pairs)):
+        if i and lids[i] == lids[i - 1] + 1 and rids[i] == rids[i - 1] + 1:
+            want[-1] = (want[-1][0], want[-1][1] + 1)
+        else:
+            want.append((i, 1))
+    start, length = runs(lids, rids)
+    assert start.dtype == length.dtype == np.int64
+    assert list(zip(start.tolist(), length.tolist(), strict=True)) == want
+
+
+def test_block_ids_name_the_first_bad_entry() -> None:
+    with pytest.raises(DescriptorError, match=r"remote_blocks\[1\]=-1 is outside \[0, 8\)"):
+        block_ids("remote_blocks", np.array([3, -1, 8]), 8)
+    with pytest.raises(DescriptorError, match=r"local_blocks\[0\]=8 is outside"):
+        block_ids("local_blocks", np.array([8, 1], np.uint64), 8)
+    assert block_ids("local_blocks", np.array([0, 7], np.uint8), 8).dtype == np.int64
 
 
 def test_geometry_document_round_trips_and_refuses_bad_input() -> None:

@@ -1,56 +1,83 @@
-"""The engine lock's debug form: it knows its owner, nests, and works under a Condition."""
+"""The engine lock's debug switch: assert_unlocked knows which thread holds which lock."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
 
 from hixl.engine import locks
-from hixl.engine.locks import CheckedRLock, assert_unlocked
+from hixl.engine.locks import assert_unlocked, engine_lock
 
 
-def test_assert_unlocked_raises_only_while_a_checked_lock_is_held(
+def test_assert_unlocked_raises_only_while_this_thread_holds_a_checked_lock(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(locks, "DEBUG_LOCKS", True)
-    lock = CheckedRLock()
+    first, second = engine_lock(), engine_lock()  # two engines' locks
     assert_unlocked("a send")
-    with lock, lock:  # reentrant
-        assert lock.held()
-        with pytest.raises(AssertionError, match="a send with an engine lock held"):
+    for lock in (first, second):
+        with lock, lock, pytest.raises(AssertionError, match="a send with an engine lock held"):
+            assert_unlocked("a send")  # held twice (reentrant)
+        assert_unlocked("a send")  # both levels let go
+
+
+def test_a_lock_another_thread_holds_is_not_this_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(locks, "DEBUG_LOCKS", True)
+    lock = engine_lock()
+    taken, done = threading.Event(), threading.Event()
+    seen: list[BaseException | None] = []
+
+    def other() -> None:
+        with lock:
+            taken.set()
+            done.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert taken.wait(10)
+        assert_unlocked("a send")  # held, but not by this thread
+        with lock.__class__():  # an unrelated RLock is not an engine lock
             assert_unlocked("a send")
-    assert not lock.held()
-    assert_unlocked("a send")
+
+        def check_in_owner() -> None:
+            try:
+                with lock:
+                    assert_unlocked("a send")
+                seen.append(None)
+            except AssertionError as exc:
+                seen.append(exc)
+
+        done.set()
+        t.join(10)
+        owner = threading.Thread(target=check_in_owner)
+        owner.start()
+        owner.join(10)
+        assert len(seen) == 1 and isinstance(seen[0], AssertionError)
+    finally:
+        done.set()
+        t.join(10)
 
 
 def test_assert_unlocked_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(locks, "DEBUG_LOCKS", False)
-    lock = CheckedRLock()
+    lock = engine_lock()
     with lock:
+        assert_unlocked("a send")
+    monkeypatch.setattr(locks, "DEBUG_LOCKS", True)
+    with lock:  # made while the switch was off: not checked
         assert_unlocked("a send")
 
 
-def test_a_condition_waits_with_the_checked_lock_fully_released() -> None:
-    lock = CheckedRLock()
-    cv = threading.Condition(lock)  # type: ignore[arg-type]
-    seen: list[bool] = []
-
-    def other() -> None:
-        with lock:  # only possible while the waiter has let go of both levels
-            seen.append(lock.held())
-            cv.notify_all()
-
-    with lock, lock:
-        t = threading.Thread(target=other)
-        t.start()
-        assert cv.wait_for(lambda: bool(seen), timeout=10)
-        assert lock.held()  # both levels back
-    t.join(10)
-    assert seen == [True] and not lock.held()
-
-
-def test_releasing_a_lock_held_by_another_thread_is_refused() -> None:
-    lock = CheckedRLock()
-    with pytest.raises(RuntimeError, match="does not hold"):
-        lock.release()
+def test_a_dropped_lock_leaves_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(locks, "DEBUG_LOCKS", True)
+    made = [engine_lock() for _ in range(100)]
+    ids = {id(lock) for lock in made}
+    assert len({id(r()) for r in locks._checked} & ids) == 100
+    del made
+    gc.collect()
+    assert not [r for r in locks._checked if r() is None or id(r()) in ids]

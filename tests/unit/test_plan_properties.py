@@ -527,6 +527,68 @@ def test_long_block_batches_plan_as_the_reference_does(
     assert plan_transfer(local, remote, op, limits) == want
 
 
+@st.composite
+def equal_block_batches(draw: st.DrawFn) -> tuple[Segments, Segments, Op]:
+    """A batch of 2 to 300 blocks of one size (KV blocks), the shape planned by the
+    lengths-as-one-number shortcut: remote blocks on a grid of slots, in ascending
+    order or shuffled, apart, touching or (on a finer grid) overlapping; local blocks
+    in runs that continue each other, shuffled, apart or overlapping."""
+    n = draw(st.integers(2, 300))
+    rnd = random.Random(draw(st.integers(0, 2**32)))
+    size = rnd.choice((8, 16, 64))
+    grid = size if draw(st.booleans()) else rnd.choice((size // 2, size + 8))
+    slots = n + rnd.choice((0, n // 8, n, 3 * n))
+    remote = [grid * s for s in rnd.sample(range(slots), n)]
+    if draw(st.booleans()):
+        remote.sort()
+    mode = draw(st.sampled_from(["runs", "shuffled", "apart", "overlapping"]))
+    if mode == "runs":  # runs of local blocks that continue each other
+        local: list[int] = []
+        at = 0
+        while len(local) < n:
+            run = rnd.randint(1, 40)
+            local.extend(at + size * i for i in range(min(run, n - len(local))))
+            at += size * (run + rnd.randint(0, 3))
+    elif mode == "shuffled":
+        local = [size * s for s in rnd.sample(range(2 * n), n)]
+    elif mode == "apart":  # never continuing each other: long remote runs stay whole
+        local = [2 * size * s for s in rnd.sample(range(n), n)]
+    else:  # on a finer grid: local blocks may overlap (a READ's destination may not)
+        local = [size // 2 * s for s in rnd.sample(range(2 * n), n)]
+    op = draw(st.sampled_from([Op.WRITE, Op.READ]))
+    lengths = [size] * n
+    return Segments(local, lengths), Segments(remote, lengths), op
+
+
+# Limits that a run of touching blocks reaches now and then: up to 40 SGEs, messages of
+# a few blocks to far more.
+block_limits_st = st.builds(
+    DeviceLimits,
+    max_sge=st.integers(1, 40),
+    max_sge_rd=st.integers(1, 40),
+    max_msg_sz=st.sampled_from([8, 24, 64, 256, 4096, 8 << 20]),
+)
+
+
+@settings(PROPS, max_examples=200)
+@given(equal_block_batches(), block_limits_st)
+def test_blocks_of_one_size_plan_as_the_reference_does(
+    t: tuple[Segments, Segments, Op], limits: DeviceLimits
+) -> None:
+    """Blocks of one size take the shortcut that handles their lengths as one number
+    (also when remote blocks touch): the plan (or the error) is the reference
+    planner's."""
+    local, remote, op = t
+    try:
+        want = reference_plan(local, remote, op, limits)
+    except DescriptorError as exc:
+        with pytest.raises(DescriptorError) as got:
+            plan_transfer(local, remote, op, limits)
+        assert type(got.value) is type(exc)
+        return
+    assert plan_transfer(local, remote, op, limits) == want
+
+
 def test_a_read_of_an_overlapping_source_keeps_each_remote_run_whole() -> None:
     """Found by test_merging_never_increases_wrs: remote segments (0, 4) and (1, 7)
     overlap, and sorting the pieces by remote offset put the second segment's piece

@@ -509,6 +509,30 @@ def test_numpy_views_alias_the_c_memory() -> None:
     assert chain.wr_address(3) == chain.wr_base + 3 * 128
 
 
+def test_wrs_without_sges_fill_a_chain_with_fewer_sges_than_wrs() -> None:
+    """A fill works out the WRs' words in the chain's SGE memory when it has room for
+    one SGE per WR; WRs of no SGE can leave it less room than that."""
+    for sges in (2, 4):
+        chain = SendChain(4, sges)
+        chain.fill(
+            opcode=0,
+            remote_addr=np.array([10, 20, 30, 40], np.uint64),
+            rkey=7,
+            sge_start=np.array([0, 1, 1, 1, 2]),
+            sge_addr=np.array([100, 200]),
+            sge_length=np.array([1, 2]),
+            lkey=9,
+        )
+        wrs = chain.wrs
+        assert wrs["num_sge"].tolist() == [1, 0, 0, 1]
+        assert wrs["remote_addr"].tolist() == [10, 20, 30, 40]
+        assert wrs["rkey"].tolist() == [7] * 4
+        assert wrs["sg_list"].tolist() == [chain.sge_base + 16 * i for i in (0, 1, 1, 1)]
+        assert chain.sges["addr"].tolist() == [100, 200]
+        assert chain.sges["length"].tolist() == [1, 2]
+        assert chain.sges["lkey"].tolist() == [9, 9]
+
+
 def test_bad_fills_are_refused_with_their_numbers() -> None:
     chain = SendChain(2, 2)
     with pytest.raises(ArgumentError, match="3 WRs"):
