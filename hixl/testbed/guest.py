@@ -19,8 +19,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-#: Where the cached second view of the guest's 9p root is mounted.
-CACHED_ROOT = "/run/hixl-root"
+#: Where the cached second view of the guest's 9p root is mounted (/tmp is writable there).
+CACHED_ROOT = "/tmp/.hixl-root"
+CACHED_ROOT_TAG = "hixl-root"  # the tag hixl.testbed.vm exports it under
 
 
 def _sh(*args: str) -> None:
@@ -93,8 +94,9 @@ def _cache_python_dirs(dirs: list[str]) -> list[str]:
 
     The guest's root is the host's filesystem over 9p without a cache, so every
     ``stat`` and ``open`` of an import is a round trip to QEMU: under emulation that made
-    ``import numpy`` take 20-40 s in every process.  The same root is mounted a second
-    time, read-only with ``cache=loose``, and each of ``dirs`` (the standard library,
+    ``import numpy`` take 20-40 s in every process.  The runner exports the same root a
+    second time (tag ``hixl-root``), mounted here read-only with ``cache=loose``, and
+    each of ``dirs`` (the standard library,
     the virtual environment, the checkout) is bound from there over itself, so a file
     read once in this boot is read from the guest's memory after that.  A directory
     with another mount below it (a read-write directory the run shares with the host)
@@ -107,8 +109,7 @@ def _cache_python_dirs(dirs: list[str]) -> list[str]:
         return []
     os.makedirs(CACHED_ROOT, exist_ok=True)
     opts = "trans=virtio,version=9p2000.L,access=any,msize=524288,cache=loose,ro"
-    source = next(m[0] for m in mounts if m[1] == "/")
-    if not _mount("-t", "9p", "-o", opts, source, CACHED_ROOT):
+    if not _mount("-t", "9p", "-o", opts, CACHED_ROOT_TAG, CACHED_ROOT):
         return []
     return [d for d in chosen if _mount("--bind", CACHED_ROOT + d, d)]
 
