@@ -20,6 +20,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -178,6 +179,7 @@ class NullDevice:
         self._closed = False
         self._lock = threading.Lock()
         self.device_s = 0.0
+        self._cqs: weakref.WeakSet[NullCQ] = weakref.WeakSet()  # closed with the device
 
     def add_device_time(self, seconds: float) -> None:
         with self._lock:
@@ -191,7 +193,9 @@ class NullDevice:
         return NullMR(address, length, access, owner)
 
     def create_cq(self, depth: int, *, events: bool = False) -> NullCQ:
-        return NullCQ(depth, events)
+        cq = NullCQ(depth, events)
+        self._cqs.add(cq)
+        return cq
 
     def create_rc_qp(
         self,
@@ -206,6 +210,9 @@ class NullDevice:
 
     def close(self) -> None:
         self._closed = True
+        for cq in list(self._cqs):
+            cq.close()  # its eventfd, as a real device's close() closes its CQs
+        self._cqs.clear()
 
     def __enter__(self) -> NullDevice:
         return self

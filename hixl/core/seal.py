@@ -80,7 +80,7 @@ def session_keys(
 
 
 def _mac(key: bytes, seq: int, frame: bytes) -> bytes:
-    return hmac.new(key, seq.to_bytes(8, "big") + frame, hashlib.sha256).digest()
+    return hmac.digest(key, seq.to_bytes(8, "big") + frame, "sha256")
 
 
 class Sealer:

@@ -85,6 +85,7 @@ __all__ = [
     "HEADER",
     "HEADER_SIZE",
     "MAGIC",
+    "CONTROL_MAX_PAYLOAD",
     "MAX_PAYLOAD",
     "MAX_REGIONS",
     "NONCE_SIZE",
@@ -119,7 +120,9 @@ __all__ = [
     "make_nonce",
     "pack_lanes",
     "parse_engine_id",
+    "RegionChanges",
     "region_size",
+    "regions_frames",
 ]
 
 #: Version of the wire format this module speaks; a frame with another version is refused.
@@ -127,7 +130,9 @@ __all__ = [
 #: 4: INFO and ACCEPT carry ``lanes``, the sender's extra queue pairs (see :class:`QpInfo`).
 #: 5: INFO and ACCEPT carry ``direct``: whether the last extra queue pair is a direct lane.
 #: 6: every message after the handshake is SEALED (sequence number and MAC); CREDIT.
-PROTOCOL_VERSION = 6
+#: 7: a message after the handshake carries at most CONTROL_MAX_PAYLOAD bytes (REGIONS
+#:    changes are split to fit).
+PROTOCOL_VERSION = 7
 #: Most queue pairs (lanes) one connection may have, the first included.
 MAX_LANES = 8
 #: Bytes one extra lane takes in ``QpInfo.lanes``: its QP number and its starting PSN,
@@ -140,6 +145,11 @@ HEADER = struct.Struct("!4sHHI")
 HEADER_SIZE = HEADER.size
 #: Default largest payload a :class:`Decoder` accepts and :func:`encode` produces, in bytes.
 MAX_PAYLOAD = 1 << 20
+#: Largest payload of a message after the handshake (the frame a SEALED one carries), in
+#: bytes.  Decoding one is a step the receiver cannot interrupt: keeping it small bounds
+#: how long one peer's message can hold up the others'.  :func:`regions_frames` splits a
+#: REGIONS change to fit.
+CONTROL_MAX_PAYLOAD = 4 << 10
 #: Bytes in a handshake nonce.
 NONCE_SIZE = 16
 #: Bytes in a non-empty proof (HMAC-SHA256).
@@ -159,6 +169,7 @@ _MAX_SGE = 1024
 _MAX_RECV_SLOTS = 65536
 _MAX_RECV_SLOT_SIZE = 65536
 _MAX_REGION_NAME = 128
+_REGION_ACCESS = frozenset((REMOTE_WRITE, REMOTE_READ, REMOTE_WRITE | REMOTE_READ))
 _MAX_ERROR_MESSAGE = 4096
 _MAX_BYE_REASON = 1024
 _MAX_HOSTNAME = 253
@@ -370,6 +381,22 @@ class RemoteRegion:
     name: str = ""
 
     def __post_init__(self) -> None:
+        addr, length, rkey, access, name = self.addr, self.length, self.rkey, self.access, self.name
+        if (
+            type(addr) is int
+            and type(length) is int
+            and type(rkey) is int
+            and type(access) is int
+            and type(name) is str
+            and addr >= 0
+            and length >= 1
+            and addr + length <= 1 << 64
+            and 0 <= rkey <= _U32_MAX
+            and access in _REGION_ACCESS
+            and len(name) <= _MAX_REGION_NAME
+            and name.isprintable()
+        ):
+            return  # plain values in range (what the wire gives): nothing to convert
         addr = _int("RemoteRegion.addr", self.addr, 0, _U64_MAX)
         length = _int("RemoteRegion.length", self.length, 1, _U64_MAX)
         if addr + length > 1 << 64:
@@ -687,6 +714,7 @@ Message = (
     | Credit
 )
 
+_TYPES = {int(t): t for t in MsgType}  # a header's type field to its member, fast
 _CLASSES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
     for cls in (
@@ -717,9 +745,85 @@ def region_size(region: RemoteRegion) -> int:
     return len(json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")) + 1
 
 
+def regions_frames(
+    add: tuple[RemoteRegion, ...] = (),
+    remove: tuple[RemoteRegion, ...] = (),
+    *,
+    max_payload: int = CONTROL_MAX_PAYLOAD,
+) -> list[bytes]:
+    """Encoded REGIONS messages for one change, each payload at most ``max_payload``
+    bytes: one message when it fits, else the removals, then the additions, in as many
+    messages as they need.  Applied in order they leave the receiver where one message
+    would (removals first, then additions).
+
+    Raises :class:`HandshakeError` if one region alone does not fit.
+    """
+    out: list[bytes] = []
+
+    def emit(add: tuple[RemoteRegion, ...], remove: tuple[RemoteRegion, ...]) -> None:
+        try:
+            out.append(encode(Regions(add=add, remove=remove), max_payload=max_payload))
+            return
+        except HandshakeError:
+            if len(add) + len(remove) <= 1:
+                raise
+        if add and remove:
+            emit((), remove)
+            emit(add, ())
+            return
+        half = len(add or remove) // 2
+        if add:
+            emit(add[:half], ())
+            emit(add[half:], ())
+        else:
+            emit((), remove[:half])
+            emit((), remove[half:])
+
+    emit(tuple(add), tuple(remove))
+    return out
+
+
+class RegionChanges:
+    """Changes of exposed regions not sent yet, merged: for each region, by ``(rkey,
+    addr)``, the last change made to it.  Sent as one change (:meth:`take`: removals,
+    then additions), they leave the receiver where sending each in turn would, since a
+    receiver keys regions the same way (an addition replaces, a removal of an absent one
+    does nothing).  Holds one entry per region changed."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[int, int], tuple[RemoteRegion, bool]] = {}
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def __repr__(self) -> str:
+        return f"<RegionChanges regions={len(self._last)}>"
+
+    def note(
+        self, add: tuple[RemoteRegion, ...] = (), remove: tuple[RemoteRegion, ...] = ()
+    ) -> None:
+        """One more change: ``remove`` first, then ``add``."""
+        last = self._last
+        for r in remove:
+            last[(r.rkey, r.addr)] = (r, False)
+        for r in add:
+            last[(r.rkey, r.addr)] = (r, True)
+
+    def take(self) -> tuple[tuple[RemoteRegion, ...], tuple[RemoteRegion, ...]]:
+        """The merged change, ``(add, remove)``, and nothing held from then on."""
+        changes = self._last.values()
+        add = tuple(r for r, added in changes if added)
+        remove = tuple(r for r, added in changes if not added)
+        self._last = {}
+        return add, remove
+
+
 # Wire form of each field kind, keyed by the annotation string of the dataclass field
 # (``from __future__ import annotations`` keeps them as written above).
 _REGION_KEYS = ("addr", "length", "rkey", "access", "name")
+_REGION_KEY_SET = frozenset(_REGION_KEYS)
 _REGIONS_ANNOTATION = "tuple[RemoteRegion, ...]"
 _FIELDS: dict[MsgType, tuple[tuple[str, str], ...]] = {
     t: tuple((f.name, str(f.type)) for f in dataclasses.fields(cls)) for t, cls in _CLASSES.items()
@@ -793,7 +897,10 @@ def _parse_constant(name: str) -> float:
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
+    result = dict(pairs)
+    if len(result) == len(pairs):
+        return result
+    result = {}
     for key, value in pairs:
         if key in result:
             raise _Reject(f"key {_show(key)} appears twice in one object")
@@ -870,6 +977,23 @@ def _wire_regions(where: str, value: object) -> tuple[RemoteRegion, ...]:
         raise HandshakeError(f"{where} has {len(value)} regions, at most {MAX_REGIONS}")
     regions = []
     for i, item in enumerate(value):
+        if type(item) is dict and item.keys() == _REGION_KEY_SET:
+            addr, length, rkey = item["addr"], item["length"], item["rkey"]
+            access, name = item["access"], item["name"]
+            if (
+                type(addr) is int
+                and type(length) is int
+                and type(rkey) is int
+                and type(access) is int
+                and type(name) is str
+            ):  # the usual case, without a message prepared per field
+                try:
+                    regions.append(
+                        RemoteRegion(addr=addr, length=length, rkey=rkey, access=access, name=name)
+                    )
+                except HandshakeError as exc:
+                    raise HandshakeError(f"{where}[{i}]: {exc}") from None
+                continue
         at = f"{where}[{i}]"
         if type(item) is not dict:
             raise HandshakeError(
@@ -1010,11 +1134,44 @@ class Decoder:
         self._msg_type = None
         raise self._error
 
+    def limit(self, max_payload: int) -> None:
+        """Accept at most ``max_payload`` bytes per payload from now on (a handshake's
+        decoder becomes a control channel's).  A frame being received that announced more
+        fails now, like a malformed one, and poisons the decoder."""
+        if not 2 <= max_payload <= self._max_payload:
+            raise ValueError(f"max_payload={max_payload} out of range [2, {self._max_payload}]")
+        self._max_payload = max_payload
+        if self._error is None and self._msg_type is not None:
+            allowed = max_payload + (SEAL_OVERHEAD if self._msg_type == MsgType.SEALED else 0)
+            if self._body_len > allowed:
+                self._error = HandshakeError(
+                    f"frame announces a {self._body_len}-byte payload, more than "
+                    f"max_payload={max_payload}"
+                )
+                self._error_code = ErrorCode.MALFORMED
+                self._buf = bytearray()
+                self._msg_type = None
+                raise self._error
+
     def _feed(self, view: memoryview) -> list[Message]:
         out: list[Message] = []
         pos, end = 0, len(view)
         while True:
-            if self._msg_type is None:
+            if self._msg_type is None and not self._buf and end - pos >= HEADER_SIZE:
+                # A whole header in ``view`` (and, most often, its whole frame): decoded
+                # without passing through the buffer.
+                head = bytes(view[pos : pos + HEADER_SIZE])
+                self._check_header(head)
+                _, _, raw_type, length = HEADER.unpack(head)
+                pos += HEADER_SIZE
+                if end - pos >= length:
+                    payload = bytes(view[pos : pos + length])
+                    pos += length
+                    out.append(_decode_payload(_TYPES[raw_type], payload))
+                    continue
+                self._msg_type = _TYPES[raw_type]
+                self._body_len = length
+            elif self._msg_type is None:
                 take = min(HEADER_SIZE - len(self._buf), end - pos)
                 self._buf += view[pos : pos + take]
                 pos += take
@@ -1022,7 +1179,7 @@ class Decoder:
                 if len(self._buf) < HEADER_SIZE:
                     return out
                 _, _, raw_type, length = HEADER.unpack(self._buf)
-                self._msg_type = MsgType(raw_type)
+                self._msg_type = _TYPES[raw_type]
                 self._body_len = length
                 self._buf = bytearray()
             take = min(self._body_len - len(self._buf), end - pos)
@@ -1036,7 +1193,7 @@ class Decoder:
             self._buf = bytearray()
             out.append(_decode_payload(msg_type, payload))
 
-    def _check_header(self, head: bytearray) -> None:
+    def _check_header(self, head: bytes | bytearray) -> None:
         """Check as much of a (possibly partial) header as has arrived."""
         n = len(head)
         if head[: min(n, 4)] != MAGIC[: min(n, 4)]:

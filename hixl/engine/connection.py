@@ -20,8 +20,13 @@ except where a method says otherwise.  It keeps three things behind methods:
   sealed control messages.  Messages are sealed and queued under the engine lock (so their
   numbers follow the outbox order) and written by the progress thread with non-blocking
   sends, so no caller ever blocks on a peer that stops reading; an outbox that grows past
-  :data:`MAX_OUTBOX` fails the connection.  Received bytes are decoded and opened by the
-  progress thread alone, outside the engine lock (:meth:`Connection.take_control`).
+  :data:`MAX_OUTBOX` fails the connection.  Changes of our exposed regions wait unsealed
+  until the progress thread next flushes (later when the connection is over
+  :data:`REGIONS_FRAMES_PER_S`), or another message is queued after them: the changes
+  made meanwhile go out merged, as one ``REGIONS`` change (one per region, the last one
+  made), which leaves the peer where the changes one by one would.  Received
+  bytes are decoded and opened by the progress thread alone, outside the engine lock
+  (:meth:`Connection.take_control`).
 """
 
 from __future__ import annotations
@@ -67,6 +72,20 @@ MAX_REMOTE_END = 1 << 63
 #: past it, its socket is not read until the budget is back, and TCP slows the peer down.
 CONTROL_BYTES_PER_S = 1 << 20
 CONTROL_MSGS_PER_S = 2000
+#: ... and the share of the progress thread its control messages may take (CPU seconds per
+#: second, decoding, MAC checks and handling): one flooding peer leaves most of the thread
+#: to the others' handshakes and messages on any host, however slow its Python.  A peer's
+#: own registrations fit in it: their changes go out merged (see queue_regions) and are
+#: applied together.
+CONTROL_WORK_PER_S = 0.05
+#: REGIONS frames a connection sends per second (a burst of one second's worth): past it,
+#: region changes wait and go out merged when the next may go.  A burst of registrations
+#: then costs the peer a few frames a second, each carrying many changes, where a frame
+#: each would take the peer's control budget (CONTROL_WORK_PER_S) on a slow host.
+REGIONS_FRAMES_PER_S = 10
+#: Bytes taken from a control socket per read: about one frame of the largest size, so a
+#: read never hands the progress thread more than one such frame to decode.
+CONTROL_READ = wire.CONTROL_MAX_PAYLOAD + wire.SEAL_OVERHEAD
 
 _QI = TypeVar("_QI", wire.Info, wire.Accept)
 _KEYS = itertools.count(1)  # Connection.note_key
@@ -250,8 +269,14 @@ class Connection:
         self.decoder: wire.Decoder | None = None
         self.sealer: Sealer | None = None
         self.opener: Opener | None = None
-        self.inflow = Budget(CONTROL_BYTES_PER_S, CONTROL_MSGS_PER_S, time.monotonic())
+        self.inflow = Budget(
+            CONTROL_BYTES_PER_S, CONTROL_MSGS_PER_S, time.monotonic(), CONTROL_WORK_PER_S
+        )
         self._outbox = bytearray()
+        self._regions_out = wire.RegionChanges()  # not sealed yet (engine lock)
+        # Frames only: a bytes rate no sender reaches.
+        self._regions_pace = Budget(float(1 << 62), REGIONS_FRAMES_PER_S, time.monotonic())
+        self._regions_at = 0.0  # when the next REGIONS frame may go (monotonic)
 
     # -- what users read -----------------------------------------------------------------
     @property
@@ -307,25 +332,27 @@ class Connection:
         self._remote_map = {(r.rkey, r.addr): r for r in regions}
         self.remote_regions = tuple(self._remote_map.values())
 
-    def update_remote_regions(
-        self, add: tuple[RemoteRegion, ...], remove: tuple[RemoteRegion, ...]
-    ) -> None:
-        """Apply a peer's REGIONS change: ``remove`` first, then ``add`` (engine lock).
+    def update_remote_regions(self, changes: list[wire.Regions]) -> None:
+        """Apply a peer's REGIONS changes in order, each ``remove`` first, then ``add``
+        (engine lock).
 
-        Readers see the old or the new tuple, never a mix.  Raises :class:`HandshakeError`
-        (and changes nothing) when the peer would expose more than :data:`wire.MAX_REGIONS`
-        regions or one this engine cannot address.
+        Readers see the old tuple or the one after every change, never a mix: one copy of
+        the map and one new tuple for the lot, whatever their number.  Raises
+        :class:`HandshakeError` (and changes nothing) when after any change the peer would
+        expose more than :data:`wire.MAX_REGIONS` regions, or one this engine cannot
+        address.
         """
-        self._check_reachable(add)
         new = dict(self._remote_map)
-        for r in remove:
-            new.pop((r.rkey, r.addr), None)
-        for r in add:
-            new[(r.rkey, r.addr)] = r
-        if len(new) > wire.MAX_REGIONS:
-            raise HandshakeError(
-                f"peer {self.peer} would expose {len(new)} regions (at most {wire.MAX_REGIONS})"
-            )
+        for change in changes:
+            self._check_reachable(change.add)
+            for r in change.remove:
+                new.pop((r.rkey, r.addr), None)
+            for r in change.add:
+                new[(r.rkey, r.addr)] = r
+            if len(new) > wire.MAX_REGIONS:
+                raise HandshakeError(
+                    f"peer {self.peer} would expose {len(new)} regions (at most {wire.MAX_REGIONS})"
+                )
         self._remote_map = new
         self.remote_regions = tuple(new.values())
 
@@ -422,8 +449,41 @@ class Connection:
 
     # -- control channel -----------------------------------------------------------------
     def queue_control(self, data: bytes) -> bool:
-        """Seal and queue an encoded control message (engine lock); False when the peer has
-        left too much unread (nothing is queued then)."""
+        """Seal and queue an encoded control message after the region changes waiting
+        (engine lock); False when the peer has left too much unread (then the message is
+        not queued)."""
+        return self.seal_regions() and self._seal(data)
+
+    def queue_regions(
+        self, add: tuple[RemoteRegion, ...], remove: tuple[RemoteRegion, ...]
+    ) -> bool:
+        """Queue a change of our exposed regions, ``remove`` first, then ``add`` (engine
+        lock).  It merges with the changes not sealed yet and is sealed by
+        :meth:`seal_regions`; False when the peer has left too much unread."""
+        if self.sealer is None:
+            return False
+        if len(self._regions_out) >= wire.MAX_REGIONS and not self.seal_regions():
+            return False  # what waits stays at most one handshake's worth of regions
+        self._regions_out.note(add, remove)
+        return True
+
+    def seal_regions(self) -> bool:
+        """Seal the waiting region changes into the outbox as one change, in as many
+        frames as it needs (engine lock); False when the peer has left too much unread."""
+        if not self._regions_out:
+            return True
+        add, remove = self._regions_out.take()
+        frames = wire.regions_frames(add, remove)
+        now = time.monotonic()
+        self._regions_at = now + self._regions_pace.charge(0, len(frames), now)
+        return all(self._seal(frame) for frame in frames)
+
+    def regions_due(self) -> float | None:
+        """When the waiting region changes may be sealed (monotonic; maybe past), or None
+        when none wait (engine lock)."""
+        return self._regions_at if self._regions_out else None
+
+    def _seal(self, data: bytes) -> bool:
         if self.sealer is None or len(self._outbox) + len(data) + wire.SEAL_OVERHEAD > MAX_OUTBOX:
             return False
         self._outbox += self.sealer.seal(data)
@@ -484,7 +544,7 @@ class Connection:
         """What the peer sent, b"" at EOF, None when nothing is there.  Never blocks."""
         assert self.sock is not None
         try:
-            return self.sock.recv(65536)
+            return self.sock.recv(CONTROL_READ)
         except (BlockingIOError, InterruptedError):
             return None
 

@@ -347,6 +347,7 @@ def _client_attempt(
         chan.send(hs.info(conn.local_info(wire.Info, b"", engine.exposed())), deadline)
         conn.establish(hs.on_accept(chan.expect(wire.Accept, deadline)))
         chan.send(hs.ready(), deadline)
+        chan.decoder.limit(wire.CONTROL_MAX_PAYLOAD)  # from here on, the control channel's
         engine.adopt(conn, chan.sock, chan.decoder, list(chan.pending), hs.session())
         return conn
     except BaseException:
@@ -657,6 +658,12 @@ class Listener:
             frame = wire.encode(accept)
         except HixlError as exc:
             self._refuse(inc, wire.ErrorCode.INTERNAL, f"could not answer: {exc}")
+            return
+        try:
+            # From READY on, the control channel's frames: each one a short step.
+            inc.decoder.limit(wire.CONTROL_MAX_PAYLOAD)
+        except HandshakeError as exc:
+            self._refuse(inc, wire.ErrorCode.MALFORMED, str(exc))
             return
         inc.expect, inc.deadline = "READY", self._step_deadline(inc)
         self._send(inc, frame)

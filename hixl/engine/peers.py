@@ -109,6 +109,10 @@ class Peers:
         self._reaper = reaper
         self._forget = forget  # the single-request paths let go of gone connections
         self._outgoing: set[Connection] = set()  # connections with control output queued
+        # Connections whose region changes wait for their pace (see Connection.regions_due),
+        # and the earliest time one may go (the progress thread reads it without the lock).
+        self._regions_waiting: set[Connection] = set()
+        self.regions_due: float | None = None
         self._dead: list[Connection] = []  # dropped, resources released by the progress thread
         self.broken: str | None = None  # why the progress thread died, if it did
         self.progress: Progress | None = None
@@ -170,12 +174,22 @@ class Peers:
     ) -> None:
         """Queue one change of our exposed regions to every live peer (lock held).
 
-        One message of the change alone: its cost does not grow with the regions exposed.
+        The change alone, merged with those not sent yet (see ``Connection.queue_regions``):
+        its cost does not grow with the regions exposed.
         """
-        msg = wire.encode(wire.Regions(add=add, remove=remove))
         for conn in list(self.conns.values()):
             if conn.state is ConnState.READY:
-                self.queue_control(conn, msg)
+                self.queue_regions(conn, add, remove)
+
+    def queue_regions(
+        self, conn: Connection, add: tuple[RemoteRegion, ...], remove: tuple[RemoteRegion, ...]
+    ) -> None:
+        """Queue a change of our exposed regions for the progress thread (lock held)."""
+        if not conn.queue_regions(add, remove):
+            self.fail(conn, "peer left too many control messages unread")
+            return
+        self._outgoing.add(conn)
+        self._poster.wake_due = True
 
     def queue_control(self, conn: Connection, data: bytes) -> None:
         """Queue a control message for the progress thread to send (lock held).
@@ -428,7 +442,7 @@ class Peers:
             added = tuple(r for k, r in exposed.items() if k not in sent)
             removed = tuple(r for k, r in sent.items() if k not in exposed)
             if added or removed:
-                self.queue_control(conn, wire.encode(wire.Regions(add=added, remove=removed)))
+                self.queue_regions(conn, added, removed)
             self.queue_control(conn, wire.encode(wire.Credit(notes=self.inbox.grant)))
         self._poster.wake_if_due()
 
@@ -529,6 +543,7 @@ class Peers:
         self.inbox.closed(conn.note_key)
         self._watcher.unwatch(conn)
         self._outgoing.discard(conn)
+        self._regions_waiting.discard(conn)
         for qpn in conn.qpns:
             self._by_qpn.pop(qpn, None)
         if self.conns.get(conn.peer) is conn:
@@ -683,6 +698,23 @@ class Peers:
         with self.lock:
             outgoing = list(self._outgoing)
             self._outgoing.clear()
+            now = time.monotonic()
+            waiting, self._regions_waiting = self._regions_waiting, set()
+            self.regions_due = None
+            for conn in {*outgoing, *waiting}:
+                if conn.state is ConnState.CLOSED:
+                    continue
+                due = conn.regions_due()
+                if due is None:
+                    continue
+                if due > now:  # over its pace: the changes wait, merging with later ones
+                    self._regions_waiting.add(conn)
+                    if self.regions_due is None or due < self.regions_due:
+                        self.regions_due = due
+                elif not conn.seal_regions():
+                    self.fail(conn, "peer left too many control messages unread")
+                elif conn not in outgoing:
+                    outgoing.append(conn)
         for conn in outgoing:
             self.flush_control(conn)
         self.release_dead()
@@ -733,9 +765,22 @@ class Peers:
         *,
         eof: bool,
     ) -> None:
-        """Handle opened control messages, then what ended the read (lock held)."""
+        """Handle opened control messages, then what ended the read (lock held).
+
+        Consecutive ``REGIONS`` changes are applied together (one new tuple of the peer's
+        regions for them all).
+        """
+        changes: list[wire.Regions] = []
         for msg in msgs:
+            if isinstance(msg, wire.Regions):
+                changes.append(msg)
+                continue
+            if changes:
+                self._on_regions(conn, changes)
+                changes = []
             self._on_control(conn, msg)
+        if changes:
+            self._on_regions(conn, changes)
         if problem is not None:
             self._watcher.unwatch(conn)
             if isinstance(problem, IntegrityError):
@@ -763,16 +808,17 @@ class Peers:
         if not conn.outbound and conn.state is ConnState.FAILED:
             self.drop(conn, reason, send_bye=False)
 
+    def _on_regions(self, conn: Connection, changes: list[wire.Regions]) -> None:
+        try:
+            conn.update_remote_regions(changes)
+        except HandshakeError as exc:
+            self._watcher.unwatch(conn)
+            what = f"bad REGIONS update: {exc}"
+            self.fail(conn, what, tell=(wire.ErrorCode.MALFORMED, what))
+            self._let_go(conn, what)
+
     def _on_control(self, conn: Connection, msg: wire.Message) -> None:
-        if isinstance(msg, wire.Regions):
-            try:
-                conn.update_remote_regions(msg.add, msg.remove)
-            except HandshakeError as exc:
-                self._watcher.unwatch(conn)
-                what = f"bad REGIONS update: {exc}"
-                self.fail(conn, what, tell=(wire.ErrorCode.MALFORMED, what))
-                self._let_go(conn, what)
-        elif isinstance(msg, wire.Ping):
+        if isinstance(msg, wire.Ping):
             self.queue_control(conn, wire.encode(wire.Pong(nonce=msg.nonce)))
         elif isinstance(msg, wire.Credit):
             conn.credits += msg.notes

@@ -78,6 +78,11 @@ class ProgressHost(Protocol):
     @property
     def incoming(self) -> Listener | None: ...
 
+    @property
+    def regions_due(self) -> float | None:
+        """When region changes held back by their pace may go (see flush_outboxes)."""
+        ...
+
     def has_pending(self) -> bool: ...
 
     def reap_recv(self, wcs: list[verbs.Completion]) -> int: ...
@@ -175,9 +180,19 @@ class Progress:
     def pause(self, conn: Connection, seconds: float) -> None:
         """Stop reading ``conn``'s control socket for ``seconds`` (its peer went over its
         budget, see ``Connection.inflow``).  Progress thread only."""
-        self._paused[conn] = time.monotonic() + seconds
+        until = time.monotonic() + seconds
+        self._paused[conn] = max(until, self._paused.get(conn, until))
         if conn.sock is not None:
             self.watch(conn)
+
+    def _charge_work(self, conn: Connection, work: float) -> None:
+        """Charge ``conn``'s budget with the CPU seconds its messages just took on this
+        thread; past its share its socket is not read until the share is back."""
+        if conn.sock is None or conn.state is ConnState.CLOSED:
+            return
+        pause = conn.inflow.charge(0, 0, time.monotonic(), work)
+        if pause > 0:
+            self.pause(conn, pause)
 
     def _resume(self, engine: ProgressHost, now: float) -> float | None:
         """Read again the sockets whose pause is over; the next pause's end, if any."""
@@ -264,6 +279,12 @@ class Progress:
                 later = self._resume(engine, now)
                 if later is not None:
                     timeout = min(timeout, max(0.0, later - now))
+            due = engine.regions_due
+            if due is not None:
+                if due <= now:
+                    engine.flush_outboxes()  # seals the region changes now due, sends them
+                else:
+                    timeout = min(timeout, due - now)
             # Control messages queued under the lock during this round (answers, region
             # updates, connections dropped) are sent once it is free: wake this thread's
             # own selector rather than sleep on them.
@@ -309,7 +330,9 @@ class Progress:
                     if mask & selectors.EVENT_WRITE:
                         engine.flush_control(data)
                     if mask & selectors.EVENT_READ:
+                        started = time.thread_time()
                         engine.read_control(data)
+                        self._charge_work(data, time.thread_time() - started)
                     busy = True
         except HixlError as exc:
             log.warning("progress loop: %s", exc)

@@ -565,12 +565,13 @@ def test_bad_magic_fails_on_the_first_byte() -> None:
 def test_version_mismatch_names_both_versions() -> None:
     decoder = Decoder()
     ours = wire.PROTOCOL_VERSION
+    other = ours + 1
     with pytest.raises(
-        HandshakeError, match=rf"unsupported protocol version 7: .*speaks version {ours}"
+        HandshakeError, match=rf"unsupported protocol version {other}: .*speaks version {ours}"
     ):
-        decoder.feed(frame(MsgType.HELLO, b"{}", version=7)[:6])
+        decoder.feed(frame(MsgType.HELLO, b"{}", version=other)[:6])
     assert decoder.error_code is ErrorCode.VERSION
-    with pytest.raises(HandshakeError, match="earlier error.*version 7"):
+    with pytest.raises(HandshakeError, match=f"earlier error.*version {other}"):
         decoder.feed(b"")
 
 
@@ -968,3 +969,119 @@ def test_imports_without_pyverbs_or_sockets() -> None:
 def test_struct_header_layout() -> None:
     assert HEADER.format == "!4sHHI"
     assert HEADER_SIZE == struct.calcsize("!4sHHI") == 12
+
+
+# --------------------------------------------------------------------------- control frames
+
+
+def _region(i: int, name_len: int = 128) -> RemoteRegion:
+    return RemoteRegion(
+        addr=0x10000 + i * 4096, length=4096, rkey=i + 1, access=6, name=f"{i:0{name_len}d}"
+    )
+
+
+def _apply(frames: list[bytes], start: dict[tuple[int, int], RemoteRegion]) -> set[tuple[int, int]]:
+    held = dict(start)
+    for f in frames:
+        msg = wire.decode(f, max_payload=wire.CONTROL_MAX_PAYLOAD)
+        assert isinstance(msg, wire.Regions)
+        for r in msg.remove:
+            held.pop((r.rkey, r.addr), None)
+        for r in msg.add:
+            held[(r.rkey, r.addr)] = r
+    return set(held)
+
+
+@pytest.mark.parametrize("n_add, n_remove", [(1, 0), (0, 1), (4096, 0), (0, 4096), (3000, 1096)])
+def test_regions_frames_fit_a_control_frame_and_change_the_same(n_add: int, n_remove: int) -> None:
+    regions = [_region(i) for i in range(n_add + n_remove)]
+    add, remove = tuple(regions[:n_add]), tuple(regions[n_add:])
+    frames = wire.regions_frames(add, remove)
+    sizes = [len(f) - HEADER_SIZE for f in frames]
+    assert max(sizes) <= wire.CONTROL_MAX_PAYLOAD, max(sizes)
+    whole = wire.encode(wire.Regions(add=add, remove=remove))
+    assert (len(frames) == 1) == (len(whole) - HEADER_SIZE <= wire.CONTROL_MAX_PAYLOAD)
+    start = {(r.rkey, r.addr): r for r in remove}
+    assert _apply(frames, start) == {(r.rkey, r.addr) for r in add}
+
+
+def test_regions_frames_a_region_too_large_alone_raises() -> None:
+    with pytest.raises(HandshakeError, match="exceeds max_payload=64"):
+        wire.regions_frames((_region(1),), max_payload=64)
+
+
+def test_decoder_limit_refuses_larger_frames_from_then_on() -> None:
+    big = wire.encode(wire.Regions(add=tuple(_region(i) for i in range(200))))
+    assert len(big) - HEADER_SIZE > wire.CONTROL_MAX_PAYLOAD
+    dec = wire.Decoder()
+    dec.limit(wire.CONTROL_MAX_PAYLOAD)
+    with pytest.raises(HandshakeError, match=f"max_payload={wire.CONTROL_MAX_PAYLOAD}"):
+        dec.feed(big)
+    assert dec.error_code == wire.ErrorCode.MALFORMED
+
+
+def test_decoder_limit_fails_a_frame_already_announced_larger() -> None:
+    big = wire.encode(wire.Regions(add=tuple(_region(i) for i in range(200))))
+    dec = wire.Decoder()
+    assert dec.feed(big[:100]) == []
+    with pytest.raises(HandshakeError, match="more than max_payload"):
+        dec.limit(wire.CONTROL_MAX_PAYLOAD)
+    with pytest.raises(HandshakeError, match="unusable"):
+        dec.feed(b"")
+
+
+def test_decoder_limit_only_lowers() -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        wire.Decoder(max_payload=1024).limit(2048)
+
+
+def _apply_each(
+    held: dict[tuple[int, int], RemoteRegion],
+    changes: list[tuple[tuple[RemoteRegion, ...], tuple[RemoteRegion, ...]]],
+) -> dict[tuple[int, int], RemoteRegion]:
+    """A receiver's view after each change in turn: removals first, then additions."""
+    held = dict(held)
+    for add, remove in changes:
+        for r in remove:
+            held.pop((r.rkey, r.addr), None)
+        for r in add:
+            held[(r.rkey, r.addr)] = r
+    return held
+
+
+# Regions over a few (rkey, addr) keys, some keys with two different regions (another
+# length or name), so changes collide.
+_POOL = [
+    RemoteRegion(addr=0x1000 * (k % 3), length=4096 * v, rkey=k, access=6, name=f"k{k}v{v}")
+    for k in range(1, 7)
+    for v in (1, 2)
+]
+_CHANGE = st.tuples(
+    st.lists(st.sampled_from(_POOL), max_size=4).map(
+        lambda rs: tuple({(r.rkey, r.addr): r for r in rs}.values())
+    ),
+    st.lists(st.sampled_from(_POOL), max_size=4).map(
+        lambda rs: tuple({(r.rkey, r.addr): r for r in rs}.values())
+    ),
+)
+
+
+@given(start=st.lists(st.sampled_from(_POOL)), changes=st.lists(_CHANGE, max_size=12))
+def test_region_changes_merged_leave_the_receiver_where_each_would(
+    start: list[RemoteRegion],
+    changes: list[tuple[tuple[RemoteRegion, ...], tuple[RemoteRegion, ...]]],
+) -> None:
+    held = {(r.rkey, r.addr): r for r in start}
+    pending = wire.RegionChanges()
+    for add, remove in changes:
+        pending.note(add, remove)
+    assert len(pending) <= len({(r.rkey, r.addr) for a, d in changes for r in a + d})
+    add, remove = pending.take()
+    assert len(pending) == 0 and pending.take() == ((), ())
+    frames = wire.regions_frames(add, remove) if add or remove else []
+    got = dict(held)
+    for f in frames:
+        msg = wire.decode(f, max_payload=wire.CONTROL_MAX_PAYLOAD)
+        assert isinstance(msg, wire.Regions)
+        got = _apply_each(got, [(msg.add, msg.remove)])
+    assert got == _apply_each(held, changes)
