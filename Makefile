@@ -4,7 +4,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 PY := $(BIN)/python
 HIXL := $(BIN)/hixl
 
-.PHONY: pyc soak setup test test-unit test-registry test-rdma wheel-check test-hosts test-fleet test-fleet-demo test-fleet-cases check demo bench bench-smoke bench-peers
+.PHONY: ffi pyc soak setup test test-unit test-registry test-rdma wheel-check test-hosts test-fleet test-fleet-demo test-fleet-cases check demo bench bench-smoke bench-peers
 
 ## setup: system packages (and the VM path if the kernel lacks rdma_rxe), then .venv
 setup:
@@ -20,6 +20,11 @@ test-unit:
 # Starts its own etcd (Debian etcd-server) per test on free ports; never the system one.
 test-registry:
 	HIXL_REQUIRE_ETCD=1 $(PY) -m pytest -p no:cacheprovider tests/registry -q
+
+## ffi: regenerate hixl/verbs/_ffi_tables.py, cffi's prebuilt tables for the verbs declarations
+##   (run after editing CDEF in hixl/verbs/_ffi.py; a unit test fails until then)
+ffi:
+	$(PY) -c 'from hixl.verbs._ffi import write_tables; write_tables("hixl/verbs/_ffi_tables.py")'
 
 # Bytecode for the VM stages: the VM sees this checkout read-only, so a module without a
 # .pyc would be compiled again by every Python process there (seconds each under emulation).

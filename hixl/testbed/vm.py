@@ -128,6 +128,16 @@ class GuestSpec:
             raise VMError(f"guest name must be 1-32 of [A-Za-z0-9_.-], not {self.name!r}")
 
 
+#: A second, read-only 9p export of the host's root under its own tag: the guest mounts it
+#: with a page cache and reads Python's directories from there (see
+#: :func:`hixl.testbed.guest._cache_python_dirs`).  virtio-9p serves one mount per tag, so
+#: the root's own tag cannot be mounted a second time.
+CACHED_ROOT_TAG = "hixl-root"
+CACHED_ROOT_OPTS = (
+    "-fsdev local,id=hixlroot,path=/,security_model=none,readonly=on,multidevs=remap "
+    f"-device virtio-9p-pci,fsdev=hixlroot,mount_tag={CACHED_ROOT_TAG}"
+)
+
 #: Exit status reported for a guest the runner stopped because another guest failed.
 STOPPED = 143
 #: The file a guest command writes (via ``HIXL_VM_XDIR``) to have its VM cut off on
@@ -333,7 +343,7 @@ def _launch(
     cmd = _vng_base(vng, kernel, cfg, kvm)
     for d in (xdir, *cfg.rw_dirs):
         cmd += ["--rwdir", str(d)]
-    qemu_opts = list(cfg.extra_qemu_opts)
+    qemu_opts = [CACHED_ROOT_OPTS, *cfg.extra_qemu_opts]
     if spec.net is not None:
         qemu_opts.append(spec.net.qemu_opts())
     if qemu_opts:

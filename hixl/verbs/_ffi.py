@@ -13,7 +13,10 @@ Layout invariants (why the declarations look as they do):
 * ``ibv_post_send``, ``ibv_post_recv`` and ``ibv_poll_cq`` are ``static inline``
   in ``verbs.h``: they call through ``context->ops``, so all 32 slots of
   ``struct ibv_context_ops`` are declared in order (``poll_cq`` sits at
-  context + 96, ``post_send`` at + 208).
+  context + 96, ``post_send`` at + 208).  The four slots hixl calls are declared
+  ``void *`` and cast to their function types (``POLL_CQ`` ... ``POST_RECV``)
+  once per queue: cffi's prebuilt type tables (below) abort on a struct member
+  of function-pointer type.
 * ``pthread_mutex_t``/``pthread_cond_t`` (inside ``ibv_cq``/``ibv_qp``) are
   glibc's 40 and 48 bytes; C enums are ``int``; big-endian typedefs are plain
   unsigned integers of the same width.
@@ -24,6 +27,14 @@ Layout invariants (why the declarations look as they do):
 cffi releases the GIL around every call it makes, including calls through
 function pointers read from a struct, so a long ``post_send`` (rxe runs the
 transfer inside it) never stops other Python threads.
+
+Start-up: parsing the declarations (pycparser) is most of what importing the verbs
+layer costs, about 0.1 s natively and many seconds in an emulated VM, paid by every
+process.  So the parsed types are kept in :mod:`hixl.verbs._ffi_tables`, generated
+from ``CDEF`` by ``make ffi`` (cffi's out-of-line ABI mode: a Python file, nothing
+compiled), and loaded from there.  A unit test checks that those tables describe
+exactly ``CDEF``; where the installed cffi cannot read them, ``CDEF`` is parsed as
+before.
 
 This module is private: :mod:`hixl.verbs.adapter` and :mod:`hixl.verbs.chain` use it.
 """
@@ -63,8 +74,8 @@ struct ibv_context_ops {
     void *bind_mw;
     void *dealloc_mw;
     void *_compat_create_cq;
-    int (*poll_cq)(struct ibv_cq *cq, int num_entries, struct ibv_wc *wc);
-    int (*req_notify_cq)(struct ibv_cq *cq, int solicited_only);
+    void *poll_cq;
+    void *req_notify_cq;
     void *_compat_cq_event;
     void *_compat_resize_cq;
     void *_compat_destroy_cq;
@@ -77,8 +88,8 @@ struct ibv_context_ops {
     void *_compat_query_qp;
     void *_compat_modify_qp;
     void *_compat_destroy_qp;
-    int (*post_send)(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad_wr);
-    int (*post_recv)(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad_wr);
+    void *post_send;
+    void *post_recv;
     void *_compat_create_ah;
     void *_compat_destroy_ah;
     void *_compat_attach_mcast;
@@ -438,8 +449,49 @@ DECLARED_TYPES = (
 
 LIBRARY = "libibverbs.so.1"
 
-ffi = cffi.FFI()
-ffi.cdef(CDEF)
+#: The function types of the ``struct ibv_context_ops`` slots hixl calls.
+POLL_CQ = "int (*)(struct ibv_cq *, int, struct ibv_wc *)"
+REQ_NOTIFY_CQ = "int (*)(struct ibv_cq *, int)"
+POST_SEND = "int (*)(struct ibv_qp *, struct ibv_send_wr *, struct ibv_send_wr **)"
+POST_RECV = "int (*)(struct ibv_qp *, struct ibv_recv_wr *, struct ibv_recv_wr **)"
+
+#: Where ``make ffi`` writes the prebuilt tables (a module of this package).
+TABLES_MODULE = "hixl.verbs._ffi_tables"
+
+
+def parse() -> Any:
+    """A new ``cffi.FFI`` with ``CDEF`` parsed (the slow way; the tables' reference)."""
+    parsed = cffi.FFI()
+    parsed.cdef(CDEF)
+    return parsed
+
+
+def write_tables(path: str) -> None:
+    """Write cffi's out-of-line ABI module for ``CDEF`` to ``path`` (``make ffi``)."""
+    import os
+    import tempfile
+
+    builder = parse()
+    builder.set_source(TABLES_MODULE, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        emitted = os.path.join(tmp, "tables.py")
+        builder.emit_python_code(emitted)
+        with open(emitted, encoding="utf-8") as f:
+            text = f.read()
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("# Generated from CDEF in hixl/verbs/_ffi.py by `make ffi`; do not edit.\n")
+        f.write(text)
+
+
+def _load() -> Any:
+    try:
+        from hixl.verbs._ffi_tables import ffi as prebuilt
+    except Exception:  # noqa: BLE001 - a cffi that cannot read the tables: parse instead
+        return parse()
+    return prebuilt
+
+
+ffi = _load()
 
 _lib: Any = None
 _lib_error: str | None = None

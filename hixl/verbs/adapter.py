@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hixl.errors import ArgumentError, DeviceError, StateError, VerbsError
-from hixl.verbs._ffi import address, ffi, lib
+from hixl.verbs._ffi import POLL_CQ, POST_RECV, POST_SEND, REQ_NOTIFY_CQ, address, ffi, lib
 from hixl.verbs.chain import SEND_SIGNALED, WC_DTYPE, SendChain
 
 __all__ = [
@@ -581,8 +581,8 @@ class CompletionQueue:
             os.set_blocking(self.fd, False)
         self.depth = depth
         ops = cq.context.ops
-        self._poll_fn = ops.poll_cq
-        self._notify_fn = ops.req_notify_cq
+        self._poll_fn = ffi.cast(POLL_CQ, ops.poll_cq)
+        self._notify_fn = ffi.cast(REQ_NOTIFY_CQ, ops.req_notify_cq)
         self._wc_mem: Any = None
         self._wc_view: npt.NDArray[Any] | None = None
         self._wc_one = ffi.new("struct ibv_wc *")
@@ -765,8 +765,8 @@ class QueuePair:
         self.max_send_wr = max_send_wr
         self.max_send_sge = max_send_sge
         ops = qp.context.ops
-        self._post_send_fn = ops.post_send
-        self._post_recv_fn = ops.post_recv
+        self._post_send_fn = ffi.cast(POST_SEND, ops.post_send)
+        self._post_recv_fn = ffi.cast(POST_RECV, ops.post_recv)
         self._bad_send = ffi.new("struct ibv_send_wr **")
         self._bad_recv = ffi.new("struct ibv_recv_wr **")
         self._recv_wr = ffi.new("struct ibv_recv_wr *")

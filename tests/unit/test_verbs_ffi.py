@@ -9,6 +9,7 @@ this test fails, never skips, when they are missing.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -106,3 +107,31 @@ def test_the_known_traps_hold() -> None:
     assert ffi.offsetof("struct ibv_context", "ops", "post_recv") == 216
     assert ffi.sizeof("struct ibv_wc") == 48
     assert ffi.sizeof("struct ibv_sge") == 16
+
+
+def _shape(t: Any) -> Any:
+    """What a type is, all the way down: kind, name, size, and its fields' shapes."""
+    if t.kind in ("struct", "union"):
+        fields = [(n, f.offset, f.bitsize, _shape(f.type)) for n, f in t.fields or ()]
+        return (t.kind, t.cname, ffi.sizeof(t), fields)
+    return (t.kind, t.cname)
+
+
+def test_the_prebuilt_tables_are_in_use_and_describe_exactly_cdef() -> None:
+    from hixl.verbs import _ffi
+    from hixl.verbs._ffi_tables import ffi as prebuilt
+
+    assert _ffi.ffi is prebuilt, "the verbs layer parses CDEF at import: run `make ffi`"
+    parsed = _ffi.parse()
+    for cname in DECLARED_TYPES:
+        assert _shape(prebuilt.typeof(cname)) == _shape(parsed.typeof(cname)), (
+            f"{cname} differs from CDEF: run `make ffi`"
+        )
+    names = re.findall(r"^[\w ]+?[ *](ibv_\w+)\(", _ffi.CDEF, re.M)
+    assert len(names) > 20
+    new, old = prebuilt.dlopen(_ffi.LIBRARY), parsed.dlopen(_ffi.LIBRARY)
+    for name in names:
+        got, want = prebuilt.typeof(getattr(new, name)), parsed.typeof(getattr(old, name))
+        assert got.cname == want.cname, f"{name}: {got.cname} vs {want.cname}: run `make ffi`"
+    for slot in (_ffi.POLL_CQ, _ffi.REQ_NOTIFY_CQ, _ffi.POST_SEND, _ffi.POST_RECV):
+        assert prebuilt.typeof(slot).kind == "function"  # "pointer to function" in cffi

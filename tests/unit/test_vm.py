@@ -364,3 +364,21 @@ def test_frame_hub_drops_rather_than_blocks_when_a_host_does_not_read() -> None:
         hub.close()
         for sock in (sender, slow, fast):
             sock.close()
+
+
+def test_the_guest_caches_only_python_dirs_with_nothing_mounted_below() -> None:
+    from hixl.testbed.guest import dirs_to_cache
+
+    mounts = [
+        ("/dev/root", "/", "9p"),
+        ("overlay", "/usr", "overlay"),
+        ("virtme.initmount0", "/tmp/hixl-vm-x/0-vm", "9p"),
+        ("share", "/work/ci/results", "9p"),
+    ]
+    stdlib, venv, checkout = "/usr/lib/python3.11", "/work/ci/.venv", "/work/ci"
+    # The checkout holds a shared read-write directory: only its venv is bound.
+    assert dirs_to_cache([stdlib, venv, checkout], mounts) == [venv, stdlib]
+    # Without that, the checkout covers its venv.
+    assert dirs_to_cache([stdlib, venv, checkout], mounts[:3]) == [checkout, stdlib]
+    assert dirs_to_cache(["/", "relative"], mounts[:3]) == []
+    assert dirs_to_cache([stdlib], [("/dev/vda", "/", "ext4")]) == []  # not a 9p root
