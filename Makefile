@@ -62,7 +62,7 @@ test-hosts: pyc
 		--host '$(PY) -m pytest -p no:cacheprovider tests/hosts -v -rA --durations=0' \
 		--host '$(PY) tests/hosts/agent.py'
 
-## test-fleet: four VMs on one wire, booted twice (about 10 min under emulation on 2 cores):
+## test-fleet: four VMs on one wire, booted twice (about 7 min under emulation on 2 cores):
 ## test-fleet-demo: the demo: etcd on host0, a 1x1 fleet, then 2 prefill x 2 decode routing
 ##   by announced capacity, with a decode host cut off mid-stream, a worker restarted under the
 ##   same name and etcd stopped for 5 s; every request exactly once, bit-exact; the throughput
