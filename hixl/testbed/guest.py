@@ -21,7 +21,7 @@ from typing import Any
 
 #: Where the cached second view of the guest's 9p root is mounted (/tmp is writable there).
 CACHED_ROOT = "/tmp/.hixl-root"
-CACHED_ROOT_TAG = "hixl-root"  # the tag hixl.testbed.vm exports it under
+CACHED_ROOT_TAG = "hixl-root"  # the 9p tag hixl.testbed.vm exports the root under again
 
 
 def _sh(*args: str) -> None:

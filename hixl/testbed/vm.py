@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO
 
 from hixl.errors import VMError
+from hixl.testbed.guest import CACHED_ROOT_TAG
 
 log = logging.getLogger("hixl.vm")
 
@@ -132,7 +133,6 @@ class GuestSpec:
 #: with a page cache and reads Python's directories from there (see
 #: :func:`hixl.testbed.guest._cache_python_dirs`).  virtio-9p serves one mount per tag, so
 #: the root's own tag cannot be mounted a second time.
-CACHED_ROOT_TAG = "hixl-root"
 CACHED_ROOT_OPTS = (
     "-fsdev local,id=hixlroot,path=/,security_model=none,readonly=on,multidevs=remap "
     f"-device virtio-9p-pci,fsdev=hixlroot,mount_tag={CACHED_ROOT_TAG}"
