@@ -944,7 +944,7 @@ SOAK_FD_BOUND = 4  # descriptors allowed over the warm-up's count
 def test_clients_that_close_are_let_go(server: Engine) -> None:
     """connect -> put -> close by a fresh client engine each cycle: the server lets each go
     within LET_GO_S, and its peers, fds and RSS stay flat (``make soak``: 1000 cycles)."""
-    worst, fds0, rss0 = 0.0, 0, 0
+    worst, fds0, rss0, t0 = 0.0, 0, 0, time.monotonic()
     for i in range(SOAK_CYCLES + SOAK_WARMUP):
         with Engine("127.0.0.1:0") as cli:
             src = cli.register(np.full(4096, i % 251, np.uint8), access=Access.NONE)
@@ -957,11 +957,13 @@ def test_clients_that_close_are_let_go(server: Engine) -> None:
         worst = max(worst, took)
         if i + 1 == SOAK_WARMUP:
             gc.collect()
-            fds0, rss0 = _fds(), rss_bytes()
+            fds0, rss0, t0 = _fds(), rss_bytes(), time.monotonic()
+            print(f"after {SOAK_WARMUP} warm-up cycles: fds {fds0}, RSS {rss0 / 2**20:.1f} MiB")
         elif i >= SOAK_WARMUP and (i + 1 - SOAK_WARMUP) % 100 == 0:  # a long soak shows its way
             print(
-                f"cycle {i + 1 - SOAK_WARMUP}: slowest let-go {worst:.3f} s, "
-                f"fds {_fds() - fds0:+d}, RSS {(rss_bytes() - rss0) / 2**20:+.1f} MiB"
+                f"cycle {i + 1 - SOAK_WARMUP} ({time.monotonic() - t0:.0f} s): peers "
+                f"{len(server.peers)}, slowest let-go {worst:.3f} s, fds {_fds() - fds0:+d}, "
+                f"RSS {(rss_bytes() - rss0) / 2**20:+.1f} MiB"
             )
     gc.collect()
     fds, grown = _fds() - fds0, rss_bytes() - rss0
