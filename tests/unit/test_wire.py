@@ -1085,3 +1085,118 @@ def test_region_changes_merged_leave_the_receiver_where_each_would(
         assert isinstance(msg, wire.Regions)
         got = _apply_each(got, [(msg.add, msg.remove)])
     assert got == _apply_each(held, changes)
+
+
+# A REGIONS payload as encode() writes it is read by a fast path (regular expressions, no
+# JSON hooks); any other by the general one.  Values put in place of a field's: edge
+# values, other literals, names with escapes, control characters or broken UTF-8.
+_LITERALS = [
+    b"0", b"-1", b"1", b"00", b"01", b"-0", b"1.0", b"1e3", b"true", b"null", b'"7"', b"2",
+    b"4294967295", b"4294967296", b"18446744073709551615", b"18446744073709551616",
+    b"9223372036854775808", b"123456789012345678901234", b"6", b"7", b" 6", b"[]",
+    b'""', b'"a\\"b"', b'"\\u0041"', b'"\\n"', b'"\x01"', b'"\x7f"', b'"\xff"', b'"\xc2\xa0"',
+    b'"\xc3\xa9"', b'"\xed\xa0\x80"', b'"\xe2\x80\xa8"', b'"' + b"x" * 129 + b'"', b"6,6",
+]  # fmt: skip
+_SPLICES = st.sampled_from([b" ", b",", b"]", b"[", b"{", b"}", b'"', b":", b"\\", b"0"])
+_plain_names = st.text(st.sampled_from("ab09 ,:[]{}\u00e9\u4e2d"), max_size=8)
+_plain_regions = st.lists(
+    st.builds(
+        RemoteRegion,
+        addr=st.integers(0, 1 << 40),
+        length=st.integers(1, 1 << 20),
+        rkey=u32,
+        access=st.sampled_from([REMOTE_WRITE, REMOTE_READ, REMOTE_WRITE | REMOTE_READ]),
+        name=_plain_names,
+    ),
+    max_size=4,
+)
+
+
+def _region_text(fields: list[tuple[str, bytes]]) -> bytes:
+    return b"{" + b",".join(b'"%s":%s' % (k.encode(), v) for k, v in fields) + b"}"
+
+
+def _payload(add: list[bytes], remove: list[bytes]) -> bytes:
+    return b'{"add":[%s],"remove":[%s]}' % (b",".join(add), b",".join(remove))
+
+
+@st.composite
+def regions_payloads(draw: st.DrawFn) -> bytes:
+    """A REGIONS payload written field by field as encode() would, maybe with one value
+    replaced, a region repeated or a byte spliced in."""
+    lists: list[list[list[tuple[str, bytes]]]] = []
+    for _ in ("add", "remove"):
+        regions = draw(_plain_regions)
+        if regions and draw(st.integers(0, 3)) == 0:
+            regions.append(draw(st.sampled_from(regions)))  # repeated
+        lists.append(
+            [
+                [
+                    (f, json.dumps(getattr(r, f), ensure_ascii=False).encode())
+                    for f in wire._REGION_KEYS
+                ]
+                for r in regions
+            ]
+        )
+    fields = [(region, i) for regions in lists for region in regions for i in range(5)]
+    if fields and draw(st.booleans()):
+        region, i = draw(st.sampled_from(fields))
+        region[i] = (region[i][0], draw(st.sampled_from(_LITERALS)))
+    payload = _payload(*([_region_text(r) for r in regions] for regions in lists))
+    if draw(st.integers(0, 3)) == 0:
+        at = draw(st.integers(0, len(payload)))
+        payload = payload[:at] + draw(_SPLICES) + payload[at + draw(st.integers(0, 2)) :]
+    return payload
+
+
+def _read_both(payload: bytes) -> tuple[Regions | None, Regions | HandshakeError]:
+    """What the fast path and the general path make of ``payload``."""
+    fast = wire._fast_regions(payload)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(wire, "_fast_regions", lambda payload: None)
+        try:
+            general: Regions | HandshakeError = expect(
+                decode(frame(MsgType.REGIONS, payload)), Regions
+            )
+        except HandshakeError as exc:
+            general = exc
+    return fast, general
+
+
+def test_regions_fast_path_with_each_value_replaced() -> None:
+    """Each field of a region, in either list, replaced by each literal in turn: the fast
+    path returns what the general path returns, or nothing."""
+    plain = [
+        (f, json.dumps(v).encode())
+        for f, v in zip(wire._REGION_KEYS, (4096, 8192, 7, 6, "kv"), strict=True)
+    ]
+    taken = 0
+    for where in (0, 1):
+        for i in range(5):
+            for literal in _LITERALS:
+                fields = list(plain)
+                fields[i] = (fields[i][0], literal)
+                lists: list[list[bytes]] = [[], []]
+                lists[where] = [_region_text(fields)]
+                fast, general = _read_both(_payload(*lists))
+                if fast is not None:
+                    assert general == fast, (fields, general)
+                    taken += 1
+    assert taken > 10  # the fast path is not dead
+
+
+@FUZZ
+@given(add=region_tuples, remove=region_tuples, payload=regions_payloads())
+def test_regions_fast_path_reads_what_the_general_path_reads(
+    add: tuple[RemoteRegion, ...], remove: tuple[RemoteRegion, ...], payload: bytes
+) -> None:
+    """The fast path reads what encode() writes; for any payload it returns what the
+    general path returns, or nothing (when the general path refuses it, among others)."""
+    msg = Regions(add=add, remove=remove)
+    if not any("\\" in r.name or '"' in r.name for r in add + remove):
+        assert wire._fast_regions(encode(msg)[HEADER_SIZE:]) == msg
+    fast, general = _read_both(payload)
+    if fast is not None:
+        assert general == fast
+        values = [getattr(r, f) for r in fast.add + fast.remove for f in ("addr", "length", "rkey")]
+        assert all(type(v) is int for v in values)
