@@ -1139,9 +1139,10 @@ def regions_payloads(draw: st.DrawFn) -> bytes:
             ]
         )
     fields = [(region, i) for regions in lists for region in regions for i in range(5)]
-    if fields and draw(st.booleans()):
-        region, i = draw(st.sampled_from(fields))
-        region[i] = (region[i][0], draw(st.sampled_from(_LITERALS)))
+    edit: bool = draw(st.booleans())
+    if fields and edit:
+        edited, i = draw(st.sampled_from(fields))
+        edited[i] = (edited[i][0], draw(st.sampled_from(_LITERALS)))
     payload = _payload(*([_region_text(r) for r in regions] for regions in lists))
     if draw(st.integers(0, 3)) == 0:
         at = draw(st.integers(0, len(payload)))
