@@ -1039,17 +1039,20 @@ CONNECT_SLOWER = 2.0  # most a flood may slow the median connect down, as a rati
 
 
 #: The flooder's send buffer, bytes: a few frames more than the server reads between two
-#: of the flooder's sends, so the server always has a frame waiting, without the kernel's
-#: default of megabytes, which this process (the attacker runs in the victim's process
-#: here, not on its own host) would spend CPU sealing frames the server never reads in
-#: the test's time.
+#: of the flooder's sends, so the server always has a frame waiting.  The attacker runs in
+#: the victim's process here, not on a host of its own: with the kernel's default of
+#: megabytes it would spend this process's CPU sealing frames the server never reads
+#: while the test measures.
 FLOOD_SNDBUF = 16 << 10
 
 
 def _flood_regions(c: Any, stop: threading.Event, sent: list[int]) -> None:
     """Alternately add and remove 2000 regions, sealed, in frames of the largest size a
-    control channel takes, as fast as the socket takes them."""
+    control channel takes, as fast as the socket takes them.  The socket blocks in the
+    kernel while the server does not read (no timeout: a socket with one waits in poll()
+    and send() by turns, which is CPU of this process on some kernels)."""
     c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, FLOOD_SNDBUF)
+    c.sock.settimeout(None)
     sealer = c.sealer()
     regions = tuple(
         wire.RemoteRegion(addr=0x10000 + i * 4096, length=4096, rkey=i + 1, access=6, name=f"r{i}")
