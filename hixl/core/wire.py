@@ -770,6 +770,10 @@ def region_size(region: RemoteRegion) -> int:
     return len(json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")) + 1
 
 
+#: Bytes of the payload of a REGIONS message with no regions: ``{"add":[],"remove":[]}``.
+_EMPTY_REGIONS = len(json.dumps({"add": [], "remove": []}, separators=(",", ":")))
+
+
 def regions_frames(
     add: tuple[RemoteRegion, ...] = (),
     remove: tuple[RemoteRegion, ...] = (),
@@ -777,35 +781,37 @@ def regions_frames(
     max_payload: int = CONTROL_MAX_PAYLOAD,
 ) -> list[bytes]:
     """Encoded REGIONS messages for one change, each payload at most ``max_payload``
-    bytes: one message when it fits, else the removals, then the additions, in as many
-    messages as they need.  Applied in order they leave the receiver where one message
-    would (removals first, then additions).
+    bytes: one message when it fits, else the removals, then the additions, each list
+    packed in order into as few messages as it needs.  Applied in order they leave the
+    receiver where one message would (removals first, then additions).  Each region is
+    encoded once to size it, then once in its message: linear in the regions.
 
     Raises :class:`HandshakeError` if one region alone does not fit.
     """
+    add, remove = tuple(add), tuple(remove)
+    add_sizes = [region_size(r) for r in add]
+    remove_sizes = [region_size(r) for r in remove]
+    # Each list's sizes count one comma per region; a list of k regions has k - 1.
+    whole = _EMPTY_REGIONS + sum(add_sizes) - bool(add) + sum(remove_sizes) - bool(remove)
+    if whole <= max_payload:
+        return [encode(Regions(add=add, remove=remove), max_payload=max_payload)]
     out: list[bytes] = []
-
-    def emit(add: tuple[RemoteRegion, ...], remove: tuple[RemoteRegion, ...]) -> None:
-        try:
-            out.append(encode(Regions(add=add, remove=remove), max_payload=max_payload))
-            return
-        except HandshakeError:
-            if len(add) + len(remove) <= 1:
-                raise
-        if add and remove:
-            emit((), remove)
-            emit(add, ())
-            return
-        half = len(add or remove) // 2
-        if add:
-            emit(add[:half], ())
-            emit(add[half:], ())
-        else:
-            emit((), remove[:half])
-            emit((), remove[half:])
-
-    emit(tuple(add), tuple(remove))
+    for regions, sizes, adding in ((remove, remove_sizes, False), (add, add_sizes, True)):
+        first, used = 0, _EMPTY_REGIONS - 1
+        for i, size in enumerate(sizes):
+            if i > first and used + size > max_payload:
+                part = regions[first:i]
+                out.append(_regions_frame(part, adding, max_payload))
+                first, used = i, _EMPTY_REGIONS - 1
+            used += size
+        if first < len(regions):
+            out.append(_regions_frame(regions[first:], adding, max_payload))
     return out
+
+
+def _regions_frame(regions: tuple[RemoteRegion, ...], adding: bool, max_payload: int) -> bytes:
+    msg = Regions(add=regions) if adding else Regions(remove=regions)
+    return encode(msg, max_payload=max_payload)
 
 
 class RegionChanges:

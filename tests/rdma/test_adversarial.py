@@ -1046,19 +1046,20 @@ CONNECT_SLOWER = 2.0  # most a flood may slow the median connect down, as a rati
 FLOOD_SNDBUF = 16 << 10
 
 
-def _flood_regions(c: Any, stop: threading.Event, sent: list[int]) -> None:
-    """Alternately add and remove 2000 regions, sealed, in frames of the largest size a
-    control channel takes, as fast as the socket takes them.  The socket blocks in the
-    kernel while the server does not read (no timeout: a socket with one waits in poll()
-    and send() by turns, which is CPU of this process on some kernels)."""
-    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, FLOOD_SNDBUF)
-    c.sock.settimeout(None)
-    sealer = c.sealer()
+def _flood_frames() -> list[bytes]:
+    """REGIONS frames that alternately add and remove 2000 regions, each of the largest
+    size a control channel takes."""
     regions = tuple(
         wire.RemoteRegion(addr=0x10000 + i * 4096, length=4096, rkey=i + 1, access=6, name=f"r{i}")
         for i in range(2000)
     )
-    frames = wire.regions_frames(add=regions) + wire.regions_frames(remove=regions)
+    return wire.regions_frames(add=regions) + wire.regions_frames(remove=regions)
+
+
+def _flood_regions(c: Any, frames: list[bytes], stop: threading.Event, sent: list[int]) -> None:
+    """Send ``frames`` over and over, sealed, as fast as the socket takes them."""
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, FLOOD_SNDBUF)
+    sealer = c.sealer()
     with contextlib.suppress(OSError):
         while not stop.is_set():
             c.sock.sendall(sealer.seal(frames[sent[0] % len(frames)]))
@@ -1100,14 +1101,16 @@ def test_regions_flood_from_one_peer_does_not_stall_others(server: Engine) -> No
                 late.connect(server.id, timeout=10)
                 return time.monotonic() - t0
 
+        frames = _flood_frames()  # made before anything is timed (seconds on a slow host)
         quiet = [connect_time() for _ in range(CONNECTS)]
         quiet_notify, quiet_register = _notify_register(server, honest, FLOOD_S)
         flooder = raw_handshake(server.id, "127.0.0.1:0~f100d", server.device.gid)
         assert accepted(flooder), flooder.received
         stop, sent = threading.Event(), [0]
-        worker = threading.Thread(target=_flood_regions, args=(flooder, stop, sent))
+        worker = threading.Thread(target=_flood_regions, args=(flooder, frames, stop, sent))
         worker.start()
         try:
+            _wait(lambda: sent[0] >= 8, 10)  # the server has frames waiting
             time.sleep(0.3)
             notify, register = _notify_register(server, honest, FLOOD_S)
             flooded = [connect_time() for _ in range(CONNECTS)]

@@ -1201,3 +1201,45 @@ def test_regions_fast_path_reads_what_the_general_path_reads(
         assert general == fast
         values = [getattr(r, f) for r in fast.add + fast.remove for f in ("addr", "length", "rkey")]
         assert all(type(v) is int for v in values)
+
+
+@FUZZ
+@given(
+    add=st.lists(st.integers(0, 40), max_size=30),
+    remove=st.lists(st.integers(0, 40), max_size=30),
+    max_payload=st.integers(200, 1200),
+)
+def test_regions_frames_are_packed_in_order_and_fit(
+    add: list[int], remove: list[int], max_payload: int
+) -> None:
+    """Regions with names of random lengths: every frame fits, the frames change the
+    receiver as one message would, and no frame could have taken its list's next region."""
+    adds = tuple(_region(i, n) for i, n in enumerate(add))
+    removes = tuple(_region(100 + i, n) for i, n in enumerate(remove))
+    frames = wire.regions_frames(adds, removes, max_payload=max_payload)
+    assert all(len(f) - HEADER_SIZE <= max_payload for f in frames)
+    start = {(r.rkey, r.addr): r for r in removes}
+    assert _apply_all(frames, start, max_payload) == {(r.rkey, r.addr) for r in adds}
+    msgs = [expect(wire.decode(f, max_payload=max_payload), Regions) for f in frames]
+    if len(frames) > 1:
+        lists = [m.remove or m.add for m in msgs]
+        assert tuple(r for m in msgs for r in m.remove) == removes
+        assert tuple(r for m in msgs for r in m.add) == adds
+        for frame, this, after in zip(frames, lists, lists[1:], strict=False):
+            if (this[0] in adds) == (after[0] in adds):  # the next region went to a new frame
+                grown = len(frame) - HEADER_SIZE + region_size(after[0])
+                assert grown > max_payload, (len(frame), region_size(after[0]))
+
+
+def _apply_all(
+    frames: list[bytes], start: dict[tuple[int, int], RemoteRegion], max_payload: int
+) -> set[tuple[int, int]]:
+    held = dict(start)
+    for f in frames:
+        msg = wire.decode(f, max_payload=max_payload)
+        assert isinstance(msg, wire.Regions)
+        for r in msg.remove:
+            held.pop((r.rkey, r.addr), None)
+        for r in msg.add:
+            held[(r.rkey, r.addr)] = r
+    return set(held)
