@@ -157,10 +157,14 @@ def device_section(
                 "rounds": best.rounds,
                 "perftest_yardstick": perf.winner if perf else None,
                 "perftest_ratio": perf.ratio if perf else None,
+                "perftest_medians_Bps": dict(perf.medians) if perf else {},
                 "build_s": median_of(builds),
             }
             out.append(row)
-            others = ", ".join(f"{k}: {v / 1e6:.1f} MB/s" for k, v in best.medians.items())
+            others = ", ".join(
+                f"{k}: {v / 1e6:.1f} MB/s"
+                for k, v in [*best.medians.items(), *(perf.medians.items() if perf else ())]
+            )
             print(
                 f"{name}: put_blocks of {layers} layers x (K,V) x {blocks} scattered blocks = "
                 f"{nbytes} B in {wrs} WRs of {wr_bytes} B: {h / 1e6:.1f} MB/s "
