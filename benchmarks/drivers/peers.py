@@ -486,11 +486,14 @@ def markdown(data: dict[str, Any]) -> str:
     lines += [
         "",
         f"- Ratios: median over {p['repeat']} repeats of the pair measured back to back in "
-        "this run (order rotated each repeat); higher is better. Rates are context only "
+        "this run (order rotated each repeat); higher is better. `/ ib_write_bw` is against "
+        f"plain `ib_write_bw -t {p['depth']}` (one queue pair, no post list), `/ hixl` against "
+        "hixl's own `put_async` stream or `put` of the same case. Rates are context only "
         "(MB/s = 10^6 bytes/s).",
         f"- In flight: at most {p['depth']} messages (perftest `-t`, hixl `put_async` handles, "
-        "Mooncake two batches of depth/2, hixl (batches) likewise, each batch one "
-        "`put_async` of a block list, NIXL one request per message). `segments` and "
+        "Mooncake as installed two batches of depth/2, Mooncake (tuned) one batch per "
+        "message, as many batches as hixl has handles, hixl (batches) two batches of depth/2, "
+        "each one `put_async` of a block list, NIXL one request per message). `segments` and "
         "`paged` are one request each; perftest moves the same number of same-size messages "
         "there. Each contender's processes are frozen (SIGSTOP) while another is measured.",
         "- CPU: user + system seconds of each process during the stream (`getrusage`); for "
