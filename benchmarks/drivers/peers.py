@@ -115,9 +115,11 @@ class Case:
 
 def contiguous_case(size: int, total: int, span: int) -> Case:
     """``total // size`` messages (at least 8: perftest wants 5) of ``size`` bytes, each at
-    the next offset of ``span`` bytes on both sides (so every message is checked)."""
+    the next offset of ``span`` bytes on both sides (so every message is checked). The
+    span holds at least the 8 messages: a batch of them (one block list for "hixl
+    (batches)", one Mooncake batch) must not write one range twice."""
     n = max(8, total // size)
-    span = max(size, span - span % size)
+    span = max(8 * size, span - span % size)
     segs = [[(i * size) % span, (i * size) % span, size] for i in range(n)]
     covered = min(span, n * size)
     return Case(
