@@ -1057,8 +1057,11 @@ def _flood_frames() -> list[bytes]:
 
 
 def _flood_regions(c: Any, frames: list[bytes], stop: threading.Event, sent: list[int]) -> None:
-    """Send ``frames`` over and over, sealed, as fast as the socket takes them."""
+    """Send ``frames`` over and over, sealed, as fast as the socket takes them.  A send
+    waits as long as the server holds the flooder back (no timeout); shutting the socket
+    down ends it."""
     c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, FLOOD_SNDBUF)
+    c.sock.settimeout(None)
     sealer = c.sealer()
     with contextlib.suppress(OSError):
         while not stop.is_set():
