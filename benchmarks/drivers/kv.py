@@ -23,13 +23,16 @@ memory, as in the engine. The target: software time <= the request's wire time a
 
 With ``--device`` (in the VM: ``hixl run -- ... --device``), the same shape scaled down
 (``--device-layers``, ``--device-blocks``) is moved by ``put_blocks`` between two engines
-on one device, alternating round by round with ``ib_write_bw`` moving the same bytes in
-the same number of work requests of the same size, in every configuration of the C
-yardstick (``benchmarks/common/yardstick.py``: plain, a post list ``-l``, one process
-pair per lane) and ``ib_write_bw -q <lanes>`` (one process, the engine's queue pairs);
-the ratio against the best configuration, paired by round.  Beside each request, the
-engine's own path for the same shape (checks, plan, chain: no device) is timed in the
-same process, which says how much of a request's time is software.
+on one device, alternating round by round with C moving the same bytes in the same number
+of work requests.  The yardstick is ``benchmarks/c/kv_wr.c`` (compiled on first use with
+gcc and libibverbs-dev): one process timed by one clock, on as many queue pairs as the
+engine has lanes, with one SGE per work request and with the request's own SGEs, posting
+from one thread and from one thread per queue pair; the best configuration is named beside
+the ratio.  perftest's figures stay beside it: ``ib_write_bw`` plain, with a post list
+``-l``, one process pair per lane (``benchmarks/common/yardstick.py``) and
+``ib_write_bw -q <lanes>``, each work request one SGE of the same size.  Beside each
+request, the engine's own path for the same shape (checks, plan, chain: no device) is timed
+in the same process, which says how much of a request's time is software.
 
     python benchmarks/bench_kv.py                      # native: cold and warm, both forms
     python benchmarks/bench_kv.py --json results/kv.json --repeat 50

@@ -13,6 +13,7 @@ from ..common import BenchError, fmt_ratio, gather_setup, median, median_of, qui
 TOKENS, HEADS, HEAD_DIM = 16, 8, 128
 DEPTH = 128  # WRs in flight of the C configurations (perftest -t, and -l for the post list)
 LANES = 2  # the engine's queue pairs per connection (Engine(lanes=2), the default)
+C_REPS = 3  # requests per configuration of the one-clock C program in each round (median)
 
 
 def one_process_lanes(size: int, wrs: int, lanes: int) -> Any:
@@ -34,22 +35,33 @@ def device_section(
 ) -> list[dict[str, Any]]:
     """Both forms (all heads; a quarter of them into a 2-head cache) moved by
     ``put_blocks`` with a new scattered block list per request, alternating round by
-    round with ``ib_write_bw`` moving the same bytes in as many WRs of the same size, in
-    every configuration of :func:`~benchmarks.common.yardstick.bw_configs` (plain, a post
-    list, one pair per lane) and :func:`one_process_lanes`; the ratio against the best,
-    paired by round; ``names`` picks the forms and their order.  Each round also times
-    the engine's own path (checks, plan, chain) for a request of the same shape."""
+    round with C moving the same bytes in the same number of work requests:
+
+    * the yardstick, ``benchmarks/c/kv_wr.c`` (:mod:`.kv_c`): one process, one clock, on
+      as many queue pairs as the engine has lanes, one SGE per work request and the
+      request's own SGE shape, one posting thread and one per queue pair, a spinning and
+      a sleeping wait; the best of them;
+    * beside it, ``ib_write_bw`` in every configuration of
+      :func:`~benchmarks.common.yardstick.bw_configs` (plain, a post list, one process
+      pair per lane, their averages added up) and :func:`one_process_lanes`, with work
+      requests of one SGE of the same size.
+
+    The ratios against the best of each, paired by round; ``names`` picks the forms and
+    their order.  Each round also times the engine's own path (checks, plan, chain) for
+    a request of the same shape."""
     from hixl.engine import Engine
     from hixl.testbed.net import free_tcp_port
 
     from ..backends.perftest import Perftest, bw_wall_check, sum_bw
-    from ..common.yardstick import CConfig, against_best, bw_configs
+    from ..common.yardstick import CConfig, bw_configs
+    from . import kv_c
     from .kv import form as kvform
     from .kv import one_request, planner
 
     quiet_logs()
     setup = gather_setup(need_device=True)
     perftest = Perftest(setup["device"], setup["gid_index"])
+    kv_wr = kv_c.build()
     num_blocks = 4 * blocks
     out: list[dict[str, Any]] = []
     server = Engine(f"127.0.0.1:{free_tcp_port()}")
@@ -71,14 +83,18 @@ def device_section(
         server.register_kv("quarter", quarter, block_axis=1, heads_axis=3)
         client.connect(server.id, timeout=30.0)
         forms = [
-            ("full", "full", None, full, TOKENS * HEADS * HEAD_DIM * 2),
-            ("tp4", "quarter", (2, 4), quarter, TOKENS * 2 * HEAD_DIM * 2),
+            ("full", "full", None, full, TOKENS * HEADS * HEAD_DIM * 2, 1),
+            ("tp4", "quarter", (2, 4), quarter, TOKENS * 2 * HEAD_DIM * 2, TOKENS),
         ]
-        for name, remote, heads, dst, wr_bytes in sorted(
+        for name, remote, heads, dst, wr_bytes, sges in sorted(
             (f for f in forms if f[0] in names), key=lambda f: list(names).index(f[0])
         ):
             wrs = layers * 2 * blocks
             nbytes = wrs * wr_bytes
+            # the request's own WR shape: a block's rows of the head range, one SGE each
+            # (a whole block: one SGE), the rows HEADS * HEAD_DIM * 2 B apart on the source
+            row_stride = HEADS * HEAD_DIM * 2 if sges > 1 else wr_bytes
+            wr_shape = kv_c.KVShape(wrs, sges, wr_bytes // sges, row_stride, LANES)
             last: tuple[Any, Any] = (None, None)
 
             def put(remote: str = remote, heads: tuple[int, int] | None = heads) -> float:
@@ -100,7 +116,7 @@ def device_section(
             f = kvform(name, layers, num_blocks)
             plan = planner()
             for i in range(repeat):
-                items: list[CConfig | None] = [None, *configs]
+                items: list[CConfig | str | None] = [None, "kv_wr", *configs]
                 if i % 2:
                     items.reverse()
                 rnd: dict[str, float] = {}
@@ -109,6 +125,11 @@ def device_section(
                         hixl_bps.append(nbytes / put())
                         # the engine's own path alone (checks, plan, chain), same shape
                         builds.append(one_request(f, rng, blocks, num_blocks, plan)[0] / 1e6)
+                        continue
+                    if isinstance(cfg, str):
+                        rnd.update(
+                            kv_c.run(kv_wr, wr_shape, setup["device"], setup["gid_index"], C_REPS)
+                        )
                         continue
                     pr = perftest.run_pairs(
                         cfg.tool, cfg.args, cfg.pairs, check=bw_wall_check(wr_bytes, wrs)
@@ -120,7 +141,7 @@ def device_section(
             for s, d in zip(src, dst, strict=True):
                 if d[:, rids].tobytes() != np.ascontiguousarray(s[:, lids, :, hs]).tobytes():
                     raise BenchError(f"{name}: destination blocks differ from the source")
-            best = against_best(hixl_bps, c_rounds)
+            best, perf = kv_c.yardsticks(hixl_bps, c_rounds)
             h = median([x for x in hixl_bps if x is not None]) or 0.0
             row = {
                 "form": name,
@@ -134,17 +155,26 @@ def device_section(
                 "yardstick": best.winner,
                 "ratio": best.ratio,
                 "rounds": best.rounds,
+                "perftest_yardstick": perf.winner if perf else None,
+                "perftest_ratio": perf.ratio if perf else None,
+                "perftest_medians_Bps": dict(perf.medians) if perf else {},
                 "build_s": median_of(builds),
             }
             out.append(row)
-            others = ", ".join(f"{k}: {v / 1e6:.1f} MB/s" for k, v in best.medians.items())
+            others = ", ".join(
+                f"{k}: {v / 1e6:.1f} MB/s"
+                for k, v in [*best.medians.items(), *(perf.medians.items() if perf else ())]
+            )
             print(
                 f"{name}: put_blocks of {layers} layers x (K,V) x {blocks} scattered blocks = "
                 f"{nbytes} B in {wrs} WRs of {wr_bytes} B: {h / 1e6:.1f} MB/s "
                 f"({nbytes / h * 1e3 if h else 0:.1f} ms per request, of which the engine's "
                 f"own path (checks, plan, chain) {median_of(builds) * 1e3:.1f} ms); C ({others}); "
-                f"against the best ({best.winner}, same bytes and WR count): "
-                f"{fmt_ratio(best.ratio)} (median of {best.rounds} paired rounds)",
+                f"against the best one-clock C ({best.winner}, same bytes and WR count): "
+                f"{fmt_ratio(best.ratio)}; against the best perftest configuration "
+                f"({perf.winner if perf else '-'}): "
+                f"{fmt_ratio(perf.ratio) if perf else '-'} (medians of {best.rounds} paired "
+                "rounds)",
                 flush=True,
             )
     finally:

@@ -115,9 +115,11 @@ class Case:
 
 def contiguous_case(size: int, total: int, span: int) -> Case:
     """``total // size`` messages (at least 8: perftest wants 5) of ``size`` bytes, each at
-    the next offset of ``span`` bytes on both sides (so every message is checked)."""
+    the next offset of ``span`` bytes on both sides (so every message is checked). The
+    span holds at least the 8 messages: a batch of them (one block list for "hixl
+    (batches)", one Mooncake batch) must not write one range twice."""
     n = max(8, total // size)
-    span = max(size, span - span % size)
+    span = max(8 * size, span - span % size)
     segs = [[(i * size) % span, (i * size) % span, size] for i in range(n)]
     covered = min(span, n * size)
     return Case(
@@ -486,11 +488,14 @@ def markdown(data: dict[str, Any]) -> str:
     lines += [
         "",
         f"- Ratios: median over {p['repeat']} repeats of the pair measured back to back in "
-        "this run (order rotated each repeat); higher is better. Rates are context only "
+        "this run (order rotated each repeat); higher is better. `/ ib_write_bw` is against "
+        f"plain `ib_write_bw -t {p['depth']}` (one queue pair, no post list), `/ hixl` against "
+        "hixl's own `put_async` stream or `put` of the same case. Rates are context only "
         "(MB/s = 10^6 bytes/s).",
         f"- In flight: at most {p['depth']} messages (perftest `-t`, hixl `put_async` handles, "
-        "Mooncake two batches of depth/2, hixl (batches) likewise, each batch one "
-        "`put_async` of a block list, NIXL one request per message). `segments` and "
+        "Mooncake as installed two batches of depth/2, Mooncake (tuned) one batch per "
+        "message, as many batches as hixl has handles, hixl (batches) two batches of depth/2, "
+        "each one `put_async` of a block list, NIXL one request per message). `segments` and "
         "`paged` are one request each; perftest moves the same number of same-size messages "
         "there. Each contender's processes are frozen (SIGSTOP) while another is measured.",
         "- CPU: user + system seconds of each process during the stream (`getrusage`); for "

@@ -6,8 +6,9 @@ no RDMA device runs, natively (no VM), in well under a minute.
 * ``bench_plan`` on a small workload and ``bench_overhead --no-device`` (pure planning),
   ``bench_kv --quick`` (a request's KV blocks: checks, plan and chain, natively),
   then ``run_all --report`` on that JSON (tables and plot, into a temporary directory);
-* ``bench_transfer``, ``bench_layer`` and ``bench_fair``: without a device each must stop
-  at once with one clear line naming the missing device (exit 2); with one, a tiny run;
+* ``bench_transfer``, ``bench_layer``, ``bench_fair`` and ``bench_kv --device``: without
+  a device each must stop at once with one clear line naming the missing device (exit 2);
+  with one, a tiny run;
 * ``bench_cold`` on its null device (two fresh processes);
 * ``bench_peers --list``: the peers' install plan, without installing anything.
 
@@ -121,6 +122,11 @@ def checks(tmp: Path) -> list[tuple[str, list[str], float, Sequence[int], str]]:
     kv = [py, str(ENTRY_DIR / "bench_kv.py"), "--quick", "--layers", "4", "--num-blocks", "256"]
     out.append(("bench_kv --quick (native)", kv, 120, (0,), "100G target"))
     device = _have_device()
+    kvdev = [*kv, "--device", "--device-only", "--device-layers", "1", "--device-blocks", "4"]
+    if device:
+        out.append(("bench_kv --device, one round (device present)", kvdev, 600, (0,), "C"))
+    else:
+        out.append(("bench_kv --device without a device", kvdev, 60, (2,), "no usable RDMA"))
     for name in ("bench_transfer", "bench_layer"):
         cmd = [py, str(ENTRY_DIR / f"{name}.py"), "--quick"]
         if device:

@@ -70,7 +70,10 @@ CHAIN_WRS_PER_KEY = 4096  # WRs of idle chains kept for one layout (at least 4 c
 POSTED_BATCHES = 64  # posted batches whose chains wait to be pooled (older ones are dropped)
 SIZED_KEYS = 64  # layouts remembered per chain size for refilling (older ones are dropped)
 SIZED_SIZES = 256  # chain sizes indexed for refilling (the index starts over past this)
-CHAIN_RESERVE = 2 << 20  # bytes of chain memory touched when the engine is made
+# Bytes of chain memory touched when the engine is made: room for the blank chain below
+# (8192 WRs and SGEs: 1.1 MiB) and beside it one more chain of 1.5 MiB, e.g. a 32-layer
+# KV request of 64 blocks with a quarter of the heads (4096 WRs, 65536 SGEs).
+CHAIN_RESERVE = 4 << 20
 CHAIN_BLANK = 8192  # WRs (and SGEs) of the chain formatted in that memory when the engine is made
 
 

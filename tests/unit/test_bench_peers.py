@@ -30,6 +30,15 @@ def test_contiguous_stream_walks_the_span_and_checks_every_message() -> None:
     assert peers.contiguous_case(1 << 20, 2 << 20, 2 << 20).messages == 8
 
 
+def test_a_stream_padded_to_eight_messages_writes_each_range_once() -> None:
+    # 2 MiB of 1 MiB messages is padded to 8 messages: they must not wrap onto each other
+    # (a batch of them is one block list, which may not write a range twice)
+    case = peers.contiguous_case(1 << 20, 2 << 20, 2 << 20)
+    dsts = [s[1] for s in case.segments]
+    assert len(set(dsts)) == len(dsts) == 8
+    assert case.dst_ranges == [[0, 8 << 20]] and peers.buffer_bytes([case]) == 8 << 20
+
+
 def test_segment_layer_is_8192_separate_256_byte_pieces() -> None:
     case = peers.segments_case(8192, 256)
     assert case.messages == 8192 and case.nbytes == 8192 * 256 and case.mode == "request"

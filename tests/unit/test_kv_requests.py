@@ -175,3 +175,50 @@ def test_a_failed_request_reports_the_blocks_its_completed_groups_carried() -> N
     h2 = BlocksHandle(inner2, "req-4", [9, 7, 5, 3], [0, 2, 4, 6], req.plan, [first, second])
     inner2.finish(ConnectionFailed("connection to peer-1 failed"))
     assert h2.error.landed_remote_blocks == [0, 2, 4, 6]  # type: ignore[union-attr]
+
+
+def test_a_large_head_range_request_takes_its_chain_from_the_engines_reserve() -> None:
+    """A 32-layer request of 64 blocks with a quarter of the heads (4096 WRs, 65536 SGEs)
+    made right after the engine's planner: its chain fits the touched reserve beside the
+    blank chain, so the first such request pays no page faults for new heap memory."""
+    from hixl.engine.datapath import Planner
+
+    limits = DeviceLimits()
+    layers, blocks, rows, head_dim = 32, 128, 16, 128
+
+    def cache(heads: int) -> KVGeometry:
+        shape = (2, blocks, rows, heads, head_dim)
+        step, out = 2, []
+        for n in reversed(shape):
+            out.append(step)
+            step *= n
+        strides = tuple(reversed(out))
+        return KVGeometry(
+            region_lengths=(step,) * layers,
+            tensors=tuple(
+                TensorGeometry(
+                    dtype="float16",
+                    itemsize=2,
+                    shape=shape,
+                    strides=strides,
+                    region=k,
+                    block_axis=1,
+                    heads_axis=3,
+                )
+                for k in range(layers)
+            ),
+        )
+
+    plan = Planner(limits, 64)
+    try:
+        assert plan.memory.heap_blocks == 0
+        ids = np.arange(0, 2 * 64, 2)  # 64 blocks, none adjacent: no runs to merge
+        chain, *_ = build_request(
+            Op.WRITE, cache(8), [(1 << 40, 1)] * layers, cache(2), [(1 << 41, 2)] * layers,
+            ids, ids[::-1].copy(), tensors=None, heads=(2, 4), remote_heads=None,
+            limits=limits, memory=plan.memory,
+        )  # fmt: skip
+        assert (chain.num_wrs, chain.num_sges) == (4096, 65536)
+        assert plan.memory.heap_blocks == 0, repr(plan.memory)
+    finally:
+        plan.close()
