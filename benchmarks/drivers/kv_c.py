@@ -173,6 +173,8 @@ def build(source: Path = SOURCE, compiler: str = "gcc") -> Path:
                 )
             tmp.replace(d / name)
             return d / name
+        except subprocess.TimeoutExpired as exc:
+            raise BenchError(f"compiling {source.name} took over 300 s") from exc
         except OSError as exc:  # a read-only cache: try the next place
             last = str(exc)
     raise BenchError(f"no writable directory for the compiled C yardstick: {last}")

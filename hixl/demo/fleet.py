@@ -736,9 +736,9 @@ seconds.  The lease ends TTL after its last refresh, which comes at most a momen
 the order (the host's process is frozen as soon as it sees the order); etcd looks for
 expired leases every 0.5 s, then revokes the lease through its log and sends the event
 to the watches, on host0, which shares two emulated CPUs with three other VMs.  Seen
-from the order: 2.9 and 3.2 s on 2026-11-30; 4.07, 4.18, 4.82 and 4.86 s on 2026-12-01
-(a directly read key vanished with the watch's event, so the time is etcd's).  The limit
-still tells a leave from a 10 s connect timeout."""
+from the order in the four-host VM fleet: 2.9 to 4.9 s (a directly read key vanished with
+the watch's event, so the time is etcd's).  The limit still tells a leave from a 10 s
+connect timeout."""
 
 
 def cut_timeline(prefill: dict[str, Any], victim: str, cut: float | None) -> dict[str, Any]:

@@ -384,7 +384,9 @@ class Engine(TransferCalls):
         restart), the old connection is closed and replaced; while the registry cannot be
         reached, a ready connection made earlier by that name is returned as it is.
 
-        Returns the existing connection when one is ready.  Raises only
+        Returns once the peer holds the connection live and has granted notification
+        credits (it lists us in its :attr:`peers`), or the existing connection when one is
+        ready.  Raises only
         :class:`~hixl.HixlError` subclasses: :class:`ConnectionFailed` when nothing
         answers, the connection breaks or the peer refuses (ALREADY_CONNECTED, LIMIT such
         as its ``max_peers``, or BUSY until ``timeout``; the peer's reason is in the

@@ -258,8 +258,29 @@ class Peers:
                 self.fail(conn, reason)
             self._poster.wake_if_due()
             raise ConnectionFailed(f"connection to {peer} failed: {reason}")
+        self._await_grant(conn, deadline, timeout)
         log.debug("connected to %r", conn)
         return conn
+
+    def _await_grant(self, conn: Connection, deadline: float, timeout: float) -> None:
+        """Wait for the peer's first CREDIT on a new connection.  The peer sends it once it
+        has indexed the connection, so when :meth:`connect` returns the peer knows us and
+        a notification can be sent at once.  On ``deadline`` the connection is failed and
+        :class:`TransferTimeout` raised; the connection's own error if it fails meanwhile."""
+        with self.lock:
+            while conn.credit_grant == 0:
+                self.check_open()
+                conn.check_ready()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.credit_cv.wait(left)
+            else:
+                return
+            reason = f"{conn.peer} did not confirm the connection within {timeout} s"
+            self.fail(conn, reason)
+        self._poster.wake_if_due()
+        raise TransferTimeout(f"connect to {conn.peer}: {reason}")
 
     def connection(self, peer: str, names: Names | None) -> Connection:
         """:meth:`Engine.connection` (see there)."""

@@ -23,6 +23,8 @@ from hixl.errors import (
 )
 from hixl.testbed.net import free_tcp_port
 
+from .conftest import listening_engine
+
 RW = Access.REMOTE_READ | Access.REMOTE_WRITE
 
 
@@ -218,6 +220,18 @@ def test_connect_where_nothing_listens_fails_in_time() -> None:
         with pytest.raises((ConnectionFailed, TransferTimeout)):
             e.connect(f"127.0.0.1:{free_tcp_port()}", timeout=5)
         assert time.monotonic() - t0 < 6
+
+
+def test_connect_returns_once_the_peer_holds_the_connection() -> None:
+    """When connect() returns, the server has the connection live: its peers list us and
+    a notification goes out at once; for every one of 8 fresh clients."""
+    with listening_engine() as server:
+        for i in range(8):
+            with Engine("127.0.0.1:0") as client:
+                client.connect(server.id, timeout=30)
+                assert client.id in server.peers, f"client {i}: server has {server.peers}"
+                client.notify(server.id, f"hello-{i}", timeout=30)
+            assert server.wait_notification(f"hello-{i}", timeout=30).peer == client.id
 
 
 def test_token_mismatch_gets_no_keys() -> None:

@@ -85,7 +85,7 @@ def test_a_give_up_just_after_a_late_leave_is_in_time() -> None:
 
 
 def test_a_leave_seen_past_ttl_plus_one_second_is_in_time() -> None:
-    # Seen on 2026-12-01: the lease left +4.07 s (a CI run) and +4.86 s after the order
+    # Leaves seen in the VM fleet: the lease left +4.07 s and +4.86 s after the order
     # (etcd looks for expired leases every 0.5 s and revokes them through its log, on a
     # VM that shares two emulated CPUs with three others).
     assert cut_in_time([_row(4.07, -0.21, 4.08), _row(0.0, -5.14, None)])
