@@ -480,7 +480,7 @@ def markdown(data: dict[str, Any]) -> str:
         state = (
             "ran" if c.get("ran") else f"NOT run: {(c.get('error') or '').splitlines()[0][:120]}"
         )
-        crows.append([_title(c["name"]), str(c.get("version")), c.get("where", ""), env, state])
+        crows.append([_title(c["name"]), str(c.get("version")), _where(c["name"]), env, state])
     lines.append(
         markdown_table(["contender", "version", "environment", "env needed", "status"], crows)
     )
@@ -505,6 +505,12 @@ def markdown(data: dict[str, Any]) -> str:
         "payload in every stream.",
     ]
     return "\n".join(lines)
+
+
+def _where(name: str) -> str:
+    """Which venv a contender runs in: hixl's own (both ways of driving it), else the
+    peers'."""
+    return "project venv" if name in ("hixl", "hixl-batches") else PEERS_VENV.name
 
 
 def _title(name: str) -> str:
@@ -768,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ran": c.error is None,
                 "error": c.error,
                 "env": c.env,
-                "where": "project venv" if c.name == "hixl" else f"{PEERS_VENV.name}",
+                "where": _where(c.name),
                 "python": c.python,
             }
             for c in contenders

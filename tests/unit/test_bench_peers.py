@@ -133,6 +133,16 @@ def test_summary_pairs_each_repeat_and_the_report_names_failures() -> None:
     assert "| 4 KiB | 100 µs | 300 µs | 3.00× |" in md
 
 
+def test_the_report_places_both_hixl_contenders_in_the_project_venv() -> None:
+    data = _data([])
+    data["contenders"].insert(
+        1, {"name": "hixl-batches", "version": "0.1.0", "ran": True, "env": {}, "where": "?"}
+    )
+    md = peers.markdown(data)
+    assert "| hixl (batches) | 0.1.0 | project venv |" in md
+    assert "| Mooncake TE | 0.3.13.post1 | .venv-peers |" in md
+
+
 def test_a_byte_mismatch_shows_in_the_report() -> None:
     ms = [_m(0, "perftest", 10.0), _m(0, "hixl", 5.0, bytes_ok=False), _m(0, "mooncake", 5.0)]
     md = peers.markdown(_data(ms))
