@@ -55,8 +55,8 @@ def device_section(
     from ..backends.perftest import Perftest, bw_wall_check, sum_bw
     from ..common.yardstick import CConfig, bw_configs
     from . import kv_c
-    from .kv import form as kvform
-    from .kv import one_request, planner
+    from .kv_request import form as kvform
+    from .kv_request import one_request, planner
 
     quiet_logs()
     setup = gather_setup(need_device=True)
