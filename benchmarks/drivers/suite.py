@@ -240,19 +240,27 @@ def render(
     plot_name: str | None,
     run_dir: Path,
     peers_plot: str | None = None,
+    *,
+    commit: bool = True,
 ) -> str:
-    """The report in markdown: header, verdicts, one table per section, commands."""
+    """The report in markdown: header, verdicts, one table per section, commands.  The
+    checkout's commit is named only with ``commit`` (the run's own results.md; the copy
+    in docs/ leaves it to the raw results)."""
     first = next(iter(data.values()))
     setup = first["setup"]
     date = setup["date_utc"].replace("T", " ").replace("+00:00", " UTC")
+    named = f", commit `{setup.get('commit')}`" if commit else ""
+    block = _setup_block(setup, host)
+    if not commit:
+        block = re.sub(r"\s+commit \S+", "", block)
     parts = [
         f"Measured {date} on {setup.get('where')} (kernel {setup.get('kernel')}, "
-        f"{setup.get('cpus')} CPUs), commit `{setup.get('commit')}`. Command: `{invocation}`; "
+        f"{setup.get('cpus')} CPUs){named}. Command: `{invocation}`; "
         f"raw results: `{_rel(run_dir)}/` (not in git).",
         "",
         "Setup:",
         "",
-        _setup_block(setup, host),
+        block,
         "",
     ]
     verdicts = _verdicts(data)
@@ -463,7 +471,7 @@ def report(run_dir: Path, docs: Path | None, invocation: str) -> int:
             if have_plot:
                 plot_name = docs.with_suffix(".png").name
                 shutil.copyfile(png, docs.with_suffix(".png"))
-            update_docs(docs, render(main, host, invocation, plot_name, run_dir))
+            update_docs(docs, render(main, host, invocation, plot_name, run_dir, commit=False))
         if peers:
             peers_name = None
             if have_peers_plot:
@@ -472,7 +480,7 @@ def report(run_dir: Path, docs: Path | None, invocation: str) -> int:
                 peers_name = target.name
             update_docs(
                 docs,
-                render(peers, host, invocation, None, run_dir, peers_name),
+                render(peers, host, invocation, None, run_dir, peers_name, commit=False),
                 PEERS_BEGIN,
                 PEERS_END,
                 "## Beside the peers: latest results",

@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks import common
 from benchmarks.backends import perftest
+from benchmarks.drivers import suite
 from benchmarks.drivers import transfer as bt
 from hixl.testbed import net
 
@@ -441,3 +442,23 @@ def test_ceiling_probe_refuses_a_tree_that_is_not_a_checkout(tmp_path: Path) -> 
     )
     assert out.returncode == 2
     assert "not a hixl checkout" in out.stderr
+
+
+def test_the_report_copied_into_the_docs_names_no_commit() -> None:
+    setup = {
+        "date_utc": "2026-01-01T00:00:00+00:00",
+        "commit": "0123456789ab",
+        "where": "host",
+        "kernel": "6.1",
+        "cpus": 2,
+        "cpu_model": "x",
+        "python": "3.11",
+        "numpy": "2",
+        "perftest": "6",
+    }
+    data = {"build": {"setup": setup, "rows": []}}
+    own = suite.render(data, {}, "python x", None, Path("/tmp/r"))
+    docs = suite.render(data, {}, "python x", None, Path("/tmp/r"), commit=False)
+    assert "0123456789ab" in own
+    assert "0123456789ab" not in docs and "commit" not in docs
+    assert "Measured 2026-01-01 00:00:00 UTC on host" in docs
