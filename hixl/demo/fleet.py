@@ -47,32 +47,39 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-import numpy as np
-import numpy.typing as npt
-
+from hixl.demo.fleet_report import (
+    LEAVE_GRACE_S,
+    LEAVE_LIMIT_S,
+    check_results,
+    cut_in_time,
+    cut_timeline,
+    etcd_warnings,
+    format_fleet,
+    format_fleet_hosts,
+    hosts_summary,
+)
+from hixl.demo.fleet_workers import request_prompt, run_fleet_decode, run_fleet_prefill
 from hixl.demo.kvdemo import (
-    DemoConfig,
-    PagedKV,
-    TinyLM,
     _child_env,
     add_model_options,
     config_from_args,
-    kv_digest,
-    layer_descriptors,
-    paged_layout,
-    source_layout,
-    source_view,
 )
-from hixl.demo.router import Ledger, choose
-from hixl.errors import ArgumentError, ConnectionFailed, HixlError, TransferTimeout
+from hixl.demo.kvmodel import DemoConfig
+from hixl.errors import ArgumentError, HixlError, TransferTimeout
 
 __all__ = [
     "FLEET_CONFIG",
+    "LEAVE_GRACE_S",
+    "LEAVE_LIMIT_S",
     "TOKEN_ENV",
     "check_results",
+    "cut_in_time",
     "cut_timeline",
+    "etcd_warnings",
     "fleet_token",
+    "format_fleet",
     "request_prompt",
+    "run_fleet_prefill",
     "run_fleet",
     "run_fleet_hosts",
 ]
@@ -81,12 +88,6 @@ Emit = Callable[[str], None]
 
 FLEET_CONFIG = DemoConfig(layers=4, heads=4, head_dim=64, d_model=64, tokens=48, gen_tokens=6)
 """A small model: under emulation a request costs a fraction of a second of compute."""
-
-
-def request_prompt(cfg: DemoConfig, request: int) -> npt.NDArray[np.int64]:
-    """Request ``request``'s prompt: the configured text, rotated so every request differs."""
-    base = cfg.prompt_tokens()
-    return np.roll(base, -(7 * request) % base.size)
 
 
 TOKEN_ENV = "HIXL_FLEET_TOKEN"
@@ -117,203 +118,6 @@ def _wait_file(path: str, seconds: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def _msg(note: Any) -> dict[str, Any]:
-    try:
-        doc = json.loads(note.message)
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict):
-        raise HixlError(f"malformed {note.name!r} message from {note.peer}")
-    return doc
-
-
-# -- decode ---------------------------------------------------------------------------------
-
-
-def run_fleet_decode(
-    cfg: DemoConfig,
-    name: str,
-    listen: str,
-    url: str,
-    slots: int,
-    seconds: float,
-    emit: Emit,
-    *,
-    stop_file: str | None = None,
-    vanish_file: str | None = None,
-    restart_after: int | None = None,
-    restart_file: str | None = None,
-    role: str = "decode",
-    scratch: int = 0,
-    token: str | None = None,
-) -> dict[str, Any]:
-    """A decode worker; serves until SIGTERM, ``stop_file`` exists, or ``seconds``.
-
-    With ``vanish_file`` (multi-host runs only) its host is cut off as soon as that file
-    exists (looked at every 20 ms by a thread of its own, and again before each answer,
-    so a request whose KV arrives after the order is never answered; the process is
-    frozen at once): a host lost mid-stream. With
-    ``restart_after`` the worker restarts once after serving that many requests (with
-    ``restart_file``, once that file exists): its engine closes and a new one comes up
-    under the same name and address (a new process, as far as peers can tell). While the
-    registry is unreachable, capacity updates are kept and made when it is back.
-    ``scratch`` bytes more are registered as region ``"scratch"`` (remote write), for
-    tests that stream into a worker. Returns what it served."""
-    from hixl.engine import Access, ConnState, Engine
-    from hixl.errors import RegistryUnavailable
-
-    model = TinyLM(cfg)
-    bn = cfg.blocks_needed
-    dst = paged_layout(cfg, slots * bn, cfg.block_size)
-    cache = np.zeros(dst.nbytes, dtype=np.uint8)
-    local_layout = paged_layout(cfg, bn, cfg.block_size)
-    spare = np.zeros(scratch, dtype=np.uint8) if scratch else None
-    stop = threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    served: list[dict[str, Any]] = []
-    end = time.monotonic() + seconds
-
-    def start_engine() -> Engine:
-        while True:
-            try:
-                eng = Engine(
-                    listen, name=name, role=role, capacity=slots, registry=url, token=token
-                )
-            except (RegistryUnavailable, OSError) as exc:
-                if time.monotonic() > end:
-                    raise
-                emit(f"cannot start yet ({exc}); retrying")
-                time.sleep(0.5)
-                continue
-            eng.register(cache, access=Access.REMOTE_WRITE, name="kv")
-            if spare is not None:
-                eng.register(spare, access=Access.REMOTE_WRITE, name="scratch")
-            emit(f"ready: {name} at {eng.id}, {slots} slots of {bn} blocks")
-            return eng
-
-    def set_capacity(eng: Engine, free: int) -> None:
-        try:
-            eng.set_capacity(free)
-        except RegistryUnavailable as exc:
-            emit(f"capacity {free} kept for later: {exc}")
-
-    eng = start_engine()
-    restarted = False
-    free = list(range(slots))
-    owner: dict[int, tuple[str, int, int]] = {}
-    next_check = 0.0
-    vanishing = threading.Lock()
-
-    def vanish_if_ordered() -> None:
-        """Cut this host off if ordered to: the process is frozen at once (see vanish)."""
-        if vanish_file is None or not Path(vanish_file).exists():
-            return
-        from hixl.testbed.hosts import vanish
-
-        with vanishing:  # one thread vanishes; another one that gets here waits, frozen
-            held = sorted(r for _, r, _ in list(owner.values()))
-            emit(f"ordered off the wire with requests {held} in hand; this host now vanishes")
-            vanish(f"{name} cut off mid-stream holding requests {held}")
-
-    def watch_for_vanish() -> None:
-        # Its own thread, so that the order is obeyed within 20 ms even while the main
-        # thread checks and regenerates a request (seconds under emulation): the lease
-        # must stop being refreshed when the order is given, not when that work ends.
-        while not stop.is_set():
-            vanish_if_ordered()
-            time.sleep(0.02)
-
-    if vanish_file is not None:
-        threading.Thread(target=watch_for_vanish, name="vanish-watch", daemon=True).start()
-    try:
-        while not stop.is_set() and time.monotonic() < end:
-            want_restart = restart_after is not None and len(served) >= restart_after
-            if time.monotonic() > next_check:
-                next_check = time.monotonic() + 0.5
-                if stop_file is not None and Path(stop_file).exists():
-                    break
-                if restart_file is not None and Path(restart_file).exists():
-                    want_restart = True
-            if want_restart and not restarted:
-                emit(f"restarting: a new engine under the same name {name}")
-                eng.close()
-                eng = start_engine()
-                restarted = True
-                free = list(range(slots))
-                owner.clear()
-            for slot, (peer, _, _) in list(owner.items()):  # free slots of vanished prefills
-                try:
-                    alive = eng.connection(peer).state is ConnState.READY
-                except HixlError:
-                    alive = False
-                if not alive:
-                    del owner[slot]
-                    free.append(slot)
-                    set_capacity(eng, len(free))
-            notes = eng.notifications()
-            if not notes:
-                time.sleep(0.005)
-                continue
-            for note in notes:
-                try:
-                    msg = _msg(note)
-                    req, attempt = int(msg["req"]), int(msg["attempt"])
-                    if note.name == "alloc":
-                        slot = free.pop() if free else -1
-                        if slot >= 0:
-                            owner[slot] = (note.peer, req, attempt)
-                            set_capacity(eng, len(free))
-                        answer = {"req": req, "attempt": attempt, "slot": slot}
-                        answer |= {"pool": slots * bn, "block_size": cfg.block_size}
-                        eng.notify(note.peer, "slot", json.dumps(answer).encode())
-                    elif note.name == "kv":
-                        slot = int(msg["slot"])
-                        if owner.get(slot) != (note.peer, req, attempt):
-                            continue  # not the attempt that holds this slot
-                        result = _serve(model, cfg, cache, dst, local_layout, slot, msg, req)
-                        vanish_if_ordered()  # no answer once ordered off the wire
-                        result |= {"req": req, "attempt": attempt, "decode": name}
-                        del owner[slot]
-                        free.append(slot)
-                        set_capacity(eng, len(free))
-                        eng.notify(note.peer, "result", json.dumps(result).encode())
-                        served.append(result)
-                        emit(f"request {req} (attempt {attempt}): served, ok={result['ok']}")
-                except (HixlError, KeyError, ValueError, TypeError) as exc:
-                    emit(f"ignoring {note.name!r} from {note.peer}: {exc}")
-    finally:
-        stop.set()  # ends the vanish watch too
-        eng.close()
-    return {"role": "decode", "name": name, "served": served, "restarted": restarted}
-
-
-def _serve(
-    model: TinyLM,
-    cfg: DemoConfig,
-    cache: npt.NDArray[np.uint8],
-    dst: Any,
-    local_layout: Any,
-    slot: int,
-    msg: dict[str, Any],
-    req: int,
-) -> dict[str, Any]:
-    bn = cfg.blocks_needed
-    view = PagedKV(cache, dst, np.arange(slot * bn, (slot + 1) * bn, dtype=np.int64))
-    digests = [kv_digest(*view.read(i, cfg.tokens)) for i in range(cfg.layers)]
-    exact = digests == list(msg["digests"])
-    first = int(msg["first_token"])
-    got = [first, *model.generate(view, first, cfg.tokens, cfg.gen_tokens)]
-    local_buf = np.zeros(local_layout.nbytes, dtype=np.uint8)
-    local = PagedKV(local_buf, local_layout, np.arange(bn, dtype=np.int64))
-    run = model.prefill(request_prompt(cfg, req))
-    for i in range(cfg.layers):
-        local.write_prompt(i, *run.step())
-    lf = run.next_token()
-    mine = [lf, *model.generate(local, lf, cfg.tokens, cfg.gen_tokens)]
-    return {"ok": exact and got == mine, "bit_exact": exact, "tokens": got, "local": mine}
-
-
 def wait_for_registry(url: str, seconds: float) -> None:
     """Return once the registry at ``url`` answers; RegistryUnavailable after ``seconds``."""
     from hixl.errors import RegistryUnavailable
@@ -330,231 +134,7 @@ def wait_for_registry(url: str, seconds: float) -> None:
             time.sleep(0.5)
 
 
-# -- prefill --------------------------------------------------------------------------------
-
-
-def run_fleet_prefill(
-    cfg: DemoConfig,
-    host: str,
-    url: str,
-    requests: list[int],
-    seconds: float,
-    emit: Emit,
-    on_done: Callable[[int], None] | None = None,
-    *,
-    on_slot: Callable[[str, int], None] | None = None,
-    role: str = "decode",
-    expect: int = 1,
-    token: str | None = None,
-) -> dict[str, Any]:
-    """A prefill worker: every request in ``requests`` completed exactly once, or an error.
-
-    It starts once ``expect`` workers of ``role`` are announced (within 120 s) and routes
-    to workers of that role. ``on_done(n)`` is called after the ``n``-th completion,
-    ``on_slot(worker, request)`` when a worker has reserved a slot for a request (its KV
-    goes out next). An attempt that fails because the registry is unreachable is retried
-    without blaming the decode worker. The result has a timeline on this host's monotonic
-    clock: every choice of a worker, every failed attempt (with when it ended) and every
-    worker seen leaving the registry."""
-    from hixl.core.directory import EventKind
-    from hixl.engine import Access, Engine
-    from hixl.errors import RegistryUnavailable
-
-    model = TinyLM(cfg)
-    src = source_layout(cfg)
-    buf = np.zeros(src.nbytes, dtype=np.uint8)
-    kv = source_view(buf, src)
-    ledger = Ledger(requests)
-    bad: dict[str, str] = {}  # decode name -> the instance that failed us
-    results: dict[int, dict[str, Any]] = {}
-    failures: list[dict[str, Any]] = []
-    choices: list[dict[str, Any]] = []
-    leaves: list[dict[str, Any]] = []  # bounded below: the registry is ours, but still
-
-    def on_event(ev: Any) -> None:  # the registry's watch thread
-        if ev.kind is EventKind.LEAVE and len(leaves) < 1000:
-            leaves.append({"t": time.monotonic(), "name": ev.name})
-
-    end = time.monotonic() + seconds
-    with Engine(f"{host}:0", registry=url, token=token) as eng:
-        region = eng.register(buf, access=Access.NONE)
-        assert eng.registry is not None
-        watch = eng.registry.watch(callback=on_event)  # the view, and leaves timed
-        eng.registry.wait_synced(watch, 10.0)
-        ready_by = time.monotonic() + 120.0
-        while len(watch.members(role)) < expect:
-            if time.monotonic() > ready_by:
-                raise TransferTimeout(
-                    f"prefill: {len(watch.members(role))} of {expect} {role} workers "
-                    f"announced in {url} after 120 s"
-                )
-            time.sleep(0.1)
-        began = time.monotonic()
-        emit(f"routing {len(requests)} requests among {len(watch.members(role))} {role} workers")
-        while not ledger.finished:
-            if time.monotonic() > end:
-                raise TransferTimeout(f"prefill: {ledger} after {seconds} s")
-            req = ledger.next_pending()
-            assert req is not None  # one request at a time: nothing else is running
-            members = {n: a for n, a in watch.members(role).items() if bad.get(n) != a.instance}
-            target = choose(members, role=role, inflight=ledger.inflight())
-            if target is None:
-                time.sleep(0.1)
-                continue
-            attempt = ledger.assign(req, target)
-            t0 = time.monotonic()
-            choices.append({"t": t0, "req": req, "attempt": attempt.number, "decode": target})
-            slot_hook = None if on_slot is None else (lambda w=target, r=req: on_slot(w, r))
-            try:
-                out = _one_request(
-                    eng, region, model, cfg, src, kv, target, attempt.number, req, slot_hook
-                )
-            except _Busy:
-                ledger.fail(attempt, count=False)
-                time.sleep(0.05)
-                continue
-            except RegistryUnavailable as exc:
-                emit(f"request {req}: registry unreachable ({exc}); trying again shortly")
-                ledger.fail(attempt, count=False)
-                time.sleep(0.5)
-                continue
-            except HixlError as exc:
-                waited = time.monotonic() - t0
-                emit(
-                    f"request {req}: attempt {attempt.number} on {target} failed after "
-                    f"{waited:.1f} s: {exc}; running it again elsewhere"
-                )
-                failures.append(
-                    {
-                        "req": req,
-                        "decode": target,
-                        "seconds": waited,
-                        "t_end": time.monotonic(),
-                        "error": f"{type(exc).__name__}: {str(exc)[:300]}",
-                    }
-                )
-                ledger.fail(attempt)
-                bad[target] = members[target].instance
-                continue
-            if not ledger.complete(attempt):
-                continue
-            out |= {"seconds": time.monotonic() - t0, "finished": time.monotonic()}
-            results[req] = out
-            if on_done is not None:
-                on_done(len(results))
-            emit(
-                f"request {req}: done on {target} (attempt {attempt.number}), "
-                f"{'bit-exact, same tokens' if out['ok'] else 'MISMATCH'} {out['tokens']}"
-            )
-        wall = time.monotonic() - began
-    return {
-        "role": "prefill",
-        "results": {str(k): v for k, v in results.items()},
-        "retries": ledger.retries,
-        "failures": failures,
-        "wall_s": wall,
-        "began": began,
-        "choices": choices,
-        "leaves": list(leaves),
-    }
-
-
-class _Busy(HixlError):
-    pass
-
-
-def _wait_for(eng: Any, conn: Any, name: str, req: int, attempt: int, end: float) -> dict[str, Any]:
-    """The ``name`` notification for (req, attempt) from ``conn``'s peer; fails as soon as
-    the connection does, or at ``end``."""
-    from hixl.engine import ConnState
-
-    while True:
-        if conn.state is not ConnState.READY:
-            raise ConnectionFailed(f"connection to {conn.peer} failed: {conn.failure}")
-        left = end - time.monotonic()
-        if left <= 0:
-            raise TransferTimeout(f"no {name!r} for request {req} from {conn.peer}")
-        try:  # short waits: a failed connection is noticed within 50 ms
-            note = eng.wait_notification(name, timeout=min(0.05, left), peer=conn.peer)
-        except TransferTimeout:
-            continue
-        msg = _msg(note)
-        if msg.get("req") == req and msg.get("attempt") == attempt:
-            return msg
-
-
-def _one_request(
-    eng: Any,
-    region: Any,
-    model: TinyLM,
-    cfg: DemoConfig,
-    src: Any,
-    kv: Any,
-    target: str,
-    attempt: int,
-    req: int,
-    on_slot: Callable[[], None] | None = None,
-) -> dict[str, Any]:
-    from hixl.engine import TransferRequest
-
-    end = time.monotonic() + 60.0
-    conn = eng.connect(target, timeout=10.0)
-    tag = {"req": req, "attempt": attempt}
-    eng.notify(target, "alloc", json.dumps(tag).encode())
-    answer = _wait_for(eng, conn, "slot", req, attempt, end)
-    slot = int(answer["slot"])
-    if slot < 0:
-        raise _Busy(f"{target} has no free slot")
-    if on_slot is not None:
-        on_slot()
-    bn = cfg.blocks_needed
-    dst = paged_layout(cfg, int(answer["pool"]), int(answer["block_size"]))
-    ids = np.arange(slot * bn, (slot + 1) * bn, dtype=np.int64)
-    run = model.prefill(request_prompt(cfg, req))
-    digests, batch = [], []
-    for i in range(cfg.layers):
-        k, v = run.step()
-        kv[i, 0] = k
-        kv[i, 1] = v
-        digests.append(kv_digest(k, v))
-        local, remote = layer_descriptors(src, dst, ids, i)
-        batch.append(
-            TransferRequest(
-                op="write", local=region, remote="kv", local_desc=local, remote_desc=remote
-            )
-        )
-    first = run.next_token()
-    message = {**tag, "slot": slot, "digests": digests, "first_token": first}
-    eng.transfer(target, batch, notify="kv", notify_message=json.dumps(message).encode())
-    result = _wait_for(eng, conn, "result", req, attempt, end)
-    ok = bool(result.get("ok")) and result.get("tokens") == result.get("local")
-    return {"decode": target, "attempt": attempt, "ok": ok, "tokens": result.get("tokens")}
-
-
 # -- orchestration --------------------------------------------------------------------------
-
-
-def check_results(requests: int, prefills: list[dict[str, Any]]) -> dict[str, Any]:
-    """Exactly-once and correctness over the prefill workers' results (pure)."""
-    seen: dict[int, int] = {}
-    ok = 0
-    per_decode: dict[str, int] = {}
-    for p in prefills:
-        for key, r in p["results"].items():
-            seen[int(key)] = seen.get(int(key), 0) + 1
-            ok += bool(r["ok"])
-            per_decode[r["decode"]] = per_decode.get(r["decode"], 0) + 1
-    missing = sorted(set(range(requests)) - set(seen))
-    duplicated = sorted(r for r, n in seen.items() if n > 1)
-    return {
-        "requests": requests,
-        "completed": len(seen),
-        "missing": missing,
-        "duplicated": duplicated,
-        "all_ok": ok == requests and not missing and not duplicated,
-        "retries": sum(int(p["retries"]) for p in prefills),
-        "per_decode": per_decode,
-    }
 
 
 def _fleet_once(
@@ -727,48 +307,6 @@ def run_fleet(
 
 ETCD_PORT = 2379
 DECODE_PORT = 5600
-TTL_S = 3
-"""The lease TTL of every fleet engine's registry, seconds (the engine's default)."""
-
-LEAVE_LIMIT_S = TTL_S + 3.0
-"""How long after the order to cut a host off its name must have left the registry,
-seconds.  The lease ends TTL after its last refresh, which comes at most a moment after
-the order (the host's process is frozen as soon as it sees the order); etcd looks for
-expired leases every 0.5 s, then revokes the lease through its log and sends the event
-to the watches, on host0, which shares two emulated CPUs with three other VMs.  Seen
-from the order in the four-host VM fleet: 2.9 to 4.9 s (a directly read key vanished with
-the watch's event, so the time is etcd's).  The limit still tells a leave from a 10 s
-connect timeout."""
-
-
-def cut_timeline(prefill: dict[str, Any], victim: str, cut: float | None) -> dict[str, Any]:
-    """When a router stopped using ``victim`` after its host was cut off (pure).
-
-    ``prefill`` is a prefill worker's result (its timeline is on its own host's clock).
-    With ``cut`` (the time of the order to cut the host off, on the same clock), the
-    times are seconds after it: ``lease_gone_s`` (the router's watch saw the name leave),
-    ``last_choice_s`` (the last time it chose ``victim``; negative if before the cut) and
-    ``last_given_up_s`` (the last attempt on ``victim`` given up). Without ``cut`` (a
-    router on another host, another clock), they are measured from when this router saw
-    the name leave (``lease_gone_s`` is then 0). Missing events give None."""
-    leaves = [e["t"] for e in prefill.get("leaves", []) if e["name"] == victim]
-    if cut is not None:
-        leaves = [t for t in leaves if t >= cut]
-    leave = min(leaves, default=None)
-    zero = cut if cut is not None else leave
-    if zero is None:
-        return {"lease_gone_s": None, "last_choice_s": None, "last_given_up_s": None}
-    chosen = [c["t"] for c in prefill.get("choices", []) if c["decode"] == victim]
-    given_up = [
-        f["t_end"]
-        for f in prefill.get("failures", [])
-        if f["decode"] == victim and f.get("t_end", zero) >= zero
-    ]
-    return {
-        "lease_gone_s": None if leave is None else leave - zero,
-        "last_choice_s": None if not chosen else max(chosen) - zero,
-        "last_given_up_s": None if not given_up else max(given_up) - zero,
-    }
 
 
 def run_fleet_hosts(
@@ -870,7 +408,7 @@ def run_fleet_hosts(
             raise HixlError(f"a fleet host failed (exit status {rc}); its output is above")
     finally:
         shutil.rmtree(share, ignore_errors=True)
-    summary = _hosts_summary(requests, prefills, prefill=prefill, decode=decode)
+    summary = hosts_summary(requests, prefills, prefill=prefill, decode=decode)
     summary |= {"killed": "decode-0 (host cut off)" if vanished else None, "run_s": took}
     summary["restarted"] = restarted
     summary["ok"] = (
@@ -884,178 +422,6 @@ def run_fleet_hosts(
     if json_path:
         Path(json_path).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def _hosts_summary(
-    requests: int, prefills: list[dict[str, Any]], *, prefill: int, decode: int
-) -> dict[str, Any]:
-    host0 = prefills[0]
-    base = host0["baseline"]
-    bsum = check_results(requests, [base])
-    bsum["requests_per_s"] = requests / base["wall_s"]
-    summary = check_results(requests, prefills)
-    wall = max(p["wall_s"] for p in prefills)
-    summary |= {
-        "prefill": prefill,
-        "decode": decode,
-        "hosts": prefill + decode,
-        "elapsed_s": wall,
-        "requests_per_s": requests / wall,
-        "baseline": bsum | {"elapsed_s": base["wall_s"]},
-        "throughput_ratio": (requests / wall) / bsum["requests_per_s"],
-        "failures": [f for p in prefills for f in p["failures"]],
-        "etcd_outage": host0.get("etcd_outage"),
-    }
-    cut = host0.get("cut")
-    routers = []
-    if cut is not None:
-        routers.append({"router": "prefill-0", **cut_timeline(host0, "decode-0", cut["t"])})
-        for j, p in enumerate(prefills[1:], start=1):
-            routers.append(
-                {"router": f"prefill-{j}", "from_leave": True, **cut_timeline(p, "decode-0", None)}
-            )
-    summary["cut"] = None if cut is None else {**cut, "routers": routers}
-    summary["cut_ok"] = cut is not None and cut_in_time(routers)
-    summary["etcd_warnings"] = list(host0.get("etcd_warnings", []))
-    return summary
-
-
-LEAVE_GRACE_S = 0.5
-"""How long after a router sees the lost worker's name leave it may still give up an
-attempt there (or choose it), seconds."""
-
-
-def cut_in_time(routers: list[dict[str, Any]]) -> bool:
-    """Whether the routers stopped using the cut worker in time (pure).
-
-    ``routers``: :func:`cut_timeline` rows, the cutting host's router first (times from
-    the order), then the others (times from when each saw the name leave).  The name
-    must leave within :data:`LEAVE_LIMIT_S` of the order; every router's last choice of
-    the worker and last attempt given up there come at most :data:`LEAVE_GRACE_S` after
-    it saw the leave.  (A give-up is caused by the leave, so it trails it by the time
-    the router takes to act: a bound on the give-up equal to the bound on the leave
-    fails a leave seen near that limit.)"""
-    if not routers:
-        return False
-    gone = routers[0].get("lease_gone_s")
-    if gone is None or gone > LEAVE_LIMIT_S:
-        return False
-    for i, r in enumerate(routers):
-        until = (gone if i == 0 else 0.0) + LEAVE_GRACE_S
-        for key in ("last_choice_s", "last_given_up_s"):
-            if r.get(key) is not None and r[key] > until:
-                return False
-    return True
-
-
-ETCD_WARNINGS = 8
-"""How many of etcd's own warnings host0's result keeps (the last ones)."""
-
-
-def etcd_warnings(log_text: str, limit: int = ETCD_WARNINGS) -> list[str]:
-    """etcd's last ``limit`` warnings and errors from its zap log (JSON lines), each as
-    ``"<time> <message> (took <duration>)"`` and at most 200 characters (pure).  Lines
-    that are not JSON objects are skipped.  Kept so that a late lease can be told apart
-    from a slow etcd ("apply request took too long", slow fdatasync) after the VM is gone."""
-    found: list[str] = []
-    for line in log_text.splitlines():
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(doc, dict) or doc.get("level") not in ("warn", "error"):
-            continue
-        text = f"{doc.get('ts', '?')} {doc.get('msg', '?')}"
-        if doc.get("took") is not None:
-            text += f" (took {doc['took']})"
-        found.append(text[:200])
-    return found[-limit:] if limit > 0 else []
-
-
-def _secs(value: float | None) -> str:
-    return "never" if value is None else f"{value:+.2f} s"
-
-
-def format_fleet_hosts(s: dict[str, Any]) -> str:
-    """The multi-host fleet's summary as text (pure)."""
-    b = s["baseline"]
-    lines = [
-        f"fleet on {s['hosts']} hosts: {s['prefill']} prefill x {s['decode']} decode, "
-        f"{s['requests']} requests"
-        + (", decode-0's host cut off mid-stream" if s["killed"] else ""),
-        f"  completed exactly once: {s['completed']}/{s['requests']} (missing "
-        f"{s['missing']}, duplicated {s['duplicated']}), re-run {s['retries']} times",
-        f"  served per decode: {s['per_decode']}",
-    ]
-    for f in s["failures"]:
-        lines.append(
-            f"  request {f['req']} on {f['decode']} failed after {f['seconds']:.1f} s: "
-            f"{f['error'][:120]}"
-        )
-    cut = s.get("cut")
-    if cut is not None:
-        held = "with its request " + str(cut["req"]) if cut["req"] is not None else "idle"
-        lines.append(f"  decode-0 cut off {held} in flight; on host0's clock, after the order:")
-        for r in cut["routers"]:
-            if r.get("from_leave") and r["lease_gone_s"] is None:
-                lines.append(f"    {r['router']}: its requests were all done before decode-0 left")
-            elif r.get("from_leave"):
-                lines.append(
-                    f"    {r['router']} (own clock, after it saw the leave): last chose "
-                    f"decode-0 {_secs(r['last_choice_s'])}, last attempt there given up "
-                    f"{_secs(r['last_given_up_s'])}"
-                )
-            else:
-                lines.append(
-                    f"    {r['router']}: lease gone {_secs(r['lease_gone_s'])}, last chose "
-                    f"decode-0 {_secs(r['last_choice_s'])}, last attempt there given up "
-                    f"{_secs(r['last_given_up_s'])} (limits: the leave within TTL + 3 = "
-                    f"{LEAVE_LIMIT_S:.0f} s, the others {LEAVE_GRACE_S} s after it)"
-                )
-        lines.append(f"  routers stopped using decode-0 in time: {'yes' if s['cut_ok'] else 'NO'}")
-        warned = s.get("etcd_warnings") or []
-        if not s["cut_ok"] and warned:  # a late leave: was etcd itself slow?
-            lines.append(f"  etcd's last {len(warned)} warnings on host0:")
-            lines += [f"    {w}" for w in warned]
-    outage = s.get("etcd_outage")
-    if outage is not None:
-        lines.append(
-            f"  etcd stopped for {outage['seconds']:.1f} s on host0; prefill-0 completed "
-            f"{outage['completed_during']} requests meanwhile"
-        )
-    else:
-        lines.append("  etcd outage: DID NOT HAPPEN")
-    lines += [
-        f"  decode-{s['decode'] - 1} restarted under the same name: "
-        f"{'yes' if s['restarted'] else 'NO'}",
-        f"  all bit-exact with identical tokens: {'yes' if s['all_ok'] and b['all_ok'] else 'NO'}",
-        f"  throughput {s['requests_per_s']:.2f} req/s over {s['elapsed_s']:.1f} s vs 1x1 "
-        f"{b['requests_per_s']:.2f} req/s over {b['elapsed_s']:.1f} s in the same run: "
-        f"{s['throughput_ratio']:.2f}x; whole run {s['run_s']:.0f} s",
-        f"result: {'OK' if s['ok'] else 'FAILED'}",
-    ]
-    return "\n".join(lines)
-
-
-def format_fleet(s: dict[str, Any]) -> str:
-    f, b = s["fleet"], s["baseline"]
-    lines = [
-        f"fleet {f['prefill']} prefill x {f['decode']} decode, {f['requests']} requests"
-        + (f", {f['killed']} killed mid-stream" if f["killed"] else ""),
-        f"  completed exactly once: {f['completed']}/{f['requests']} "
-        f"(missing {f['missing']}, duplicated {f['duplicated']}), re-run {f['retries']} times",
-        f"  served per decode: {f['per_decode']}",
-        f"  all bit-exact with identical tokens: {'yes' if f['all_ok'] else 'NO'}",
-        f"  throughput {f['requests_per_s']:.2f} req/s"
-        + (
-            ""
-            if b is None
-            else f" vs 1x1 {b['requests_per_s']:.2f} req/s in the same run: "
-            f"{s['throughput_ratio']:.2f}x"
-        ),
-        f"result: {'OK' if s['ok'] else 'FAILED'}",
-    ]
-    return "\n".join(lines)
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ import pytest
 
 from hixl.core.plan import DeviceLimits, Op, plan_transfer
 from hixl.demo import kvdemo as _demo
-from hixl.demo.kvdemo import (
+from hixl.demo.kvmodel import (
     DecodeSession,
     DemoConfig,
     PagedKV,
@@ -24,19 +24,15 @@ from hixl.demo.kvdemo import (
     allocate_blocks,
     decode_blocks,
     encode_blocks,
-    format_summary,
     kv_digest,
     layer_descriptors,
-    length,
-    overlap,
     paged_layout,
     per_head_put_wrs,
     source_layout,
     source_view,
     strided_put_wrs,
-    summarize,
-    union,
 )
+from hixl.demo.kvsummary import format_summary, length, overlap, summarize, union
 from hixl.errors import ArgumentError, HixlError
 
 SMALL = DemoConfig(layers=3, heads=4, head_dim=96, d_model=32, tokens=40, gen_tokens=6, seed=7)
