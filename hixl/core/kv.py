@@ -31,8 +31,8 @@ from hixl.core.descriptors import (
     INT64_MAX,
     BlockListDesc,
     NdStridedDesc,
-    _int,
 )
+from hixl.core.segments import _int
 from hixl.errors import DescriptorError
 
 __all__ = [

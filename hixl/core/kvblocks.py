@@ -49,8 +49,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from hixl.core.descriptors import INT64_MAX, Segments, _int, fold_dims
+from hixl.core.descriptors import INT64_MAX, Segments, fold_dims
 from hixl.core.plan import DEFAULT_LIMITS, DeviceLimits, Op, Plan, plan_transfer
+from hixl.core.segments import _int
 from hixl.errors import AlignmentError, DescriptorError
 
 __all__ = [
