@@ -50,7 +50,7 @@ from hixl.core.wire import RemoteRegion
 from hixl.engine.locks import assert_unlocked
 from hixl.errors import ConnectionFailed, HandshakeError, HixlError, RegistrationError, StateError
 from hixl.verbs import adapter as verbs
-from hixl.verbs.chain import SlotRing
+from hixl.verbs.slot_ring import SlotRing
 
 __all__ = [
     "Connection",
@@ -112,7 +112,7 @@ class ConnectionHost(Protocol):
 
 class LaneRing(SlotRing):
     """A lane's ring of single messages (see :meth:`hixl.engine.single.SinglePaths._ring_enqueuer`):
-    a :class:`~hixl.verbs.chain.SlotRing` and what the engine knows of its slots.
+    a :class:`~hixl.verbs.slot_ring.SlotRing` and what the engine knows of its slots.
 
     ``written`` slots were written so far and ``released`` of them went out (their post
     returned), so ``written - released`` slots are taken; slot ``written % capacity`` is

@@ -1,7 +1,7 @@
 """From transfer requests to work-request chains: checks, cached plans and chains, notifications.
 
 A request is checked, planned (:mod:`hixl.core.plan`, cached per pair of descriptor
-shapes, see :func:`hixl.core.plan.place`) and written into a
+shapes, see :func:`hixl.core.shapes.place`) and written into a
 :class:`~hixl.verbs.chain.SendChain` -- C arrays of ``ibv_send_wr``/``ibv_sge`` filled
 by numpy, no Python object per work request.  Built
 chains are reused: a chain whose WRs are all posted goes back to a pool keyed by the
@@ -30,15 +30,12 @@ from hixl.core.descriptors import ContiguousDesc, Descriptor, StridedDesc, as_se
 from hixl.core.plan import (
     DeviceLimits,
     Op,
-    Placement,
     Plan,
     check_alignment,
     check_bounds,
-    place,
-    plan_shapes,
     plan_transfer,
-    shift_plan,
 )
+from hixl.core.shapes import Placement, place, plan_shapes, shift_plan
 from hixl.core.wire import RemoteRegion
 from hixl.engine.regions import Access, Region
 from hixl.errors import ArgumentError, RegistrationError, StateError

@@ -51,7 +51,7 @@ from hixl.engine.reaping import SendReaper, deadline_error
 from hixl.engine.regions import Region
 from hixl.errors import ArgumentError, HixlError, StateError
 from hixl.verbs import adapter as verbs
-from hixl.verbs.chain import WR_BYTES, WR_SLOT
+from hixl.verbs.slot_ring import WR_BYTES, WR_SLOT
 
 __all__ = ["RING_SLOTS", "TEMPLATES", "LentLane", "SingleHost", "SinglePaths"]
 
@@ -324,7 +324,7 @@ class SinglePaths:
     ) -> TransferHandle | None:
         """An asynchronous request of one WR and one SGE (``t`` placed so that its SGE
         starts at ``sge_addr`` and its remote range at ``remote_addr``), written into the
-        next slot of a lane's ring (:class:`~hixl.verbs.chain.SlotRing`) by ``t``'s
+        next slot of a lane's ring (:class:`~hixl.verbs.slot_ring.SlotRing`) by ``t``'s
         enqueuing function (:meth:`_ring_enqueuer`, made on first use)."""
         return self._enqueuer_of(t)(sge_addr, remote_addr, timeout)
 

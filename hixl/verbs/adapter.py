@@ -341,8 +341,8 @@ class Device:
         """
         self._check_open()
         init = ffi.new("struct ibv_qp_init_attr *")
-        init.send_cq = send_cq._cq
-        init.recv_cq = recv_cq._cq
+        init.send_cq = send_cq.handle
+        init.recv_cq = recv_cq.handle
         init.cap.max_send_wr = max_send_wr
         init.cap.max_recv_wr = max_recv_wr
         init.cap.max_send_sge = max_send_sge
@@ -727,7 +727,7 @@ class QueuePair:
         post raises :class:`VerbsError`, a failed poll too.
         """
         post_fn, qp, head, bad = self._post_send_fn, self._qp, chain.head, self._bad_send
-        poll_fn, c, wc = cq._poll_fn, cq._cq, cq._wc_one
+        poll_fn, c, wc = cq.inline_poll()
         span = ((chain, 0, 1),)
 
         def post_and_poll(polls: int) -> tuple[int, int] | None:

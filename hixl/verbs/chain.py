@@ -35,9 +35,7 @@ knows the layouts), so chains can be built and checked on any machine.
 
 from __future__ import annotations
 
-import struct
 import sys
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +44,15 @@ import numpy.typing as npt
 
 from hixl.errors import ArgumentError, DescriptorError, RegistrationError
 from hixl.verbs._ffi import address, ffi
+from hixl.verbs.chain_memory import ChainMemory
+from hixl.verbs.structs import (
+    SEND_FENCE,
+    SEND_SIGNALED,
+    SGE_DTYPE,
+    WC_DTYPE,
+    WR_BYTES,
+    WR_DTYPE,
+)
 
 __all__ = [
     "ChainMemory",
@@ -54,72 +61,13 @@ __all__ = [
     "SGE_DTYPE",
     "WC_DTYPE",
     "WR_DTYPE",
-    "SLOT_SGE_OFFSET",
     "SendChain",
-    "SlotRing",
     "WR_BYTES",
-    "WR_SLOT",
 ]
 
-#: ``IBV_SEND_SIGNALED``.
-SEND_SIGNALED = 2
-#: ``IBV_SEND_FENCE``: start only after every earlier READ/atomic has completed.
-SEND_FENCE = 1
 #: ``ibv_sge.length`` is 32 bits.
 _MAX_SGE_LEN = 0xFFFF_FFFF
 _U64 = 0xFFFF_FFFF_FFFF_FFFF
-
-
-def _dtype(cname: str, fields: Sequence[tuple[str, str, tuple[str, ...]]]) -> np.dtype[Any]:
-    """A numpy structured dtype with cffi's offsets and itemsize for ``cname``."""
-    return np.dtype(
-        {
-            "names": [f[0] for f in fields],
-            "formats": [f[1] for f in fields],
-            "offsets": [ffi.offsetof(cname, *f[2]) for f in fields],
-            "itemsize": ffi.sizeof(cname),
-        }
-    )
-
-
-#: numpy view of ``struct ibv_send_wr`` (the fields hixl writes).
-WR_DTYPE = _dtype(
-    "struct ibv_send_wr",
-    [
-        ("wr_id", "<u8", ("wr_id",)),
-        ("next", "<u8", ("next",)),
-        ("sg_list", "<u8", ("sg_list",)),
-        ("num_sge", "<i4", ("num_sge",)),
-        ("opcode", "<i4", ("opcode",)),
-        ("send_flags", "<u4", ("send_flags",)),
-        ("imm_data", "<u4", ("imm_data",)),
-        ("remote_addr", "<u8", ("wr", "rdma", "remote_addr")),
-        ("rkey", "<u4", ("wr", "rdma", "rkey")),
-    ],
-)
-
-#: numpy view of ``struct ibv_sge``.
-SGE_DTYPE = _dtype(
-    "struct ibv_sge",
-    [("addr", "<u8", ("addr",)), ("length", "<u4", ("length",)), ("lkey", "<u4", ("lkey",))],
-)
-
-#: numpy view of ``struct ibv_wc``.
-WC_DTYPE = _dtype(
-    "struct ibv_wc",
-    [
-        ("wr_id", "<u8", ("wr_id",)),
-        ("status", "<i4", ("status",)),
-        ("opcode", "<i4", ("opcode",)),
-        ("vendor_err", "<u4", ("vendor_err",)),
-        ("byte_len", "<u4", ("byte_len",)),
-        ("imm_data", "<u4", ("imm_data",)),
-        ("qp_num", "<u4", ("qp_num",)),
-        ("src_qp", "<u4", ("src_qp",)),
-        ("wc_flags", "<u4", ("wc_flags",)),
-    ],
-)
-
 _WR_SIZE = WR_DTYPE.itemsize
 _SGE_SIZE = SGE_DTYPE.itemsize
 #: Two adjacent 64-bit words copied as raw bytes (:meth:`SendChain.fill`).
@@ -141,8 +89,6 @@ _WR_ARRAY = ffi.typeof("struct ibv_send_wr[]")
 _SGE_ARRAY = ffi.typeof("struct ibv_sge[]")
 _WR_PTR = ffi.typeof("struct ibv_send_wr *")
 _SGE_PTR = ffi.typeof("struct ibv_sge *")
-_VOID_PTR = ffi.typeof("void *")
-_PAGE = 4096
 
 
 def _as_u64(arr: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
@@ -159,163 +105,6 @@ def _add_u64(values: npt.NDArray[Any], base: np.uint64, out: npt.NDArray[np.uint
     int64 seen as uint64 has the same bits, and so has the sum), so that numpy needs no
     casting buffer, which would be a fresh temporary for every call."""
     np.add(_as_u64(values), base, out=out)
-
-
-class ChainMemory:
-    """Memory for chains, allocated and touched once and kept for the next chain.
-
-    A new page of memory costs its first touch a page fault (about 1-3 µs each on the
-    machines measured), so a chain of 8192 WRs made in new memory pays about 280 faults
-    on top of being written.  This keeps ``reserve`` bytes touched from the start
-    (when the engine is made), hands out blocks of a power-of-two size class from them,
-    and takes a block back when the chain that held it is freed.  Blocks beyond the
-    reserve come from the C heap; freed, they are kept for reuse while the memory kept
-    beyond the reserve stays under ``retain`` bytes, and given back to the heap after.
-
-    :attr:`allocator` is the cffi allocator to make chain arrays with (memory not
-    cleared: :meth:`SendChain.for_plan` writes every byte).  Thread-safe: blocks are
-    taken, returned and carved under a lock that guards a few integers and lists.
-
-    :meth:`close` gives the memory back: free blocks at once, the reserve as soon as no
-    chain holds a block of it (a chain keeps the memory it was made in alive, so closing
-    never pulls memory from under one).  The allocator's functions hold the memory's
-    state, not this object, so nothing here is a reference cycle: the reserve never
-    waits for the cyclic garbage collector.
-    """
-
-    __slots__ = ("__weakref__", "_pool", "allocator")
-
-    def __init__(self, reserve: int = 2 << 20, retain: int = 8 << 20) -> None:
-        if reserve < 0 or retain < 0:
-            raise ArgumentError(f"reserve and retain must be >= 0, got {reserve} and {retain}")
-        self._pool = pool = _Pool(reserve, retain)
-        self.allocator = ffi.new_allocator(
-            alloc=pool.alloc, free=pool.release, should_clear_after_alloc=False
-        )
-
-    def __repr__(self) -> str:
-        pool = self._pool
-        free = sum(k * len(v) for k, v in pool.free.items())
-        return (
-            f"<ChainMemory reserve_left={pool.end - pool.next} free={free} "
-            f"heap_kept={pool.kept}{' closed' if pool.closed else ''}>"
-        )
-
-    @staticmethod
-    def chain_bytes(chain: SendChain) -> int:
-        """The memory a chain of ``chain``'s capacity holds when made here: its WR and
-        SGE arrays, each rounded up to its block's size class."""
-        return _size_class(chain.capacity * _WR_SIZE) + _size_class(chain.sge_capacity * _SGE_SIZE)
-
-    @property
-    def heap_blocks(self) -> int:
-        """Blocks from the C heap, out or kept free."""
-        return len(self._pool.heap)
-
-    @property
-    def heap_kept(self) -> int:
-        """Bytes of the C heap's blocks, out or kept free."""
-        return self._pool.kept
-
-    @property
-    def reserve_held(self) -> bool:
-        """Whether the reserve is still allocated (False once closed and given back)."""
-        return self._pool.slab is not None
-
-    def close(self) -> None:
-        """Give the free blocks back at once and the reserve when its last block is
-        freed; later blocks come from the C heap and go back to it.  Idempotent."""
-        self._pool.close()
-
-
-def _size_class(size: int) -> int:
-    """The block size :class:`ChainMemory` gives ``size`` bytes: a power of two, >= a page."""
-    return max(_PAGE, 1 << (max(size, 1) - 1).bit_length())
-
-
-class _Pool:
-    """The state behind a :class:`ChainMemory`'s allocator (see there)."""
-
-    __slots__ = (
-        "closed",
-        "end",
-        "free",
-        "heap",
-        "kept",
-        "lock",
-        "next",
-        "retain",
-        "size",
-        "slab",
-        "slab_out",
-    )
-
-    def __init__(self, reserve: int, retain: int) -> None:
-        self.slab: Any = ffi.new("char[]", max(reserve, 1))
-        # Touch every page now: one store per page faults it in.
-        np.frombuffer(ffi.buffer(self.slab), np.uint8)[::_PAGE] = 0
-        self.next = address(self.slab)
-        self.end = self.next + reserve
-        # Reentrant: making a heap block may run the garbage collector, which may free a
-        # chain, whose block comes back here in the same thread.
-        self.lock = threading.RLock()
-        self.free: dict[int, list[int]] = {}  # size class -> addresses of free blocks
-        self.size: dict[int, int] = {}  # address of a block out -> its size class
-        self.heap: dict[int, Any] = {}  # address -> the cdata owning a block from the heap
-        self.retain = retain
-        self.kept = 0  # bytes of heap blocks kept (out or free)
-        self.slab_out = 0  # blocks of the reserve out
-        self.closed = False
-
-    def alloc(self, size: int) -> Any:
-        size_class = _size_class(size)
-        with self.lock:
-            blocks = self.free.get(size_class)
-            if blocks:
-                addr = blocks.pop()
-            elif self.slab is not None and self.next + size_class <= self.end:
-                addr = self.next
-                self.next += size_class
-            else:
-                block = ffi.new("char[]", size_class)
-                addr = address(block)
-                self.heap[addr] = block
-                self.kept += size_class
-            if addr not in self.heap:
-                self.slab_out += 1
-            self.size[addr] = size_class
-        return ffi.cast(_VOID_PTR, addr)
-
-    def release(self, ptr: Any) -> None:
-        addr = int(ffi.cast("uintptr_t", ptr))
-        with self.lock:
-            size_class = self.size.pop(addr, 0)
-            if not size_class:
-                return
-            if addr in self.heap:
-                if self.closed or self.kept > self.retain:
-                    del self.heap[addr]
-                    self.kept -= size_class
-                    return
-            else:
-                self.slab_out -= 1
-                if self.closed:
-                    if not self.slab_out:
-                        self.slab = None
-                    return
-            self.free.setdefault(size_class, []).append(addr)
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            self.next = self.end  # nothing more is carved from the reserve
-            for size_class, blocks in self.free.items():
-                for addr in blocks:
-                    if self.heap.pop(addr, None) is not None:
-                        self.kept -= size_class
-            self.free.clear()
-            if not self.slab_out:
-                self.slab = None
 
 
 class SendChain:
@@ -1033,48 +822,14 @@ class SendChain:
                 )
 
 
-# One slot of a SlotRing in one ``struct.pack_into``: the WR's fields from ``wr_id`` to
-# ``wr.rdma.rkey`` (contiguous, checked below), zeros up to the union of ``bind_mw`` and
-# ``tso``, and the slot's SGE in that union's bytes.  A provider reads that union only for
-# a memory-window bind or a TSO send (rdma-core's rxe and mlx5 alike), never for an RDMA
-# READ or WRITE, and copies the SGE from wherever ``sg_list`` points during the post; so
-# each slot's WR carries its own SGE and one call writes both.
-#: Offset of a ring slot's SGE inside its ``struct ibv_send_wr`` (the anonymous union of
-#: ``bind_mw`` and ``tso``).
-SLOT_SGE_OFFSET = ffi.offsetof("struct ibv_send_wr", "bind_mw")
-_SLOT_WR_END = 52  # wr.rdma.rkey ends here (checked below)
-#: ``struct ibv_send_wr`` from ``wr_id`` to ``wr.rdma.rkey``, zeros to
-#: :data:`SLOT_SGE_OFFSET`, then the ``struct ibv_sge``; packed at ``slot * WR_BYTES``.
-WR_SLOT = struct.Struct(f"<QQQiiIIQI{SLOT_SGE_OFFSET - _SLOT_WR_END}xQII")
-WR_BYTES = _WR_SIZE
-_WR_SLOT_FIELDS = (
-    "wr_id",
-    "next",
-    "sg_list",
-    "num_sge",
-    "opcode",
-    "send_flags",
-    "imm_data",
-    "remote_addr",
-    "rkey",
-)
-_at = 0
 _WR_FIELDS = WR_DTYPE.fields
 assert _WR_FIELDS is not None
-for _name, _size in zip(_WR_SLOT_FIELDS, (8, 8, 8, 4, 4, 4, 4, 8, 4), strict=True):
-    if _WR_FIELDS[_name][1] != _at:  # pragma: no cover - a libibverbs ABI change
-        raise ImportError(f"struct ibv_send_wr: {_name} is not at offset {_at}")
-    _at += _size
-if not (
-    _at == _SLOT_WR_END
-    and ffi.offsetof("struct ibv_send_wr", "qp_type") + 4 <= SLOT_SGE_OFFSET
-    and SLOT_SGE_OFFSET + _SGE_SIZE <= _WR_SIZE
-    and SLOT_SGE_OFFSET % 8 == 0
-    and _WR_FIELDS["next"][1] == _LINK_PAIR_AT
-    and _WR_FIELDS["sg_list"][1] == _SG_PAIR_AT
-    and _WR_FIELDS["remote_addr"][1] == _RDMA_PAIR_AT
+if (
+    _WR_FIELDS["next"][1] != _LINK_PAIR_AT
+    or _WR_FIELDS["sg_list"][1] != _SG_PAIR_AT
+    or _WR_FIELDS["remote_addr"][1] != _RDMA_PAIR_AT
 ):  # pragma: no cover - a libibverbs ABI change
-    raise ImportError(f"struct ibv_send_wr: no room for an SGE at offset {SLOT_SGE_OFFSET}")
+    raise ImportError("struct ibv_send_wr: next, sg_list or wr.rdma not where SendChain writes")
 # SendChain.fill writes 64-bit words: a little-endian machine, the SGE's length and
 # lkey in its second word.
 _SGE_FIELDS = SGE_DTYPE.fields
@@ -1086,77 +841,4 @@ if sys.byteorder != "little" or (
     _SGE_SIZE,
 ) != (0, 8, 12, 16):  # pragma: no cover - a libibverbs ABI change
     raise ImportError("struct ibv_sge is not laid out as addr, length, lkey in 16 bytes")
-del _at, _name, _size, _WR_FIELDS, _SGE_FIELDS
-
-
-class SlotRing:
-    """A chain of ``capacity`` one-SGE work requests, each slot written on its own.
-
-    The engine's stream of single messages (one WR and one SGE each) goes through one
-    ring per queue pair: a message is written into the next free slot, consecutive
-    slots go out as one range of one ``post_send``, and a slot is free again once the
-    post that carried it has returned (the provider copied the WR).  A slot's SGE lies
-    inside its WR, at :data:`SLOT_SGE_OFFSET`, and :meth:`write` stores the whole slot
-    with one ``struct.pack_into`` into the C memory: no cffi attribute per field, no
-    numpy.  Slot ``i`` links to slot ``i + 1`` and the last to nothing, so a range never
-    wraps; the chain's ``regions`` are empty (the caller checks the regions of what it
-    queued).
-    """
-
-    __slots__ = ("capacity", "chain", "links", "sge_lists", "wr_mem")
-
-    def __init__(self, capacity: int) -> None:
-        chain = SendChain(capacity, capacity)
-        chain.fill(
-            opcode=0,
-            remote_addr=np.zeros(capacity, np.uint64),
-            rkey=0,
-            sge_start=np.arange(capacity + 1),
-            sge_addr=np.zeros(capacity, np.uint64),
-            sge_length=np.zeros(capacity, np.int64),
-            lkey=0,
-        )
-        self.chain = chain
-        self.capacity = capacity
-        wrs = chain._views()[0]
-        base = address(chain.head)
-        wrs["sg_list"] = base + np.arange(capacity, dtype=np.uint64) * _WR_SIZE + SLOT_SGE_OFFSET
-        # What a slot's WR keeps (its link and its SGE's address), and the C memory as a
-        # buffer for WR_SLOT (see write(); the engine packs its slots the same way
-        # inline, SinglePaths._ring_enqueuer).
-        self.links = [int(x) for x in wrs["next"]]
-        self.sge_lists = [int(x) for x in wrs["sg_list"]]
-        self.wr_mem = memoryview(ffi.buffer(chain._wr_mem))
-        chain._dirty = capacity  # the slots' wr_ids are written here, not by the chain
-        chain._one_each = chain._rkey_n = 0  # and their sg_lists and keys
-        chain._flags = None
-
-    def write(
-        self,
-        slot: int,
-        wr_id: int,
-        opcode: int,
-        local_addr: int,
-        nbytes: int,
-        lkey: int,
-        remote_addr: int,
-        rkey: int,
-    ) -> None:
-        """Slot ``slot`` becomes one unsignaled RDMA WR of one SGE.  The caller checked
-        the values (a template's); ``struct`` still refuses one that does not fit."""
-        WR_SLOT.pack_into(
-            self.wr_mem,
-            slot * _WR_SIZE,
-            wr_id,
-            self.links[slot],
-            self.sge_lists[slot],
-            1,
-            opcode,
-            0,
-            0,
-            remote_addr,
-            rkey,
-            local_addr,
-            nbytes,
-            lkey,
-        )
+del _WR_FIELDS, _SGE_FIELDS

@@ -136,6 +136,17 @@ class CompletionQueue:
         self._event_ctx = ffi.new("void **")
         self._closed = False
 
+    @property
+    def handle(self) -> Any:
+        """The ``struct ibv_cq *`` (for queue pairs made on this queue)."""
+        return self._cq
+
+    def inline_poll(self) -> tuple[Any, Any, Any]:
+        """The provider's poll function, the ``struct ibv_cq *`` and a one-completion
+        buffer, for a caller that polls in its own loop
+        (:meth:`~hixl.verbs.adapter.QueuePair.post_and_poll`)."""
+        return self._poll_fn, self._cq, self._wc_one
+
     def __repr__(self) -> str:
         return (
             f"<CompletionQueue depth={self.depth} fd={self.fd}{' closed' if self._closed else ''}>"

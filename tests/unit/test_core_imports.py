@@ -27,7 +27,7 @@ pkg = types.ModuleType("hixl")
 pkg.__path__ = [{str(ROOT / "hixl")!r}]
 sys.modules["hixl"] = pkg
 import hixl.core.descriptors, hixl.core.plan, hixl.core.kv, hixl.core.wire, hixl.core.handshake
-import hixl.core.kvblocks
+import hixl.core.kvblocks, hixl.core.shapes
 from hixl.core.descriptors import StridedDesc, ContiguousDesc
 from hixl.core.plan import Op, plan_transfer
 plan = plan_transfer(

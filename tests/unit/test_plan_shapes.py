@@ -20,15 +20,8 @@ from hixl.core.descriptors import (
     StridedDesc,
     as_segments,
 )
-from hixl.core.plan import (
-    DeviceLimits,
-    Op,
-    check_bounds,
-    place,
-    plan_transfer,
-    shape_desc,
-    shift_plan,
-)
+from hixl.core.plan import DeviceLimits, Op, check_bounds, plan_transfer
+from hixl.core.shapes import place, shape_desc, shift_plan
 from hixl.errors import BoundsError, DescriptorError
 
 offsets = st.integers(0, 1 << 20)

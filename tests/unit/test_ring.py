@@ -24,7 +24,8 @@ from hixl.core.window import Chunk, SendWindow
 from hixl.engine.handles import GroupHandle, MemberHandle, TransferStatus
 from hixl.errors import ArgumentError, CompletionError, ConnectionFailed, RegistrationError
 from hixl.verbs._ffi import address, ffi
-from hixl.verbs.chain import SEND_SIGNALED, SGE_DTYPE, SLOT_SGE_OFFSET, WR_BYTES, SlotRing
+from hixl.verbs.chain import SEND_SIGNALED, SGE_DTYPE, WR_BYTES
+from hixl.verbs.slot_ring import SLOT_SGE_OFFSET, SlotRing
 
 U32 = st.integers(0, 0xFFFF_FFFF)
 U64 = st.integers(0, 0xFFFF_FFFF_FFFF_FFFF)

@@ -100,7 +100,7 @@ def test_every_declared_size_and_offset_matches_verbs_h(tmp_path: Path) -> None:
 def test_the_known_traps_hold() -> None:
     """The values RXE-NOTES.md recorded, stated directly (they read better than a diff)."""
     assert ffi.sizeof("struct ibv_send_wr") == 128
-    # A ring slot's SGE lives in the union of bind_mw and tso (hixl.verbs.chain).
+    # A ring slot's SGE lives in the union of bind_mw and tso (hixl.verbs.slot_ring).
     assert ffi.offsetof("struct ibv_send_wr", "bind_mw") == 80
     assert ffi.offsetof("struct ibv_context", "ops", "poll_cq") == 96
     assert ffi.offsetof("struct ibv_context", "ops", "post_send") == 208

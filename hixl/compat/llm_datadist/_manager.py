@@ -17,18 +17,31 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from hixl.compat.llm_datadist._moves import (
+    TENSORS_PER_LAYER,
+    Moves,
+    Ranges,
+    block_requests,
+    blocks_list,
+    check_layers,
+    entry_move,
+    layer_args,
+    run_ranges,
+    same_length,
+    same_unit,
+    split_ranges,
+)
 from hixl.compat.llm_datadist._node import CacheEntry, Node, Route
 from hixl.compat.llm_datadist._plan import (
     BlockMove,
     RemoteCache,
-    block_runs,
     check_blocks,
     entry_pieces,
     prefix_move,
@@ -57,233 +70,16 @@ from hixl.compat.llm_datadist._types import (
     TransferConfig,
     TransferWithCacheKeyConfig,
     check_addrs,
-    check_layer_range,
 )
-from hixl.core.descriptors import BlockListDesc
 from hixl.core.wire import RemoteRegion
-from hixl.engine import Region, TransferHandle, TransferRequest
-from hixl.engine.kv import KVCache
+from hixl.engine import TransferHandle, TransferRequest
 from hixl.errors import HixlError
 
 __all__ = ["CacheManager", "CacheTask"]
 
 log = logging.getLogger("hixl.compat.llm_datadist")
 
-TENSORS_PER_LAYER = 2  # CANN's default tensor_num_per_layer: K and V
 I64Array = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True, slots=True)
-class _Moves:
-    """One call's block moves between a local and a remote KV cache, for every tensor
-    pair (``local_tensors[i]`` with ``remote_tensors[i]``)."""
-
-    write: bool
-    kv: KVCache
-    remote: str  # the peer's KV cache name
-    local_tensors: tuple[int, ...]
-    remote_tensors: tuple[int, ...]
-    moves: tuple[BlockMove, ...]
-
-    @classmethod
-    def of(
-        cls,
-        write: bool,
-        entry: CacheEntry,
-        route: Route,
-        remote: RemoteCache,
-        pairs: Sequence[tuple[int, int]],
-        moves: Sequence[BlockMove],
-    ) -> _Moves:
-        """``pairs`` are ``(src tensor, dst tensor)``; the local side is src for a write."""
-        src = tuple(s for s, _ in pairs)
-        dst = tuple(d for _, d in pairs)
-        local, theirs = (src, dst) if write else (dst, src)
-        return cls(write, entry.local(route.side), remote.kv, local, theirs, tuple(moves))
-
-    def _start(self, route: Route, m: BlockMove, timeout: float, *, wait: bool) -> Any:
-        engine = route.engine
-        call: Callable[..., Any]
-        if wait:
-            call = engine.put_blocks if self.write else engine.get_blocks
-        else:
-            call = engine.put_blocks_async if self.write else engine.get_blocks_async
-        return call(
-            route.peer,
-            self.kv,
-            self.remote,
-            m.local,
-            m.remote,
-            tensors=self.local_tensors,
-            remote_tensors=self.remote_tensors,
-            heads=m.heads,
-            remote_heads=m.remote_heads,
-            timeout=timeout,
-        )
-
-    def post(self, route: Route, timeout: float) -> list[TransferHandle]:
-        """Start every move; on an error before posting, wait for those started, raise."""
-        handles: list[TransferHandle] = []
-        try:
-            for m in self.moves:
-                handles.append(self._start(route, m, timeout, wait=False))
-        except BaseException:
-            _settle(handles)
-            raise
-        return handles
-
-    def run(self, route: Route, timeout: float) -> None:
-        """Move everything and wait; raises the first failure once all are done."""
-        if len(self.moves) == 1:  # posted and waited for on this thread
-            self._start(route, self.moves[0], timeout, wait=True)
-            return
-        error = _settle(self.post(route, timeout))
-        if error is not None:
-            raise error
-
-
-def _settle(handles: Sequence[TransferHandle]) -> HixlError | None:
-    """Wait for every handle; the first failure (the others are logged)."""
-    first: HixlError | None = None
-    for h in handles:
-        try:
-            h.wait()
-        except HixlError as exc:
-            if first is None:
-                first = exc
-            else:
-                log.debug("another transfer of the same call failed: %s", exc)
-    return first
-
-
-@dataclass(frozen=True, slots=True)
-class _Ranges:
-    """The same byte ranges in every tensor pair: offsets on each side and lengths."""
-
-    local: I64Array
-    remote: I64Array
-    lengths: I64Array
-
-
-def _blocks_list(name: str, value: object) -> list[int]:
-    check_type(name, value, list, tuple)
-    assert isinstance(value, list | tuple)
-    for item in value:
-        check_type(f"{name} element", item, int)
-    return list(value)
-
-
-def _layer_args(call: str, kwargs: dict[str, Any]) -> tuple[range | None, range | None, int]:
-    """``src_layer_range``, ``dst_layer_range`` and ``tensor_num_per_layer`` from a
-    pull's keyword arguments, checked; anything else is refused."""
-    src = kwargs.pop("src_layer_range", None)
-    dst = kwargs.pop("dst_layer_range", None)
-    per_layer = kwargs.pop("tensor_num_per_layer", TENSORS_PER_LAYER)
-    require(not kwargs, f"{call}: unsupported arguments {sorted(kwargs)}")
-    _check_layers(src, dst, per_layer)
-    return src, dst, per_layer
-
-
-def _check_layers(src: object, dst: object, per_layer: object) -> None:
-    check_layer_range("src_layer_range", src)
-    check_layer_range("dst_layer_range", dst)
-    check_int("tensor_num_per_layer", per_layer, 0, U32)
-
-
-def _run_ranges(src: I64Array, dst: I64Array, unit: int, remote_unit: int) -> _Ranges:
-    """Blocks ``src[i]`` (local, ``unit`` bytes) to blocks ``dst[i]`` (remote, blocks of
-    ``remote_unit`` bytes), runs merged."""
-    s, d, n = block_runs(src, dst)
-    return _Ranges(local=s * unit, remote=d * remote_unit, lengths=n * unit)
-
-
-def _split_ranges(start: int, total: int, block: int, dst_blocks: I64Array) -> _Ranges:
-    """A contiguous local ``total`` bytes at ``start`` cut into ``block``-byte pieces,
-    piece ``j`` to remote block ``dst_blocks[j]`` (the last piece may be shorter)."""
-    pieces = -(-total // block)
-    require(
-        dst_blocks.size <= pieces,
-        f"{total} bytes cut into pieces of {block} make {pieces} blocks, fewer than the "
-        f"{dst_blocks.size} blocks listed",
-    )
-    j = np.arange(dst_blocks.size, dtype=np.int64)
-    return _Ranges(
-        local=start + j * block,
-        remote=dst_blocks * block,
-        lengths=np.minimum(block, total - j * block).astype(np.int64),
-    )
-
-
-def _requests(
-    local: Sequence[tuple[Region, int]],
-    remote: Sequence[tuple[RemoteRegion, int]],
-    ranges: _Ranges,
-) -> list[TransferRequest]:
-    """RDMA WRITE requests, one per ``(local tensor, remote tensor)`` pair, each a
-    ``(region, offset of the tensor in it)``, over the same ranges."""
-    if ranges.lengths.size == 0:
-        return []
-    return [
-        TransferRequest(
-            op="write",
-            local=lr,
-            remote=rr,
-            local_desc=BlockListDesc(
-                offsets=ranges.local + lbase, lengths=ranges.lengths, alignment=None
-            ),
-            remote_desc=BlockListDesc(
-                offsets=ranges.remote + rbase, lengths=ranges.lengths, alignment=None
-            ),
-        )
-        for (lr, lbase), (rr, rbase) in zip(local, remote, strict=True)
-    ]
-
-
-def _entry_move(
-    call: str,
-    desc: CacheDesc,
-    local_index: int,
-    remote: RemoteCache,
-    remote_index: int,
-    size: int,
-) -> BlockMove:
-    """Batch entry ``local_index`` <-> entry ``remote_index``: ``size`` bytes of each
-    (-1: whole entries, which must then be of one size)."""
-    require(
-        local_index < desc.shape[0],
-        f"{call}: local batch index {local_index} is out of range [0, {desc.shape[0]})",
-    )
-    require(
-        remote_index < remote.units,
-        f"{call}: remote batch index {remote_index} is out of range [0, {remote.units}) of "
-        f"remote cache {remote.cache_id}",
-    )
-    if size == -1:
-        _same_unit(call, desc, remote)
-        size = desc.unit_size
-    require(
-        size <= desc.unit_size and size <= remote.unit,
-        f"{call}: size {size} is larger than a batch entry ({desc.unit_size} bytes here, "
-        f"{remote.unit} in remote cache {remote.cache_id})",
-    )
-    return prefix_move(local_index, remote_index, size)
-
-
-def _same_length(src: list[int], dst: list[int]) -> None:
-    require(
-        len(src) == len(dst),
-        f"src_blocks ({len(src)}) and dst_blocks ({len(dst)}) differ in length",
-    )
-
-
-def _same_unit(call: str, local: CacheDesc, remote: RemoteCache) -> None:
-    require(
-        local.unit_size == remote.unit,
-        f"{call}: the caches do not match: a block of the local cache is {local.unit_size} "
-        f"bytes (shape {local.shape}, {local.data_type.name}), of the remote cache "
-        f"{remote.cache_id} {remote.unit} bytes ({remote.units} blocks, data type "
-        f"{remote.data_type})",
-    )
 
 
 class CacheManager:
@@ -409,7 +205,7 @@ class CacheManager:
         pairs = tensor_pairs(src, dst, *layers)
         log.debug("[%s] %d moves with %s", call, len(moves), route.peer)
         try:
-            _Moves.of(write, entry, route, remote, pairs, moves).run(route, self._timeout)
+            Moves.of(write, entry, route, remote, pairs, moves).run(route, self._timeout)
         except HixlError as exc:
             refuse(code_of(exc), f"{call} failed: {exc}")
 
@@ -429,10 +225,10 @@ class CacheManager:
         ``CacheKeyByIdAndIndex`` (a plain remote cache) ``src_blocks`` must be empty:
         the batch entry is cut into blocks of ``dst_cache`` in order.
         """
-        layers = _layer_args("pull_blocks", kwargs)
+        layers = layer_args("pull_blocks", kwargs)
         check_type("src_cache_key", src_cache_key, CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)
-        src = _blocks_list("src_blocks", src_blocks)
-        dst = _blocks_list("dst_blocks", dst_blocks)
+        src = blocks_list("src_blocks", src_blocks)
+        dst = blocks_list("dst_blocks", dst_blocks)
         entry = self._local("pull_blocks", dst_cache, blocks=True)
         require(len(dst) > 0, "dst_blocks can not be empty.")
         if isinstance(src_cache_key, CacheKey):
@@ -447,8 +243,8 @@ class CacheManager:
         dst_arr = check_blocks("dst_blocks", dst, desc.shape[0], "local cache")
         if isinstance(src_cache_key, BlocksCacheKey):
             require(len(src) > 0, "src_blocks can not be empty.")
-            _same_length(src, dst)
-            _same_unit("pull_blocks", desc, remote)
+            same_length(src, dst)
+            same_unit("pull_blocks", desc, remote)
             src_arr = check_blocks(
                 "src_blocks", src, remote.units, f"remote cache {remote.cache_id}"
             )
@@ -484,16 +280,16 @@ class CacheManager:
         """
         self._require_push("push_blocks")
         check_type("dst_cache_key", dst_cache_key, BlocksCacheKey)
-        src = _blocks_list("src_blocks", src_blocks)
-        dst = _blocks_list("dst_blocks", dst_blocks)
-        _check_layers(src_layer_range, dst_layer_range, tensor_num_per_layer)
+        src = blocks_list("src_blocks", src_blocks)
+        dst = blocks_list("dst_blocks", dst_blocks)
+        check_layers(src_layer_range, dst_layer_range, tensor_num_per_layer)
         entry = self._local("push_blocks", src_cache, blocks=True)
         require(len(dst) > 0, "dst_blocks can not be empty.")
-        _same_length(src, dst)
+        same_length(src, dst)
         desc = src_cache.cache_desc
         key = self._remote("push_blocks", dst_cache_key)
         remote = key[1]
-        _same_unit("push_blocks", desc, remote)
+        same_unit("push_blocks", desc, remote)
         src_arr = check_blocks("src_blocks", src, desc.shape[0], "local cache")
         dst_arr = check_blocks("dst_blocks", dst, remote.units, f"remote cache {remote.cache_id}")
         layers = (src_layer_range, dst_layer_range, tensor_num_per_layer)
@@ -520,7 +316,7 @@ class CacheManager:
         Keyword arguments as for :meth:`pull_blocks`.  ``CacheKey`` (by request id) gives
         ``LLM_FEATURE_NOT_ENABLED``: no request-key table is exchanged here.
         """
-        layers = _layer_args("pull_cache", kwargs)
+        layers = layer_args("pull_cache", kwargs)
         if self._node.opts.remote_cache_accessible:
             check_type("cache_key", cache_key, CacheKeyByIdAndIndex)
         else:
@@ -538,7 +334,7 @@ class CacheManager:
                 "CacheKeyByIdAndIndex (no request-key table is exchanged)",
             )
         key = self._remote("pull_cache", cache_key)
-        move = _entry_move(
+        move = entry_move(
             "pull_cache", cache.cache_desc, batch_index, key[1], cache_key.batch_index, size
         )
         self._move("pull_cache", False, entry, key, layers, [move])
@@ -559,11 +355,11 @@ class CacheManager:
         check_type("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
         check_int("src_batch_index", src_batch_index, 0, U32)
         check_int("size", size, -(2**63), 2**63 - 1)
-        _check_layers(src_layer_range, dst_layer_range, tensor_num_per_layer)
+        check_layers(src_layer_range, dst_layer_range, tensor_num_per_layer)
         entry = self._local("push_cache", src_cache, blocks=False)
         require(size == -1, f"[push_cache] size ({size}) is invalid, should be = -1.")
         key = self._remote("push_cache", dst_cache_key)
-        move = _entry_move(
+        move = entry_move(
             "push_cache",
             src_cache.cache_desc,
             src_batch_index,
@@ -602,12 +398,12 @@ class CacheManager:
         src_idx = (
             None
             if src_block_indices is None
-            else _blocks_list("src_block_indices", src_block_indices)
+            else blocks_list("src_block_indices", src_block_indices)
         )
         dst_idx = (
             None
             if dst_block_indices is None
-            else _blocks_list("dst_block_indices", dst_block_indices)
+            else blocks_list("dst_block_indices", dst_block_indices)
         )
         for name, idx in (("src_block_indices", src_idx), ("dst_block_indices", dst_idx)):
             for value in idx or ():
@@ -711,12 +507,12 @@ class CacheManager:
         )
         batch = config.src_batch_index
         if shape.dst is None:  # an entry to an entry
-            _same_unit("transfer_cache_async", desc, remote)
+            same_unit("transfer_cache_async", desc, remote)
             moves = [prefix_move(batch, dst_batch, desc.unit_size)]
         else:
             dst_arr = check_blocks("dst_block_indices", shape.dst, remote.units, "remote cache")
             if shape.src is not None:  # blocks to blocks
-                _same_unit("transfer_cache_async", desc, remote)
+                same_unit("transfer_cache_async", desc, remote)
                 src_arr = check_blocks("src_block_indices", shape.src, desc.shape[0], "local cache")
                 moves = [BlockMove(src_arr, dst_arr)]
             else:  # an entry cut into the peer's blocks
@@ -729,7 +525,7 @@ class CacheManager:
                     batch, desc.unit_size, remote.unit, dst_arr, entry_is_local=True
                 )
         steps = {
-            layer: _Moves.of(
+            layer: Moves.of(
                 True,
                 entry,
                 route,
@@ -764,15 +560,15 @@ class CacheManager:
             )
             src_arr = check_blocks("src_block_indices", shape.src, desc.shape[0], "local cache")
             dst_arr = np.asarray(shape.dst, np.int64)
-            ranges = _run_ranges(src_arr, dst_arr, desc.unit_size, remote_unit)
+            ranges = run_ranges(src_arr, dst_arr, desc.unit_size, remote_unit)
         elif shape.dst is not None:
-            ranges = _split_ranges(
+            ranges = split_ranges(
                 src_off, desc.unit_size, remote_unit, np.asarray(shape.dst, np.int64)
             )
         else:
             one = np.ones(1, np.int64)
-            ranges = _Ranges(local=one * src_off, remote=one * 0, lengths=one * desc.unit_size)
-        steps: dict[int, _Moves | list[TransferRequest]] = {}
+            ranges = Ranges(local=one * src_off, remote=one * 0, lengths=one * desc.unit_size)
+        steps: dict[int, Moves | list[TransferRequest]] = {}
         for k, layer in enumerate(src_range):
             remote: list[tuple[RemoteRegion, int]] = []
             for addr in config.dst_addrs[2 * k : 2 * k + 2]:
@@ -782,7 +578,7 @@ class CacheManager:
                     refuse(LLMStatusCode.LLM_PARAM_INVALID, f"transfer_cache_async: {exc}")
                 remote.append((region, addr - region.addr))
             local = [entry.tensor(route.side, 2 * layer + t) for t in range(2)]
-            steps[layer] = _requests(local, remote, ranges)
+            steps[layer] = block_requests(local, remote, ranges)
         return _ConfigPlan(route=route, layers=src_range, steps=steps)
 
     # -- local copies --------------------------------------------------------------------
@@ -957,11 +753,11 @@ class _ConfigPlan:
 
     route: Route
     layers: range
-    steps: Mapping[int, _Moves | list[TransferRequest]]
+    steps: Mapping[int, Moves | list[TransferRequest]]
 
     def post(self, layer: int, timeout: float) -> list[TransferHandle]:
         step = self.steps[layer]
-        if isinstance(step, _Moves):
+        if isinstance(step, Moves):
             return step.post(self.route, timeout)
         if not step:
             return []
