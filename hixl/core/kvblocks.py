@@ -61,6 +61,7 @@ __all__ = [
     "MAX_TENSORS",
     "RequestPlan",
     "TensorGeometry",
+    "TensorGroup",
     "Tile",
     "block_ids",
     "block_pattern",
@@ -68,8 +69,10 @@ __all__ = [
     "landed_blocks",
     "pair_tensors",
     "plan_blocks",
+    "plan_groups",
     "plan_request",
     "runs",
+    "tensor_groups",
 ]
 
 I64Array = npt.NDArray[np.int64]
@@ -566,44 +569,99 @@ def plan_request(
     The chain goes run by run (all tensors of a run, then the next run; runs of one
     length together), so a request that fails part way has whole blocks behind it
     (:func:`landed_blocks`)."""
+    return plan_groups(tensor_groups(items), local_ids, remote_ids, op, limits)
+
+
+class TensorGroup:
+    """The tensors of a request that share a pair of block patterns: their element-0
+    addresses and keys on both sides (int64 arrays, one entry per tensor, in request
+    order).  Made by :func:`tensor_groups`; it keeps the key arrays of a tile of ``m``
+    runs (each key once per run) for the next request with as many runs."""
+
+    __slots__ = ("local", "remote", "local_base", "remote_base", "local_key", "remote_key",
+                 "_keys")  # fmt: skip
+
+    def __init__(self, local: BlockPattern, remote: BlockPattern, rows: I64Array) -> None:
+        self.local, self.remote = local, remote
+        self.local_base, self.remote_base, self.local_key, self.remote_key = (
+            np.ascontiguousarray(c) for c in rows.T
+        )
+        self._keys: dict[int, tuple[I64Array, I64Array]] = {}
+
+    def keys(self, runs: int) -> tuple[I64Array, I64Array]:
+        """The local and remote key of every copy of a tile of ``runs`` runs (read-only)."""
+        known = self._keys.get(runs)
+        if known is None:
+            lk = np.tile(self.local_key, runs)
+            rk = np.tile(self.remote_key, runs)
+            lk.setflags(write=False)
+            rk.setflags(write=False)
+            if len(self._keys) >= 64:
+                self._keys.clear()
+            known = self._keys[runs] = (lk, rk)
+        return known
+
+
+def tensor_groups(
+    items: Sequence[tuple[BlockPattern, BlockPattern, int, int, int, int]],
+) -> list[TensorGroup]:
+    """``items`` (as :func:`plan_request` takes them) grouped by their pair of patterns,
+    in order of first appearance: what a request's tiles are made of, the same for every
+    request between the same tensors (so a caller may keep it)."""
+    members: dict[tuple[int, int], list[int]] = {}
+    for k, (lp, rp, *_) in enumerate(items):
+        members.setdefault((id(lp), id(rp)), []).append(k)
+    out = []
+    for ks in members.values():
+        rows = np.array([items[k][2:6] for k in ks], dtype=np.int64).reshape(len(ks), 4)
+        out.append(TensorGroup(items[ks[0]][0], items[ks[0]][1], rows))
+    return out
+
+
+def plan_groups(
+    groups: Sequence[TensorGroup],
+    local_ids: I64Array,
+    remote_ids: I64Array,
+    op: Op,
+    limits: DeviceLimits = DEFAULT_LIMITS,
+) -> RequestPlan:
+    """:func:`plan_request` from the request's :func:`tensor_groups`."""
     start, length = runs(local_ids, remote_ids)
-    lstart, rstart = local_ids[start], remote_ids[start]
-    by_length: dict[int, I64Array] = {}
+    by_length: dict[int, I64Array | None] = {}
     if start.size == local_ids.size:  # no two pairs in a run: all of length 1
-        by_length[1] = np.arange(start.size, dtype=np.int64)
+        by_length[1] = None  # every run
+        lstart, rstart = local_ids, remote_ids
     else:
+        lstart, rstart = local_ids[start], remote_ids[start]
         for L in sorted(set(length.tolist())):  # few lengths (np.unique imports numpy.ma)
             by_length[L] = (length == L).nonzero()[0]
-    groups: dict[tuple[int, int], list[int]] = {}
-    for k, (lp, rp, *_) in enumerate(items):
-        groups.setdefault((id(lp), id(rp)), []).append(k)
     tiles = []
     num_wrs = num_sges = nbytes = 0
     shortest, longest = INT64_MAX, 0
-    for members in groups.values():
-        lp, rp = items[members[0]][0], items[members[0]][1]
-        lb = np.fromiter((items[k][2] for k in members), np.int64, len(members))
-        rb = np.fromiter((items[k][3] for k in members), np.int64, len(members))
-        lk = np.fromiter((items[k][4] for k in members), np.int64, len(members))
-        rk = np.fromiter((items[k][5] for k in members), np.int64, len(members))
+    for g in groups:
+        lp, rp = g.local, g.remote
+        lstride, rstride = np.int64(lp.block_stride), np.int64(rp.block_stride)
         for L, which in by_length.items():
             p = _run_plan(lp, rp, L, op, limits)
-            lo = lstart[which] * np.int64(lp.block_stride)
-            ro = rstart[which] * np.int64(rp.block_stride)
-            m = which.size
+            if which is None:
+                lo, ro, positions = lstart * lstride, rstart * rstride, start
+            else:
+                lo, ro, positions = lstart[which] * lstride, rstart[which] * rstride, start[which]
+            m = lo.size
+            lk, rk = g.keys(m)
             tiles.append(
                 Tile(
                     p,
-                    (lo[:, None] + lb[None, :]).ravel(),
-                    (ro[:, None] + rb[None, :]).ravel(),
-                    lk[None, :].repeat(m, axis=0).ravel(),
-                    rk[None, :].repeat(m, axis=0).ravel(),
-                    start[which],
+                    np.add.outer(lo, g.local_base).ravel(),
+                    np.add.outer(ro, g.remote_base).ravel(),
+                    lk,
+                    rk,
+                    positions,
                     L,
                     rp,
                 )
             )
-            copies = len(members) * m
+            copies = lk.size
             num_wrs += copies * p.num_wrs
             num_sges += copies * p.num_sges
             nbytes += copies * p.nbytes

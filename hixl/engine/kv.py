@@ -27,7 +27,9 @@ is registered by address), until :meth:`KVCache.close`.
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,12 +44,14 @@ from hixl.core.kvblocks import (
     KVGeometry,
     RequestPlan,
     TensorGeometry,
+    TensorGroup,
     block_ids,
     check_alignment,
     check_unique,
     landed_blocks,
     pair_tensors,
-    plan_request,
+    plan_groups,
+    tensor_groups,
 )
 from hixl.core.plan import DeviceLimits, Op
 from hixl.core.wire import RemoteRegion
@@ -231,6 +235,8 @@ class KVCache:
         self._meta = meta  # the geometry region; None for a cache peers cannot reach
         self._meta_buffer = meta_buffer  # the memory the meta region points at
         self._closed = False
+        self._keys = tuple((r.addr, r.lkey) for r in regions)  # (address, lkey) of each
+        self._writable = all(r.access & Access.LOCAL_WRITE for r in regions)
 
     @property
     def closed(self) -> bool:
@@ -437,6 +443,12 @@ class _RemoteKV:
     geometry: KVGeometry
     remotes: tuple[RemoteRegion, ...]  # the connection's tuple these were resolved from
     regions: tuple[RemoteRegion, ...]
+    keys: tuple[tuple[int, int], ...] = ()  # each region's (address, rkey)
+    access: int = 0  # the access every region grants
+
+    def __post_init__(self) -> None:
+        self.keys = tuple((r.addr, r.rkey) for r in self.regions)
+        self.access = functools.reduce(operator.and_, (r.access for r in self.regions), -1)
 
 
 def _pow2(n: int) -> int:
@@ -663,21 +675,21 @@ class KVBlocks:
         conn = host.connection(peer)
         conn.check_ready()
         rkv = self._remote_cache(conn, peer, _name(remote_name), timeout)
-        for r in rkv.regions:
-            if not r.access & (wire.REMOTE_WRITE if op is Op.WRITE else wire.REMOTE_READ):
-                verb = "writable" if op is Op.WRITE else "readable"
-                raise RegistrationError(
-                    f"peer {peer}'s KV cache {remote_name!r}: region {r.name!r} is not "
-                    f"remotely {verb}"
-                )
-        if op is Op.READ and not all(r.access & Access.LOCAL_WRITE for r in kv.regions):
+        need = wire.REMOTE_WRITE if op is Op.WRITE else wire.REMOTE_READ
+        if not rkv.access & need:
+            r = next(r for r in rkv.regions if not r.access & need)
+            verb = "writable" if op is Op.WRITE else "readable"
+            raise RegistrationError(
+                f"peer {peer}'s KV cache {remote_name!r}: region {r.name!r} is not remotely {verb}"
+            )
+        if op is Op.READ and not kv._writable:
             raise RegistrationError(f"{kv!r}: get_blocks needs LOCAL_WRITE access")
         req = build_request(
             op,
             kv.geometry,
-            [(r.addr, r.lkey) for r in kv.regions],
+            kv._keys,
             rkv.geometry,
-            [(r.addr, r.rkey) for r in rkv.regions],
+            rkv.keys,
             local_blocks,
             remote_blocks,
             tensors=tensors,
@@ -760,6 +772,40 @@ def _paired(
     return pairs
 
 
+#: What every request between two caches' regions shares, by the pairing's identity
+#: and the regions: the block counts and the tensors grouped by patterns.
+_FRAMES: dict[tuple[Any, ...], tuple[list[Any], int, int, list[TensorGroup]]] = {}
+
+
+def _framed(
+    local: KVGeometry,
+    remote: KVGeometry,
+    pairs: list[Any],
+    local_regions: Sequence[tuple[int, int]],
+    remote_regions: Sequence[tuple[int, int]],
+) -> tuple[int, int, list[TensorGroup]]:
+    """The blocks each side has (its shortest paired tensor's) and the request's
+    :func:`tensor_groups` for ``pairs`` between these regions, remembered."""
+    key = (id(pairs), tuple(local_regions), tuple(remote_regions))
+    known = _FRAMES.get(key)
+    if known is not None and known[0] is pairs:
+        return known[1], known[2], known[3]
+    lgeo, rgeo = local.tensors, remote.tensors
+    lnum = min(lgeo[i].num_blocks for i, _, _, _ in pairs)
+    rnum = min(rgeo[j].num_blocks for _, j, _, _ in pairs)
+    items = []
+    for i, j, lp, rp in pairs:
+        lt, rt = lgeo[i], rgeo[j]
+        la, lkey = local_regions[lt.region]
+        ra, rkey = remote_regions[rt.region]
+        items.append((lp, rp, la + lt.offset, ra + rt.offset, lkey, rkey))
+    groups = tensor_groups(items)
+    if len(_FRAMES) >= _PAIRS_MAX:
+        _FRAMES.clear()
+    _FRAMES[key] = (pairs, lnum, rnum, groups)
+    return lnum, rnum, groups
+
+
 class BuiltRequest(NamedTuple):
     """A request ready to queue: its chain (filled), bytes, the chain's pool key, the two
     block id arrays and the plan the chain was filled from."""
@@ -796,9 +842,7 @@ def build_request(
     new chain takes its memory from ``memory`` (the engine's kept, touched memory).  Raises
     :class:`DescriptorError` before anything is built."""
     pairs = _paired(local, remote, tensors, heads, remote_heads, remote_tensors)
-    lgeo, rgeo = local.tensors, remote.tensors
-    lnum = min(lgeo[i].num_blocks for i, _, _, _ in pairs)
-    rnum = min(rgeo[j].num_blocks for _, j, _, _ in pairs)
+    lnum, rnum, groups = _framed(local, remote, pairs, local_regions, remote_regions)
     lids = block_ids("local_blocks", local_blocks, lnum)
     rids = block_ids("remote_blocks", remote_blocks, rnum)
     if lids.size != rids.size:
@@ -808,13 +852,7 @@ def build_request(
     check_unique(
         "remote_blocks" if op is Op.WRITE else "local_blocks", rids if op is Op.WRITE else lids
     )
-    items = []
-    for i, j, lp, rp in pairs:
-        lt, rt = lgeo[i], rgeo[j]
-        la, lkey = local_regions[lt.region]
-        ra, rkey = remote_regions[rt.region]
-        items.append((lp, rp, la + lt.offset, ra + rt.offset, lkey, rkey))
-    plan = plan_request(items, lids, rids, op, limits)
+    plan = plan_groups(groups, lids, rids, op, limits)
     key = ("kv", _pow2(plan.num_wrs), _pow2(plan.num_sges))
     opcode = verbs.WR_RDMA_WRITE if op is Op.WRITE else verbs.WR_RDMA_READ
     chain = idle(key)

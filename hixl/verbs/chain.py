@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -105,6 +105,65 @@ def _add_u64(values: npt.NDArray[Any], base: np.uint64, out: npt.NDArray[np.uint
     int64 seen as uint64 has the same bits, and so has the sum), so that numpy needs no
     casting buffer, which would be a fresh temporary for every call."""
     np.add(_as_u64(values), base, out=out)
+
+
+class _TileWords(NamedTuple):
+    """What :meth:`SendChain.fill_tiles` writes the same for every copy of a plan, for one
+    opcode: each WR's ``sg_list`` offset from its copy's first SGE, its ``num_sge |
+    opcode << 32`` word, and the SGE lengths as unsigned words."""
+
+    plan: Any  # the plan itself: the cache is keyed by its id, and checks it is the same
+    sg_offset: npt.NDArray[np.uint64]
+    counts: npt.NDArray[np.uint64]
+    lengths: npt.NDArray[np.uint64]
+
+
+#: :class:`_TileWords` by ``(id(plan), opcode)``; plans are immutable, and a request's
+#: plans are reused from the planner's own cache, so a few hundred entries hold them all.
+_TILE_WORDS: dict[tuple[int, int], _TileWords] = {}
+#: ``arange(copies) * num_sges * SGE size`` by ``(copies, num_sges)``.
+_COPY_STEPS: dict[tuple[int, int], npt.NDArray[np.uint64]] = {}
+_CACHE_MAX = 256
+
+
+def _tile_words(plan: Any, opcode: int) -> _TileWords:
+    """The :class:`_TileWords` of ``plan`` (made once); raises :class:`DescriptorError`
+    for an SGE length that does not fit its C field."""
+    key = (id(plan), opcode)
+    known = _TILE_WORDS.get(key)
+    if known is not None and known.plan is plan:
+        return known
+    lo, hi = plan.sge_length_range
+    if hi > _MAX_SGE_LEN or lo < 0:
+        raise DescriptorError(f"SGE lengths must lie in 0..{_MAX_SGE_LEN}, got {lo}..{hi}")
+    start = plan.wr_sge_start
+    words = _TileWords(
+        plan,
+        _frozen(start[:-1].astype(np.uint64) * np.uint64(_SGE_SIZE)),
+        _frozen(np.diff(start).astype(np.uint64) | np.uint64((opcode & 0xFFFF_FFFF) << 32)),
+        _frozen(plan.sge_length.astype(np.uint64)),
+    )
+    if len(_TILE_WORDS) >= _CACHE_MAX:
+        _TILE_WORDS.clear()
+    _TILE_WORDS[key] = words
+    return words
+
+
+def _copy_steps(copies: int, num_sges: int) -> npt.NDArray[np.uint64]:
+    """Byte offsets of each copy's first SGE from the tile's first (made once per shape)."""
+    key = (copies, num_sges)
+    steps = _COPY_STEPS.get(key)
+    if steps is None:
+        steps = _frozen(np.arange(copies, dtype=np.uint64) * np.uint64(num_sges * _SGE_SIZE))
+        if len(_COPY_STEPS) >= _CACHE_MAX:
+            _COPY_STEPS.clear()
+        _COPY_STEPS[key] = steps
+    return steps
+
+
+def _frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    a.setflags(write=False)
+    return a
 
 
 class SendChain:
@@ -459,35 +518,31 @@ class SendChain:
                 f"chain too small: {n} WRs and {m} SGEs into capacity={self.capacity} "
                 f"sge_capacity={self.sge_capacity}"
             )
+        words = []
         for t in tiles:
-            lo, hi = t.plan.sge_length_range
-            if hi > _MAX_SGE_LEN or lo < 0:
-                raise DescriptorError(f"SGE lengths must lie in 0..{_MAX_SGE_LEN}, got {lo}..{hi}")
-            for name, keys in (("remote", t.remote_key), ("local", t.local_key)):
-                if int(keys.min()) < 0 or int(keys.max()) > 0xFFFF_FFFF:
-                    raise DescriptorError(f"{name} keys must be 32-bit")
+            words.append(_tile_words(t.plan, opcode))
+            # one pass for both: a negative key has its high bits set too
+            if ((t.remote_key | t.local_key) >> 32).any():
+                bad = t.remote_key if (t.remote_key >> 32).any() else t.local_key
+                name = "remote" if bad is t.remote_key else "local"
+                raise DescriptorError(f"{name} keys must be 32-bit")
         q, sq = self._begin(n)
-        op_word = np.uint64((opcode & 0xFFFF_FFFF) << 32)
         w0 = s0 = 0
-        for t in tiles:
+        for t, tw in zip(tiles, words, strict=True):
             p, c = t.plan, t.copies
             nw, ns = p.num_wrs, p.num_sges
             wr = q[w0 : w0 + c * nw]
             # sg_list = &sges[s0 + i*ns + start[j]]; num_sge | opcode << 32
-            first = (np.uint64(self.sge_base + s0 * _SGE_SIZE)) + p.wr_sge_start[:-1].astype(
-                np.uint64
-            ) * np.uint64(_SGE_SIZE)
-            step = np.arange(c, dtype=np.uint64) * np.uint64(ns * _SGE_SIZE)
-            np.add(step[:, None], first[None, :], out=wr[:, 2].reshape(c, nw))
-            counts = np.diff(p.wr_sge_start).astype(np.uint64) | op_word
-            wr[:, 3].reshape(c, nw)[:] = counts[None, :]
+            first = _copy_steps(c, ns) + np.uint64(self.sge_base + s0 * _SGE_SIZE)
+            np.add(first[:, None], tw.sg_offset[None, :], out=wr[:, 2].reshape(c, nw))
+            wr[:, 3].reshape(c, nw)[:] = tw.counts
             np.add(
                 t.remote_base[:, None],
                 p.wr_remote_offset[None, :],
                 out=wr[:, _RADDR_WORD].reshape(c, nw),
                 casting="unsafe",
             )
-            wr[:, _RKEY_WORD].reshape(c, nw)[:] = t.remote_key.astype(np.uint64)[:, None]
+            wr[:, _RKEY_WORD].reshape(c, nw)[:] = t.remote_key[:, None]  # keys checked above
             sg = sq[s0 : s0 + c * ns]
             np.add(
                 t.local_base[:, None],
@@ -495,11 +550,9 @@ class SendChain:
                 out=sg[:, 0].reshape(c, ns),
                 casting="unsafe",
             )
-            np.bitwise_or(
-                p.sge_length.astype(np.uint64)[None, :],
-                np.left_shift(t.local_key.astype(np.uint64), np.uint64(32))[:, None],
-                out=sg[:, 1].reshape(c, ns),
-            )
+            # length | lkey << 32; a key below 2**32 shifted as int64 has the same bits
+            shifted = (t.local_key << 32).view(np.uint64)
+            np.bitwise_or(tw.lengths[None, :], shifted[:, None], out=sg[:, 1].reshape(c, ns))
             w0 += c * nw
             s0 += c * ns
         self._one_each = 0
