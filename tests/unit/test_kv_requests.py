@@ -60,6 +60,28 @@ def test_one_chain_carries_each_tensors_keys_and_fuses_runs() -> None:
     assert sorted(set(chain.sges["length"].tolist())) == [block, 3 * block]
 
 
+def test_requests_between_the_same_tensors_follow_each_requests_regions() -> None:
+    # The same geometries and pairing, but the caches' storage registered again elsewhere
+    # (new addresses and keys): the second chain must point at the second regions only.
+    local, remote = flash_attention(2, 8, 4), flash_attention(2, 8, 4)
+    for base, key in ((0x10000, 100), (0x7000000, 300)):
+        lregs = [(base * (k + 1), key + k) for k in range(2)]
+        rregs = [(base * (k + 9), key + 50 + k) for k in range(2)]
+        for lids, rids in (([0, 2], [4, 6]), ([3, 5, 7], [1, 0, 2])):
+            built = build_request(
+                Op.WRITE, local, lregs, remote, rregs, lids, rids,
+                tensors=None, heads=(1, 3), remote_heads=(1, 3), limits=DeviceLimits(),
+            )  # fmt: skip
+            chain = built.chain
+            span = local.region_lengths[0]
+            sge_addr = chain.sges["addr"].astype(np.int64)
+            raddr = chain.wrs["remote_addr"].astype(np.int64)
+            assert sorted(set(chain.sges["lkey"].tolist())) == [key, key + 1]
+            assert sorted(set(chain.wrs["rkey"].tolist())) == [key + 50, key + 51]
+            assert all(any(a <= x < a + span for a, _ in lregs) for x in sge_addr.tolist())
+            assert all(any(a <= x < a + span for a, _ in rregs) for x in raddr.tolist())
+
+
 def test_mismatch_and_bad_ids_raise_before_any_chain() -> None:
     local, remote = flash_attention(2, 16, 4), flash_attention(2, 8, 2)
     regs = [(0x1000, 1), (0x2000, 2)]
