@@ -46,6 +46,7 @@ def device_section(
       pair per lane, their averages added up) and :func:`one_process_lanes`, with work
       requests of one SGE of the same size.
 
+    Each round takes the median of 3 requests of hixl and of each ``kv_wr`` configuration.
     The ratios against the best of each, paired by round; ``names`` picks the forms and
     their order.  Each round also times the engine's own path (checks, plan, chain) for
     a request of the same shape."""

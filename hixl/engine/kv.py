@@ -15,9 +15,12 @@ the same (a re-registration under the same name is read again). Every check of t
 geometries against each other, the block ids and the access rights happens before
 anything is posted.
 
-A request is planned by :func:`~hixl.core.kvblocks.plan_request` (one plan per distinct
-pair of tensor geometries, laid out for every tensor) and written into one chain of work
-requests whose WRs and SGEs carry each tensor's own keys; the engine queues it as one
+A request is planned by :func:`~hixl.core.kvblocks.plan_groups` (one plan per distinct
+pair of tensor geometries and run length, laid out for every tensor) and written into one
+chain of work requests whose WRs and SGEs carry each tensor's own keys.  What every
+request between two caches shares (the tensor pairs, their groups by pattern, their
+addresses and keys) is worked out once and kept, so a request pays only for its own block
+lists.  The engine queues the chain as one
 transfer, with the notification after all of its data. Chains go back to the engine's
 pool once posted and are refilled by later requests of a similar size.
 
