@@ -572,6 +572,10 @@ def plan_request(
     return plan_groups(tensor_groups(items), local_ids, remote_ids, op, limits)
 
 
+#: Run counts whose key arrays a :class:`TensorGroup` keeps (requests often repeat a count).
+_KEYS_KEPT = 4
+
+
 class TensorGroup:
     """The tensors of a request that share a pair of block patterns: their element-0
     addresses and keys on both sides (int64 arrays, one entry per tensor, in request
@@ -596,7 +600,7 @@ class TensorGroup:
             rk = np.tile(self.remote_key, runs)
             lk.setflags(write=False)
             rk.setflags(write=False)
-            if len(self._keys) >= 64:
+            if len(self._keys) >= _KEYS_KEPT:
                 self._keys.clear()
             known = self._keys[runs] = (lk, rk)
         return known
