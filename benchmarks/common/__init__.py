@@ -4,7 +4,7 @@ opens a device."""
 
 from .child import expect_line, send_line
 from .errors import BenchError, run_main
-from .output import markdown_table, write_json
+from .output import json_out, markdown_table, write_json
 from .progress import Progress
 from .setup import (
     REPO,
@@ -52,6 +52,7 @@ __all__ = [
     "gather_setup",
     "git_commit",
     "iterations_for",
+    "json_out",
     "markdown_table",
     "median",
     "median_of",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -34,3 +36,24 @@ def _json_default(obj: object) -> Any:
     if hasattr(obj, "item"):
         return obj.item()
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def json_out(value: str) -> Path | str:
+    """The ``--json FILE`` option's type: the file, checked writable when the arguments
+    are read rather than after minutes of measuring (inside ``hixl run`` the checkout is
+    a read-only view).  ``-`` is passed through for drivers that print JSON instead."""
+    if value == "-":
+        return value
+    path = Path(value)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"cannot write {value}: {exc.strerror or exc} ({path.parent})"
+        ) from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(
+            f"cannot write {value}: not writable (inside `hixl run` the checkout is "
+            "read-only: write it under /tmp)"
+        )
+    return path

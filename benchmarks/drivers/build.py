@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from hixl.core.descriptors import ContiguousDesc, Descriptor, StridedDesc
@@ -54,6 +53,7 @@ from ..common import (
     fmt_size,
     fmt_us,
     gather_setup,
+    json_out,
     markdown_table,
     median_of,
     print_header,
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=256, help="bytes per row")
     p.add_argument("--stride", type=int, default=320, help="bytes between rows")
     p.add_argument("--repeat", type=int, default=300, help="timed runs per step (median)")
-    p.add_argument("--json", type=Path, default=None, help="write results to this file")
+    p.add_argument("--json", type=json_out, default=None, help="write results to this file")
     p.add_argument("--device", action="store_true", help="also put both forms vs ib_write_bw")
     p.add_argument("--device-repeat", type=int, default=5, help="pairs per form (median)")
     p.add_argument(

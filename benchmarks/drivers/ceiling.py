@@ -68,6 +68,7 @@ from ..common import (
     expect_line,
     fmt_ratio,
     gather_setup,
+    json_out,
     markdown_table,
     median,
     parse_size,
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the three (default 3)")
     ap.add_argument("--device", default=None, help="RDMA device (default: the one hixl picks)")
     ap.add_argument("--server-addr", default="127.0.0.1", help="perftest's out-of-band address")
-    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--json", type=json_out, default=None, help="write the results here")
     ap.add_argument(
         "--against",
         type=Path,

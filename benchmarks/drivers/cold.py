@@ -42,7 +42,6 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,6 +51,7 @@ from ..common import (
     BenchError,
     command_line,
     fmt_us,
+    json_out,
     markdown_table,
     median,
     print_header,
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--samples", type=int, default=30, help="fresh processes")
-    ap.add_argument("--json", type=Path, default=None, help="write results here")
+    ap.add_argument("--json", type=json_out, default=None, help="write results here")
     ap.add_argument("--quick", action="store_true", help="5 samples")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

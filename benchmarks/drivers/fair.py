@@ -61,6 +61,7 @@ from ..common import (
     fmt_size,
     fmt_us,
     gather_setup,
+    json_out,
     markdown_table,
     median,
     parse_size,
@@ -797,7 +798,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="seconds per case and size: no round starts that would end past it",
     )
-    ap.add_argument("--json", default=None, help="write results here ('-' = stdout line)")
+    ap.add_argument(
+        "--json", type=json_out, default=None, help="write results here ('-' = stdout line)"
+    )
     ap.add_argument("--quick", action="store_true", help="one round, 64 KiB, 1 MiB streams")
     ap.add_argument(
         "--merge", nargs="+", type=Path, default=None, help="join these runs' JSON into --json"

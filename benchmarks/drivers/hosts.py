@@ -50,6 +50,7 @@ from ..backends.perftest import parse_bw
 from ..common import (
     fmt_rate,
     fmt_size,
+    json_out,
     parse_sizes,
 )
 
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bytes", default="16M", help="bytes per measurement (default 16M)")
     p.add_argument("--depth", type=int, default=128, help="hixl puts in flight (default 128)")
     p.add_argument("--mtu", type=int, action="append", default=[], help="NIC MTU(s)")
-    p.add_argument("--json", help="write the rows and the table here")
+    p.add_argument("--json", type=json_out, help="write the rows and the table here")
     p.add_argument("--role", choices=("serve", "drive"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -45,7 +45,6 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,6 +53,7 @@ from ..common import (
     command_line,
     fmt_us,
     gather_setup,
+    json_out,
     markdown_table,
     median_of,
     print_header,
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold-runs", type=int, default=5, help="fresh processes per form")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--cold-child", choices=FORMS, help=argparse.SUPPRESS)
-    p.add_argument("--json", type=Path, default=None, help="write results to this file")
+    p.add_argument("--json", type=json_out, default=None, help="write results to this file")
     p.add_argument("--quick", action="store_true", help="a smoke run: few repeats")
     p.add_argument("--device", action="store_true", help="also move the scaled shape vs perftest")
     p.add_argument("--device-only", action="store_true", help="with --device: only the wire")

@@ -34,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,6 +48,7 @@ from ..common import (
     fmt_ratio,
     fmt_size,
     gather_setup,
+    json_out,
     markdown_table,
     median,
     parse_ints,
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=None, help="timed runs per point (default 3)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs per point")
     ap.add_argument("--quick", action="store_true", help="heads 8,32,64 and 2 repeats")
-    ap.add_argument("--json", type=Path, default=None, help="write results here")
+    ap.add_argument("--json", type=json_out, default=None, help="write results here")
     args = ap.parse_args(argv)
     quiet_logs()
 

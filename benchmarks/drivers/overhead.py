@@ -26,7 +26,6 @@ import functools
 import time
 import timeit
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,6 +55,7 @@ from ..common import (
     fmt_size,
     fmt_us,
     gather_setup,
+    json_out,
     markdown_table,
     median,
     median_of,
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-device", action="store_true", help="planning only; no RDMA")
     ap.add_argument("--quick", action="store_true", help="3 samples per point")
-    ap.add_argument("--json", type=Path, default=None, help="write results here")
+    ap.add_argument("--json", type=json_out, default=None, help="write results here")
     args = ap.parse_args(argv)
     quiet_logs()
     args.repeat = args.repeat or (3 if args.quick else 7)

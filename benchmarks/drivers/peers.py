@@ -75,6 +75,7 @@ from ..common import (
     fmt_size,
     fmt_us,
     gather_setup,
+    json_out,
     markdown_table,
     median,
     parse_sizes,
@@ -614,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lat-iters", type=int, default=None, help="blocking writes (default 30)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--quick", action="store_true", help="2 MiB streams, 1 repeat, fewer blocks")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=json_out, default=None)
     args = ap.parse_args(argv)
     quiet_logs()
     names = [n for n in args.peers.split(",") if n]

@@ -22,13 +22,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
 from hixl.core.descriptors import Segments
 from hixl.core.plan import DeviceLimits, Op, Plan, plan_transfer
 from hixl.errors import DescriptorError
+
+from ..common import json_out
 
 RATIO_TARGET = 20.0
 RATE_TARGET = 1_000_000.0
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-repeat", type=int, default=3, help="timed runs, baseline")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write results to this file")
+    p.add_argument("--json", type=json_out, default=None, help="write results to this file")
     p.add_argument(
         "--check", action="store_true", help="exit 1 unless ratio >= 20 and rate >= 1M seg/s"
     )

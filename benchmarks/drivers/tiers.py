@@ -37,12 +37,11 @@ import gc
 import os
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..common import command_line, median_of, print_header, quiet_logs, write_json
+from ..common import command_line, json_out, median_of, print_header, quiet_logs, write_json
 
 N_BLOCKING = 3000
 N_ASYNC = 6000
@@ -217,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=12, help="alternating rounds (default 12)")
     ap.add_argument("--device", action="store_true", help="a real device, not the null one")
     ap.add_argument("--quick", action="store_true", help="2 rounds of a tenth of the calls")
-    ap.add_argument("--json", type=Path, default=None, help="write results here")
+    ap.add_argument("--json", type=json_out, default=None, help="write results here")
     args = ap.parse_args(argv)
     quiet_logs()
     from ..common import gather_setup

@@ -70,6 +70,7 @@ from ..common import (
     fmt_us,
     gather_setup,
     iterations_for,
+    json_out,
     markdown_table,
     median,
     parse_sizes,
@@ -774,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"sizes {QUICK_SIZES}, 1 repeat, 1 MiB per run (a smoke test)",
     )
-    ap.add_argument("--json", type=Path, default=None, help="write results here")
+    ap.add_argument("--json", type=json_out, default=None, help="write results here")
     ap.add_argument("--pong-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     quiet_logs()

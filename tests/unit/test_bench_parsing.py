@@ -462,3 +462,16 @@ def test_the_report_copied_into_the_docs_names_no_commit() -> None:
     assert "0123456789ab" in own
     assert "0123456789ab" not in docs and "commit" not in docs
     assert "Measured 2026-01-01 00:00:00 UTC on host" in docs
+
+
+def test_json_destination_is_checked_before_anything_is_measured(tmp_path: Path) -> None:
+    from benchmarks.drivers import kv
+
+    out = common.json_out(str(tmp_path / "new" / "kv.json"))
+    assert out == tmp_path / "new" / "kv.json" and (tmp_path / "new").is_dir()
+    assert common.json_out("-") == "-"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exc:  # argparse's usage error, before any run
+        kv.main(["--json", str(blocker / "kv.json"), "--quick"])
+    assert exc.value.code == 2
