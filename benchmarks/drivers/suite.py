@@ -49,6 +49,7 @@ from . import layer as bench_layer
 from . import overhead as bench_overhead
 from . import peers as bench_peers
 from . import transfer as bench_transfer
+from .transfer_diagnose import diagnosis_markdown
 
 SECTIONS = {
     "fair": ("bench_fair", "(a) Against the best C configuration, every byte checked"),
@@ -182,7 +183,7 @@ def _diagnosis_block(transfer: dict[str, Any]) -> str:
     if not diag:
         return ""
     out = [
-        bench_transfer.diagnosis_markdown(diag),
+        diagnosis_markdown(diag),
         "",
         "- Each row: `ib_write_bw`, the hixl put stream (at a 0.5 ms GIL switch interval, "
         "as an application may ask of the engine), the same at Python's own 5 ms "

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import common
 from benchmarks.backends import perftest
-from benchmarks.drivers import suite
+from benchmarks.drivers import suite, transfer_diagnose
 from benchmarks.drivers import transfer as bt
 from hixl.testbed import net
 
@@ -271,10 +271,10 @@ def _diagnosis_row(alt_key: str) -> dict[str, object]:
 
 
 def test_the_diagnosis_names_the_switch_interval_it_ran() -> None:
-    md = bt.diagnosis_markdown([_diagnosis_row("hixl_switch_5ms")])
+    md = transfer_diagnose.diagnosis_markdown([_diagnosis_row("hixl_switch_5ms")])
     assert "same, GIL switch 5 ms" in md and "1.25×" in md
     # a run from before the fix repeated the engine's 0.5 ms: it says so, not "5 ms"
-    old = bt.diagnosis_markdown([_diagnosis_row("hixl_switch_0.5ms")])
+    old = transfer_diagnose.diagnosis_markdown([_diagnosis_row("hixl_switch_0.5ms")])
     assert "same again" in old and "5 ms" not in old and "1.25×" in old
 
 
