@@ -51,7 +51,7 @@ wheel-check:
 ## plateau within the caches' written bounds.
 soak:
 	HIXL_SOAK_CYCLES=1000 HIXL_REQUIRE_RDMA=1 $(HIXL) run -- $(PY) -m pytest -p no:cacheprovider \
-		tests/rdma/test_adversarial.py -q -s -k clients_that_close
+		tests/rdma/test_adversarial_session.py -q -s -k clients_that_close
 	HIXL_PLATEAU_PHASES=40 $(PY) -m pytest -p no:cacheprovider tests/unit/test_memory_plateau.py -q -s
 
 ## test-hosts: two VMs, each with its own kernel and rxe, on one virtual wire (MTU 1500 and
