@@ -39,10 +39,12 @@ def _region(i: int, name_len: int = 128) -> RemoteRegion:
     )
 
 
-def _apply(frames: list[bytes], start: dict[tuple[int, int], RemoteRegion]) -> set[tuple[int, int]]:
+def _apply_all(
+    frames: list[bytes], start: dict[tuple[int, int], RemoteRegion], max_payload: int
+) -> set[tuple[int, int]]:
     held = dict(start)
     for f in frames:
-        msg = wire.decode(f, max_payload=wire.CONTROL_MAX_PAYLOAD)
+        msg = wire.decode(f, max_payload=max_payload)
         assert isinstance(msg, wire.Regions)
         for r in msg.remove:
             held.pop((r.rkey, r.addr), None)
@@ -61,7 +63,7 @@ def test_regions_frames_fit_a_control_frame_and_change_the_same(n_add: int, n_re
     whole = wire.encode(wire.Regions(add=add, remove=remove))
     assert (len(frames) == 1) == (len(whole) - HEADER_SIZE <= wire.CONTROL_MAX_PAYLOAD)
     start = {(r.rkey, r.addr): r for r in remove}
-    assert _apply(frames, start) == {(r.rkey, r.addr) for r in add}
+    assert _apply_all(frames, start, wire.CONTROL_MAX_PAYLOAD) == {(r.rkey, r.addr) for r in add}
 
 
 def test_regions_frames_a_region_too_large_alone_raises() -> None:
@@ -288,17 +290,3 @@ def test_regions_frames_are_packed_in_order_and_fit(
             if (this[0] in adds) == (after[0] in adds):  # the next region went to a new frame
                 grown = len(frame) - HEADER_SIZE + region_size(after[0])
                 assert grown > max_payload, (len(frame), region_size(after[0]))
-
-
-def _apply_all(
-    frames: list[bytes], start: dict[tuple[int, int], RemoteRegion], max_payload: int
-) -> set[tuple[int, int]]:
-    held = dict(start)
-    for f in frames:
-        msg = wire.decode(f, max_payload=max_payload)
-        assert isinstance(msg, wire.Regions)
-        for r in msg.remove:
-            held.pop((r.rkey, r.addr), None)
-        for r in msg.add:
-            held[(r.rkey, r.addr)] = r
-    return set(held)
