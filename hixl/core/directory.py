@@ -34,6 +34,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from hixl.core.checks import shown
 from hixl.core.wire import parse_engine_id
 
 __all__ = [
@@ -71,24 +72,19 @@ _INSTANCE_RE = re.compile(r"[0-9a-f]{16}")
 _KEYS = frozenset({"v", "name", "role", "engine", "gid", "mtu", "capacity", "instance"})
 
 
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def validate_name(name: object) -> str:
     """Return ``name`` if it is a valid registry name, else raise :class:`ValueError`.
 
     A name is 1..64 characters of ``A-Z a-z 0-9 . _ -``.
     """
     if not isinstance(name, str) or _NAME_RE.fullmatch(name) is None:
-        raise ValueError(f"registry name {_show(name)} must be 1..64 characters of A-Za-z0-9._-")
+        raise ValueError(f"registry name {shown(name)} must be 1..64 characters of A-Za-z0-9._-")
     return name
 
 
 def _int(what: str, value: object, low: int, high: int) -> int:
     if type(value) is not int:
-        raise ValueError(f"{what} must be an integer, got {_show(value)}")
+        raise ValueError(f"{what} must be an integer, got {shown(value)}")
     if not low <= value < high:
         raise ValueError(f"{what}={value} out of range [{low}, {high})")
     return value
@@ -96,11 +92,11 @@ def _int(what: str, value: object, low: int, high: int) -> int:
 
 def _gid(value: object) -> str:
     if not isinstance(value, str) or len(value) > 64:
-        raise ValueError(f"gid {_show(value)} must be an IPv6 address in text form")
+        raise ValueError(f"gid {shown(value)} must be an IPv6 address in text form")
     try:
         addr = ipaddress.IPv6Address(value)
     except ValueError as exc:
-        raise ValueError(f"gid {_show(value)} is not an IPv6 address: {exc}") from None
+        raise ValueError(f"gid {shown(value)} is not an IPv6 address: {exc}") from None
     return addr.exploded
 
 
@@ -124,9 +120,9 @@ class Announcement:
     def __post_init__(self) -> None:
         validate_name(self.name)
         if not isinstance(self.role, str) or _ROLE_RE.fullmatch(self.role) is None:
-            raise ValueError(f"role {_show(self.role)} must be 1..32 characters of A-Za-z0-9._-")
+            raise ValueError(f"role {shown(self.role)} must be 1..32 characters of A-Za-z0-9._-")
         if not isinstance(self.engine, str):
-            raise ValueError(f"engine id must be a str, got {_show(self.engine)}")
+            raise ValueError(f"engine id must be a str, got {shown(self.engine)}")
         _, port = parse_engine_id(self.engine)
         if port == 0 or "~" in self.engine:
             raise ValueError(
@@ -139,7 +135,7 @@ class Announcement:
             raise ValueError(f"mtu={mtu} must be one of {', '.join(map(str, MTUS))}")
         _int("capacity", self.capacity, 0, MAX_CAPACITY)
         if not isinstance(self.instance, str) or _INSTANCE_RE.fullmatch(self.instance) is None:
-            raise ValueError(f"instance {_show(self.instance)} must be 16 lowercase hex digits")
+            raise ValueError(f"instance {shown(self.instance)} must be 16 lowercase hex digits")
 
 
 def key_for(name: str) -> str:
@@ -150,7 +146,7 @@ def key_for(name: str) -> str:
 def name_from_key(key: str) -> str:
     """The name a key under :data:`PREFIX` stands for; :class:`ValueError` for any other key."""
     if not key.startswith(PREFIX):
-        raise ValueError(f"key {_show(key)} is not under {PREFIX}")
+        raise ValueError(f"key {shown(key)} is not under {PREFIX}")
     return validate_name(key[len(PREFIX) :])
 
 
@@ -197,13 +193,13 @@ def decode(key: str, value: bytes) -> Announcement:
     if not isinstance(doc, dict):
         raise ValueError(f"{key}: value must be a JSON object, got {type(doc).__name__}")
     if doc.get("v") != 1 or type(doc.get("v")) is not int:
-        raise ValueError(f"{key}: format version v={_show(doc.get('v'))}, this hixl reads 1")
+        raise ValueError(f"{key}: format version v={shown(doc.get('v'))}, this hixl reads 1")
     missing = sorted(_KEYS - doc.keys())
     extra = sorted(doc.keys() - _KEYS)
     if missing or extra:
         raise ValueError(f"{key}: value keys missing {missing}, unexpected {extra}")
     if doc["name"] != name:
-        raise ValueError(f"{key}: value names {_show(doc['name'])}, the key names {name!r}")
+        raise ValueError(f"{key}: value names {shown(doc['name'])}, the key names {name!r}")
     try:
         return Announcement(
             name=name,

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-import operator
 import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from hixl.core.checks import plain_int, shown
 from hixl.errors import HandshakeError
 
 __all__ = [
@@ -131,31 +131,18 @@ ERROR_CODES = frozenset(code.value for code in ErrorCode)
 # --------------------------------------------------------------------------- field checks
 
 
-def _show(value: object, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters: values come from untrusted peers."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _int(where: str, value: object, lo: int, hi: int) -> int:
     """``value`` as a plain int in ``[lo, hi]``; bool is refused, ``__index__`` accepted."""
-    if isinstance(value, bool):
-        raise HandshakeError(f"{where} must be an integer, got bool {value!r}")
-    try:
-        result = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise HandshakeError(
-            f"{where} must be an integer, got {type(value).__name__} {_show(value)}"
-        ) from None
+    result = plain_int(where, value, HandshakeError)
     if not lo <= result <= hi:
         raise HandshakeError(f"{where}={result} out of range [{lo}, {hi}]")
-    return int(result)
+    return result
 
 
 def _bytes(where: str, value: object, sizes: tuple[int, ...] | None, max_size: int = 0) -> bytes:
     """``value`` as bytes of one of ``sizes`` (or at most ``max_size`` when sizes is None)."""
     if not isinstance(value, bytes | bytearray | memoryview):
-        raise HandshakeError(f"{where} must be bytes, got {type(value).__name__} {_show(value)}")
+        raise HandshakeError(f"{where} must be bytes, got {type(value).__name__} {shown(value)}")
     result = bytes(value)
     if sizes is not None and len(result) not in sizes:
         allowed = " or ".join(str(s) for s in sizes)
@@ -171,7 +158,7 @@ def _text(where: str, value: object, lo: int, hi: int, *, multiline: bool = Fals
     Printable excludes lone surrogates, so every accepted string encodes as UTF-8.
     """
     if not isinstance(value, str):
-        raise HandshakeError(f"{where} must be a str, got {type(value).__name__} {_show(value)}")
+        raise HandshakeError(f"{where} must be a str, got {type(value).__name__} {shown(value)}")
     if not lo <= len(value) <= hi:
         raise HandshakeError(f"{where} has {len(value)} characters, allowed {lo}..{hi}")
     for i, ch in enumerate(value):
@@ -206,7 +193,7 @@ def parse_engine_id(text: str) -> tuple[str, int]:
     it into :class:`~hixl.errors.HandshakeError`.
     """
     if not isinstance(text, str):
-        raise ValueError(f"engine id must be a str, got {type(text).__name__} {_show(text)}")
+        raise ValueError(f"engine id must be a str, got {type(text).__name__} {shown(text)}")
     if len(text) > _MAX_ENGINE_ID:
         raise ValueError(f"engine id has {len(text)} characters, at most {_MAX_ENGINE_ID}")
     host, sep, rest = text.rpartition(":")
@@ -266,7 +253,7 @@ def parse_engine_id(text: str) -> tuple[str, int]:
 
 def _engine_id(where: str, value: object) -> str:
     if not isinstance(value, str):
-        raise HandshakeError(f"{where} must be a str, got {type(value).__name__} {_show(value)}")
+        raise HandshakeError(f"{where} must be a str, got {type(value).__name__} {shown(value)}")
     try:
         parse_engine_id(value)
     except ValueError as exc:
@@ -548,7 +535,7 @@ class Error:
     def __post_init__(self) -> None:
         if not isinstance(self.code, str) or self.code not in ERROR_CODES:
             raise HandshakeError(
-                f"Error.code={_show(self.code)} must be one of {', '.join(sorted(ERROR_CODES))}"
+                f"Error.code={shown(self.code)} must be one of {', '.join(sorted(ERROR_CODES))}"
             )
         _set(self, "code", ErrorCode(self.code))
         _set(

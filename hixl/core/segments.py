@@ -14,7 +14,6 @@ This module is pure: no I/O, no clock, no pyverbs.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NoReturn
@@ -22,6 +21,7 @@ from typing import NoReturn
 import numpy as np
 import numpy.typing as npt
 
+from hixl.core.checks import plain_int
 from hixl.errors import DescriptorError
 
 __all__ = [
@@ -51,14 +51,7 @@ MAX_SEGMENTS = 1 << 26
 def _int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
     """``value`` as a Python int (numpy integers accepted, bool and float refused), at
     least ``minimum`` and at most ``maximum`` (when given) and never above ``INT64_MAX``."""
-    if isinstance(value, bool | np.bool_):
-        raise DescriptorError(f"{name} must be an integer, got bool {value!r}")
-    try:
-        result = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise DescriptorError(
-            f"{name} must be an integer, got {type(value).__name__} {value!r}"
-        ) from None
+    result = plain_int(name, value, DescriptorError, (bool, np.bool_))
     if minimum is not None and result < minimum:
         raise DescriptorError(f"{name} must be >= {minimum}, got {result}")
     if maximum is not None and result > maximum:

@@ -76,6 +76,7 @@ import struct
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from hixl.core.checks import shown
 from hixl.core.messages import (
     _CLASSES,
     _U32_MAX,
@@ -109,7 +110,6 @@ from hixl.core.messages import (
     _new_object,
     _plain_region,
     _set_field,
-    _show,
     pack_lanes,
     parse_engine_id,
 )
@@ -361,7 +361,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result = {}
     for key, value in pairs:
         if key in result:
-            raise _Reject(f"key {_show(key)} appears twice in one object")
+            raise _Reject(f"key {shown(key)} appears twice in one object")
         result[key] = value
     return result
 
@@ -383,7 +383,7 @@ def _parse_json(where: str, payload: bytes) -> dict[str, Any]:
         raise HandshakeError(f"{where} payload is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise HandshakeError(
-            f"{where} payload must be a JSON object, got {type(obj).__name__} {_show(obj)}"
+            f"{where} payload must be a JSON object, got {type(obj).__name__} {shown(obj)}"
         )
     return obj
 
@@ -396,7 +396,7 @@ def _check_keys(where: str, obj: dict[str, Any], expected: tuple[str, ...]) -> N
         if missing:
             parts.append(f"missing keys {missing}")
         if extra:
-            parts.append(f"unexpected keys {_show(sorted(extra))}")
+            parts.append(f"unexpected keys {shown(sorted(extra))}")
         raise HandshakeError(f"{where}: {' and '.join(parts)}; expected exactly {list(expected)}")
 
 
@@ -404,7 +404,7 @@ def _wire_int(where: str, value: object) -> int:
     # JSON gives exact ints; bool is a subclass of int and must not pass.
     if type(value) is not int:
         raise HandshakeError(
-            f"{where} must be a JSON integer, got {type(value).__name__} {_show(value)}"
+            f"{where} must be a JSON integer, got {type(value).__name__} {shown(value)}"
         )
     return value
 
@@ -412,7 +412,7 @@ def _wire_int(where: str, value: object) -> int:
 def _wire_str(where: str, value: object) -> str:
     if type(value) is not str:
         raise HandshakeError(
-            f"{where} must be a JSON string, got {type(value).__name__} {_show(value)}"
+            f"{where} must be a JSON string, got {type(value).__name__} {shown(value)}"
         )
     return value
 
@@ -421,7 +421,7 @@ def _wire_bytes(where: str, value: object) -> bytes:
     text = _wire_str(where, value)
     if _HEX_RE.fullmatch(text) is None:
         raise HandshakeError(
-            f"{where} must be an even number of lowercase hex digits, got {_show(text)}"
+            f"{where} must be an even number of lowercase hex digits, got {shown(text)}"
         )
     return bytes.fromhex(text)
 
@@ -429,7 +429,7 @@ def _wire_bytes(where: str, value: object) -> bytes:
 def _wire_regions(where: str, value: object) -> tuple[RemoteRegion, ...]:
     if type(value) is not list:
         raise HandshakeError(
-            f"{where} must be a JSON array, got {type(value).__name__} {_show(value)}"
+            f"{where} must be a JSON array, got {type(value).__name__} {shown(value)}"
         )
     if len(value) > MAX_REGIONS:
         raise HandshakeError(f"{where} has {len(value)} regions, at most {MAX_REGIONS}")
@@ -455,7 +455,7 @@ def _wire_regions(where: str, value: object) -> tuple[RemoteRegion, ...]:
         at = f"{where}[{i}]"
         if type(item) is not dict:
             raise HandshakeError(
-                f"{at} must be a JSON object, got {type(item).__name__} {_show(item)}"
+                f"{at} must be a JSON object, got {type(item).__name__} {shown(item)}"
             )
         _check_keys(at, item, _REGION_KEYS)
         try:

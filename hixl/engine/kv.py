@@ -36,7 +36,7 @@ import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
@@ -446,8 +446,8 @@ class _RemoteKV:
     geometry: KVGeometry
     remotes: tuple[RemoteRegion, ...]  # the connection's tuple these were resolved from
     regions: tuple[RemoteRegion, ...]
-    keys: tuple[tuple[int, int], ...] = ()  # each region's (address, rkey)
-    access: int = 0  # the access every region grants
+    keys: tuple[tuple[int, int], ...] = field(init=False)  # each region's (address, rkey)
+    access: int = field(init=False)  # the access every region grants
 
     def __post_init__(self) -> None:
         self.keys = tuple((r.addr, r.rkey) for r in self.regions)
