@@ -53,7 +53,7 @@ def json_out(value: str) -> Path | str:
         ) from None
     if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(
-            f"cannot write {value}: not writable (inside `hixl run` the checkout is "
-            "read-only: write it under /tmp)"
+            f"cannot write {value}: not writable (inside `hixl run` only the directories "
+            "given with `hixl run --rwdir DIR` are writable: write it under one)"
         )
     return path
